@@ -1,0 +1,1 @@
+"""Integrations of agentmem with agent frameworks."""

@@ -1,0 +1,138 @@
+"""β-biased attention over a :class:`~agentmem.cache.SessionCache`, registered with transformers.
+
+The model runs without a transformers cache; every attention layer calls
+:func:`session_attention`, which writes the new keys and values into the session's layer
+buffer and attends over ``[compacted segments | raw tail | new tokens]``. Compacted rows get
+their β added to the logits *after* the ``1/√d`` scaling; padding slots get ``-inf``; new
+tokens see each other causally. With no compacted rows this is exactly scaled dot-product
+attention over the full sequence.
+
+Two ways to carry β, chosen by ``BetaMode``:
+
+- ``"mask"``: an additive float mask, which SDPA's math and memory-efficient kernels take.
+- ``"fold"``: β moved into an extra key dimension: ``q' = [q, 1]``, ``k' = [k, β/scale]``,
+  so ``scale·q'·k' = scale·q·k + β`` and no mask is needed for decoding, which is what fused
+  kernels (FlashAttention) require. Padding uses a large finite negative instead of ``-inf``
+  so half precision stays finite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from agentmem.cache import SessionCache
+from agentmem.errors import AgentMemError
+
+ATTENTION_NAME = "agentmem"
+BetaMode = Literal["mask", "fold"]
+# Most negative logit offset the fold path writes into a key (finite in fp16 and bf16).
+_FOLD_FLOOR = -3.0e4
+_FOLD_DIMS = 8  # extra key dimensions; keeps head_dim a multiple of 8 for fused kernels
+
+
+@dataclass
+class ForwardPass:
+    """What one model forward attends to; passed to the model as the ``agentmem_pass`` kwarg."""
+
+    cache: SessionCache
+    beta_mode: BetaMode = "mask"
+
+
+def session_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: ``query`` ``(1, Hq, n, d)``, ``key``/``value`` ``(1, Hkv, n, d)``."""
+    forward_pass: ForwardPass | None = kwargs.get("agentmem_pass")
+    if forward_pass is None:
+        raise AgentMemError("agentmem attention was called outside an Engine forward pass")
+    if query.shape[0] != 1:
+        raise AgentMemError("agentmem attention serves one sequence per forward pass")
+    layer = forward_pass.cache.layers[module.layer_idx]
+    keys, values = layer.stage(key[0], value[0])
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = biased_attention(query[0], keys, values, layer.bias, scale=scale, mode=forward_pass.beta_mode)
+    return out.transpose(0, 1).unsqueeze(0), None
+
+
+def biased_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    prefix_bias: torch.Tensor | None,
+    *,
+    scale: float,
+    mode: BetaMode = "mask",
+) -> torch.Tensor:
+    """Attention of ``n`` new queries over ``keys`` whose last ``n`` rows are the queries' own.
+
+    ``query`` is ``(Hq, n, d)``; ``keys``/``values`` ``(Hkv, L, d)``; ``prefix_bias``
+    ``(Hkv, P)`` is added to the logits of the first ``P`` slots. Returns ``(Hq, n, d)``.
+    Query heads of one GQA group are folded into the query axis, so keys are never repeated.
+    """
+    q_heads, n, d = query.shape
+    kv_heads, total, _ = keys.shape
+    group = q_heads // kv_heads
+    q = query.reshape(kv_heads, group * n, d)
+    if mode == "fold" and prefix_bias is not None:
+        q, keys, values = _fold_bias(q, keys, values, prefix_bias, scale)
+        prefix_bias = None
+    mask = _attention_mask(n, total, group, prefix_bias, q.dtype, q.device)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out[..., :d].reshape(q_heads, n, d)
+
+
+def _attention_mask(
+    n: int, total: int, group: int, prefix_bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """Mask for queries laid out ``(Hkv, group·n)``: causal among the new rows, β on the prefix."""
+    if n == 1 and prefix_bias is None:
+        return None
+    past = total - n
+    visible = torch.ones(n, total, dtype=torch.bool, device=device)
+    if n > 1:
+        visible[:, past:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    visible = visible.repeat(group, 1)
+    if prefix_bias is None:
+        return visible.unsqueeze(0)
+    mask = torch.zeros(prefix_bias.shape[0], group * n, total, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, float("-inf"))
+    mask[:, :, : prefix_bias.shape[1]] += prefix_bias.unsqueeze(1)
+    return mask
+
+
+def _fold_bias(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix_bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Append ``_FOLD_DIMS`` dimensions so that ``scale·q'·k'`` carries the bias (see module doc)."""
+    kv_heads, total, _ = keys.shape
+    q_extra = q.new_zeros(*q.shape[:-1], _FOLD_DIMS)
+    q_extra[..., 0] = 1.0
+    k_extra = keys.new_zeros(kv_heads, total, _FOLD_DIMS)
+    k_extra[:, : prefix_bias.shape[1], 0] = (prefix_bias / scale).clamp(min=_FOLD_FLOOR)
+    v_extra = values.new_zeros(kv_heads, total, _FOLD_DIMS)
+    return torch.cat([q, q_extra], -1), torch.cat([keys, k_extra], -1), torch.cat([values, v_extra], -1)
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """transformers mask hook: the session attention builds its own mask from the cache."""
+    return None
+
+
+def register() -> str:
+    """Register the attention function and its mask hook under ``ATTENTION_NAME`` (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, session_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME

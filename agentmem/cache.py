@@ -1,0 +1,353 @@
+"""The per-session KV cache: compacted segments plus one raw tail per layer.
+
+A layer holds, in order, zero or more *compacted segments* — rows that stand for a span of
+tokens, each KV head with its own row count and a bias β added to its attention logits — and
+one *raw tail* of ordinary keys and values. The canonical form of a segment is packed (head
+after head, no padding); :meth:`SessionCache.to_tensors` exports exactly that.
+
+For attention, each layer keeps one preallocated buffer laid out as
+``[segment 0 | segment 1 | ... | raw tail | spare capacity]`` along the sequence axis. A
+segment occupies ``max(head_rows)`` slots; a head with fewer rows has its unused slots masked
+by a bias of ``-inf``. New tokens are written into the spare capacity in place, so a decode
+step never copies the cache (transformers' ``DynamicCache`` concatenates every step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agentmem.errors import CorruptSessionError, InvalidInput
+
+CACHE_FORMAT_VERSION = 1
+_CAPACITY_QUANTUM = 256
+
+
+@dataclass(frozen=True)
+class CompactedSegment:
+    """Rows that replace the tokens ``span = (start, end)`` of one layer, packed per KV head.
+
+    ``keys``/``values`` are ``(R, head_dim)`` and ``beta`` is ``(R,)`` with
+    ``R = sum(head_rows)``: rows ``[sum(head_rows[:h]), sum(head_rows[:h+1]))`` belong to KV
+    head ``h``. Keys keep the RoPE rotation of the positions they came from.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    beta: torch.Tensor
+    head_rows: tuple[int, ...]
+    span: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        rows = sum(self.head_rows)
+        if self.keys.shape[0] != rows or self.values.shape[0] != rows or self.beta.shape != (rows,):
+            raise InvalidInput(
+                f"compacted segment rows disagree: head_rows sum to {rows}, keys "
+                f"{tuple(self.keys.shape)}, values {tuple(self.values.shape)}, beta {tuple(self.beta.shape)}"
+            )
+        if any(r < 0 for r in self.head_rows):
+            raise InvalidInput(f"negative row count in head_rows {self.head_rows}")
+        if not 0 <= self.span[0] <= self.span[1]:
+            raise InvalidInput(f"invalid span {self.span}")
+
+    @property
+    def width(self) -> int:
+        """Slots the segment takes in the attention buffer: its longest head."""
+        return max(self.head_rows, default=0)
+
+    def head_slice(self, head: int) -> slice:
+        start = sum(self.head_rows[:head])
+        return slice(start, start + self.head_rows[head])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.beta))
+
+
+class LayerCache:
+    """One decoder layer's rows in an attention-ready buffer; see the module docstring."""
+
+    def __init__(
+        self,
+        segments: list[CompactedSegment],
+        tail_keys: torch.Tensor,
+        tail_values: torch.Tensor,
+        *,
+        spare: int = 0,
+    ) -> None:
+        if tail_keys.dim() != 3 or tail_keys.shape != tail_values.shape:
+            raise InvalidInput(
+                f"tail keys {tuple(tail_keys.shape)} and values {tuple(tail_values.shape)} must both be "
+                "(kv_heads, tokens, head_dim)"
+            )
+        heads, tail_len, head_dim = tail_keys.shape
+        for seg in segments:
+            if len(seg.head_rows) != heads or seg.keys.shape[-1] != head_dim:
+                raise InvalidInput(
+                    f"segment with {len(seg.head_rows)} heads x {seg.keys.shape[-1]} dims does not fit a "
+                    f"layer of {heads} heads x {head_dim} dims"
+                )
+        self.segments: tuple[CompactedSegment, ...] = tuple(segments)
+        self.prefix_length = sum(seg.width for seg in segments)
+        dtype, device = tail_keys.dtype, tail_keys.device
+        capacity = _round_up(self.prefix_length + tail_len + spare)
+        self._keys = torch.zeros(heads, capacity, head_dim, dtype=dtype, device=device)
+        self._values = torch.zeros_like(self._keys)
+        # Additive logit bias of the prefix slots: β for real rows, -inf for padding.
+        self.bias: torch.Tensor | None = None
+        if self.prefix_length:
+            self.bias = torch.full((heads, self.prefix_length), -math.inf, dtype=dtype, device=device)
+        offset = 0
+        for seg in segments:
+            for h in range(heads):
+                rows = seg.head_slice(h)
+                n = seg.head_rows[h]
+                self._keys[h, offset : offset + n] = seg.keys[rows].to(dtype)
+                self._values[h, offset : offset + n] = seg.values[rows].to(dtype)
+                self.bias[h, offset : offset + n] = seg.beta[rows].to(dtype)
+            offset += seg.width
+        self._keys[:, offset : offset + tail_len] = tail_keys
+        self._values[:, offset : offset + tail_len] = tail_values
+        self.tail_length = tail_len
+
+    @property
+    def num_heads(self) -> int:
+        return self._keys.shape[0]
+
+    @property
+    def length(self) -> int:
+        """Occupied slots: padded prefix plus raw tail."""
+        return self.prefix_length + self.tail_length
+
+    @property
+    def tail_keys(self) -> torch.Tensor:
+        return self._keys[:, self.prefix_length : self.length]
+
+    @property
+    def tail_values(self) -> torch.Tensor:
+        return self._values[:, self.prefix_length : self.length]
+
+    @property
+    def rows_per_head(self) -> list[int]:
+        """Real (unpadded) rows each KV head attends to."""
+        return [sum(seg.head_rows[h] for seg in self.segments) + self.tail_length for h in range(self.num_heads)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of real rows, as stored packed: keys, values and β of segments, plus the tail."""
+        tail = 2 * self.tail_length * self.num_heads * self._keys.shape[-1] * self._keys.element_size()
+        return tail + sum(seg.nbytes for seg in self.segments)
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Bytes actually held by the attention buffer, padding and spare capacity included."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return 2 * self._keys.numel() * self._keys.element_size() + bias
+
+    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new ``(heads, n, head_dim)`` rows after the tail without committing them.
+
+        Returns views of every occupied slot plus the new rows, ready for attention. The rows
+        become part of the cache only through :meth:`commit`, so a read-only pass (scoring)
+        leaves the cache as it was.
+        """
+        n = keys.shape[-2]
+        end = self.length + n
+        if end > self._keys.shape[1]:
+            self._grow(end)
+        self._keys[:, self.length : end] = keys
+        self._values[:, self.length : end] = values
+        return self._keys[:, :end], self._values[:, :end]
+
+    def commit(self, n: int) -> None:
+        self.tail_length += n
+
+    def _grow(self, needed: int) -> None:
+        capacity = _round_up(max(needed, 2 * self._keys.shape[1]))
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], capacity, old.shape[2])
+            new[:, : self.length] = old[:, : self.length]
+            setattr(self, name, new)
+
+    def clone(self) -> LayerCache:
+        return LayerCache(list(self.segments), self.tail_keys.clone(), self.tail_values.clone())
+
+
+class SessionCache:
+    """A session's KV cache across all layers plus its append-only token log.
+
+    ``logical_length`` counts every token ever read (the next token's RoPE position);
+    ``physical_length`` counts the rows actually kept, averaged over layers and KV heads and
+    rounded up, so an uncompacted cache has ``physical_length == logical_length``.
+    """
+
+    def __init__(self, layers: list[LayerCache], token_ids: list[int], fingerprint: str) -> None:
+        if not layers:
+            raise InvalidInput("a session cache needs at least one layer")
+        self.layers = layers
+        self._token_ids = list(token_ids)
+        self.fingerprint = fingerprint
+
+    @classmethod
+    def empty(
+        cls,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        fingerprint: str,
+    ) -> SessionCache:
+        empty_rows = torch.zeros(num_kv_heads, 0, head_dim, dtype=dtype, device=device)
+        layers = [LayerCache([], empty_rows, empty_rows) for _ in range(num_layers)]
+        return cls(layers, [], fingerprint)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._token_ids)
+
+    @property
+    def logical_length(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def physical_length(self) -> int:
+        rows = sum(sum(layer.rows_per_head) for layer in self.layers)
+        return math.ceil(rows / (len(self.layers) * self.num_kv_heads))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def allocated_nbytes(self) -> int:
+        return sum(layer.allocated_nbytes for layer in self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[0].num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].tail_keys.shape[-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].tail_keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].tail_keys.device
+
+    @property
+    def is_compacted(self) -> bool:
+        return any(layer.segments for layer in self.layers)
+
+    def extend_log(self, token_ids: list[int]) -> None:
+        """Record tokens whose rows every layer has just committed."""
+        self._token_ids.extend(token_ids)
+
+    def truncate(self, logical_length: int) -> None:
+        """Forget the tokens after ``logical_length``; they must all still be raw tail rows."""
+        drop = self.logical_length - logical_length
+        if drop < 0:
+            raise InvalidInput(f"cannot truncate a {self.logical_length}-token cache to {logical_length} tokens")
+        if any(layer.tail_length < drop for layer in self.layers):
+            raise InvalidInput(f"cannot drop {drop} tokens: some of them were compacted")
+        for layer in self.layers:
+            layer.tail_length -= drop
+        del self._token_ids[logical_length:]
+
+    def clone(self) -> SessionCache:
+        return SessionCache([layer.clone() for layer in self.layers], self._token_ids, self.fingerprint)
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Export as ``(tensors, meta)``: packed CPU tensors and a JSON-serialisable layout.
+
+        ``SessionCache.from_tensors(*cache.to_tensors())`` rebuilds the cache bit-exactly.
+        """
+        tensors: dict[str, torch.Tensor] = {
+            "token_ids": torch.tensor(self._token_ids, dtype=torch.int64),
+        }
+        layers_meta = []
+        for i, layer in enumerate(self.layers):
+            segments_meta = []
+            for j, seg in enumerate(layer.segments):
+                for part in ("keys", "values", "beta"):
+                    tensors[f"layers.{i}.segments.{j}.{part}"] = getattr(seg, part).detach().cpu().contiguous()
+                segments_meta.append({"head_rows": list(seg.head_rows), "span": list(seg.span)})
+            tensors[f"layers.{i}.tail.keys"] = layer.tail_keys.detach().cpu().contiguous()
+            tensors[f"layers.{i}.tail.values"] = layer.tail_values.detach().cpu().contiguous()
+            layers_meta.append({"segments": segments_meta, "tail_length": layer.tail_length})
+        meta = {
+            "format_version": CACHE_FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "logical_length": self.logical_length,
+            "layers": layers_meta,
+        }
+        return tensors, meta
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], *, device: torch.device | str = "cpu"
+    ) -> SessionCache:
+        """Rebuild a cache exported by :meth:`to_tensors`, checking that the two agree.
+
+        Raises :class:`CorruptSessionError` when a tensor is missing or its shape disagrees
+        with ``meta``; nothing is guessed.
+        """
+        try:
+            return cls._from_tensors(tensors, meta, device)
+        except CorruptSessionError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+            raise CorruptSessionError(f"cache tensors do not match their layout: {exc!r}") from exc
+
+    @classmethod
+    def _from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device) -> SessionCache:
+        if meta.get("format_version") != CACHE_FORMAT_VERSION:
+            raise CorruptSessionError(f"unknown cache format version {meta.get('format_version')!r}")
+        heads, head_dim = int(meta["num_kv_heads"]), int(meta["head_dim"])
+        token_ids = tensors["token_ids"]
+        if token_ids.dim() != 1 or token_ids.numel() != int(meta["logical_length"]):
+            raise CorruptSessionError("token log length disagrees with the logical length")
+        layers = []
+        for i, layer_meta in enumerate(meta["layers"]):
+            segments = []
+            for j, seg_meta in enumerate(layer_meta["segments"]):
+                head_rows = tuple(int(r) for r in seg_meta["head_rows"])
+                if len(head_rows) != heads:
+                    raise CorruptSessionError(f"layer {i} segment {j} has {len(head_rows)} heads, expected {heads}")
+                parts = {p: tensors[f"layers.{i}.segments.{j}.{p}"].to(device) for p in ("keys", "values", "beta")}
+                if parts["keys"].shape != (sum(head_rows), head_dim):
+                    raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
+                try:
+                    segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]), **parts))
+                except InvalidInput as exc:
+                    raise CorruptSessionError(f"layer {i} segment {j}: {exc}") from exc
+            tail_k = tensors[f"layers.{i}.tail.keys"].to(device)
+            tail_v = tensors[f"layers.{i}.tail.values"].to(device)
+            expected = (heads, int(layer_meta["tail_length"]), head_dim)
+            if tail_k.shape != expected or tail_v.shape != expected:
+                raise CorruptSessionError(f"layer {i} tail has shape {tuple(tail_k.shape)}, expected {expected}")
+            layers.append(LayerCache(segments, tail_k, tail_v))
+        if len(layers) != int(meta["num_layers"]):
+            raise CorruptSessionError(f"{len(layers)} layers stored, layout says {meta['num_layers']}")
+        return cls(layers, token_ids.tolist(), str(meta["fingerprint"]))
+
+
+def _round_up(n: int) -> int:
+    return max(_CAPACITY_QUANTUM, -(-n // _CAPACITY_QUANTUM) * _CAPACITY_QUANTUM)

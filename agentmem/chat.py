@@ -1,0 +1,90 @@
+"""Chat-template rendering that keeps message text apart from template control tokens.
+
+The template is rendered with a sentinel in place of each message's content. The text the
+template wrote itself (role headers, ``<|im_start|>`` …) is tokenised with special tokens
+recognised; message content is tokenised with special tokens *split*, so a user who types
+``<|im_end|>`` cannot close their own turn or forge a system message.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from agentmem.errors import InvalidInput, UnsupportedModel
+
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+_SENTINEL = "\ue000agentmem-content-{}\ue001"
+_SENTINEL_RE = re.compile("\ue000agentmem-content-(\\d+)\ue001")
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    """A run of rendered chat text; ``content`` pieces came from a message, others from the template."""
+
+    text: str
+    content: bool
+
+
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles and contents, returning plain dict copies."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InvalidInput("messages must be a list of {'role': ..., 'content': ...} mappings")
+    if not messages:
+        raise InvalidInput("messages is empty")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidInput(f"message {i} is a {type(message).__name__}, not a mapping")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise InvalidInput(f"message {i} has role {role!r}; expected one of {sorted(ROLES)}")
+        if not isinstance(content, str):
+            raise InvalidInput(f"message {i} content must be a string, not {type(content).__name__}")
+        checked.append(dict(message))
+    return checked
+
+
+def render_pieces(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool
+) -> list[TextPiece]:
+    """The templated conversation as alternating template and content pieces."""
+    checked = validate_messages(messages)
+    masked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(checked)]
+    rendered = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    pieces: list[TextPiece] = []
+    cursor = 0
+    seen = set()
+    for match in _SENTINEL_RE.finditer(rendered):
+        index = int(match.group(1))
+        seen.add(index)
+        pieces.append(TextPiece(rendered[cursor : match.start()], content=False))
+        pieces.append(TextPiece(checked[index]["content"], content=True))
+        cursor = match.end()
+    pieces.append(TextPiece(rendered[cursor:], content=False))
+    if seen != set(range(len(checked))):
+        raise UnsupportedModel("the chat template rewrites or drops message content; cannot tokenise it safely")
+    return [p for p in pieces if p.text]
+
+
+def tokenize_pieces(tokenizer: PreTrainedTokenizerBase, pieces: Sequence[TextPiece]) -> list[int]:
+    ids: list[int] = []
+    for piece in pieces:
+        ids.extend(tokenizer(piece.text, add_special_tokens=False, split_special_tokens=piece.content)["input_ids"])
+    return ids
+
+
+def cut_pieces(pieces: Sequence[TextPiece], chars: int) -> list[TextPiece]:
+    """The pieces after the first ``chars`` characters of their joined text."""
+    rest: list[TextPiece] = []
+    for piece in pieces:
+        if chars >= len(piece.text):
+            chars -= len(piece.text)
+            continue
+        rest.append(TextPiece(piece.text[chars:], piece.content))
+        chars = 0
+    return rest

@@ -1,0 +1,346 @@
+"""The session engine: exact prefill, scoring and generation over a :class:`SessionCache`.
+
+Every forward runs the Hugging Face model with the registered session attention
+(:mod:`agentmem.attention`) and explicit *logical* positions: after compaction the cache
+holds fewer rows than tokens read, and new tokens must still get the RoPE position they
+would have had in the full sequence.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from transformers import (
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from agentmem import attention
+from agentmem.attention import BetaMode, ForwardPass
+from agentmem.cache import SessionCache
+from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces
+from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
+from agentmem.models import (
+    EMBEDDED,
+    check_supported,
+    default_device,
+    default_dtype,
+    load_model,
+    model_fingerprint,
+)
+
+PREFILL_CHUNK = 512
+_LOGPROB_CHUNK = 256
+
+
+class Engine:
+    """A loaded model plus the operations sessions need; see :meth:`load`."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        beta_mode: BetaMode = "mask",
+        name: str | None = None,
+    ) -> None:
+        check_supported(model.config)
+        if model.config._attn_implementation != attention.ATTENTION_NAME:
+            model.set_attn_implementation(attention.register())
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.beta_mode: BetaMode = beta_mode
+        self.name = name or model.config._name_or_path or model.config.model_type
+        self.fingerprint = model_fingerprint(model)
+        cfg = model.config
+        self.num_layers: int = cfg.num_hidden_layers
+        self.num_heads: int = cfg.num_attention_heads
+        self.num_kv_heads: int = cfg.num_key_value_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size: int = cfg.vocab_size
+        self.max_context: int = cfg.max_position_embeddings
+        self.eos_token_ids: frozenset[int] = _eos_ids(model, tokenizer)
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike[str] = EMBEDDED,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        beta_mode: BetaMode = "mask",
+    ) -> Engine:
+        """Load ``"embedded"`` (SmolLM2-135M-Instruct) or a local Hugging Face model folder.
+
+        ``device`` defaults to CUDA when available, else CPU; ``dtype`` to fp32 on CPU and
+        bf16 elsewhere.
+        """
+        device = torch.device(device) if device is not None else default_device()
+        dtype = dtype or default_dtype(device)
+        hf_model, tokenizer = load_model(model, device=device, dtype=dtype, attn_implementation=attention.register())
+        return cls(hf_model, tokenizer, beta_mode=beta_mode, name=str(model))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def new_cache(self) -> SessionCache:
+        return SessionCache.empty(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            fingerprint=self.fingerprint,
+        )
+
+    # ----------------------------------------------------------------------------- reading
+
+    @torch.inference_mode()
+    def prefill(
+        self, token_ids: Sequence[int], cache: SessionCache | None = None, *, chunk_size: int = PREFILL_CHUNK
+    ) -> SessionCache:
+        """Read ``token_ids`` into ``cache`` (a new one if ``None``) at its logical positions.
+
+        Long inputs are read in chunks of ``chunk_size`` tokens, which bounds the attention
+        mask's memory; results equal a single pass to float rounding.
+        """
+        cache = self.new_cache() if cache is None else cache
+        ids = self._check_tokens(token_ids, cache)
+        for start in range(0, len(ids), chunk_size):
+            self._forward(cache, ids[start : start + chunk_size])
+        return cache
+
+    @torch.inference_mode()
+    def score(self, cache: SessionCache, token_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities ``(len(token_ids) - 1,)`` of ``token_ids[i]`` given the cache and ``token_ids[:i]``.
+
+        The tokens are read and then rolled back, so the cache is left as it was.
+        """
+        ids = self._check_tokens(token_ids, cache)
+        if len(ids) < 2:
+            raise InvalidInput("score needs at least two tokens (the first one is only context)")
+        mark = cache.logical_length
+        try:
+            hidden = [self._forward(cache, ids[s : s + PREFILL_CHUNK]) for s in range(0, len(ids), PREFILL_CHUNK)]
+        finally:
+            cache.truncate(mark)
+        states = torch.cat(hidden, dim=1)[0, :-1]
+        targets = torch.tensor(ids[1:], device=states.device)
+        head = self.model.get_output_embeddings()
+        out = []
+        for s in range(0, len(targets), _LOGPROB_CHUNK):
+            logits = head(states[s : s + _LOGPROB_CHUNK]).float()
+            out.append(logits.log_softmax(-1).gather(-1, targets[s : s + _LOGPROB_CHUNK, None])[:, 0])
+        return torch.cat(out)
+
+    # ---------------------------------------------------------------------------- writing
+
+    def generate(self, cache: SessionCache, prompt_ids: Sequence[int], **kwargs: Any) -> list[int]:
+        """Read ``prompt_ids`` then generate; returns the new tokens. See :meth:`stream`."""
+        return list(self.stream(cache, prompt_ids, **kwargs))
+
+    def stream(
+        self,
+        cache: SessionCache,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """Read ``prompt_ids`` into the cache, then yield generated tokens one by one.
+
+        Greedy when ``temperature == 0``; otherwise samples with transformers' temperature,
+        top-k and top-p warpers. Stops at an end-of-sequence token, after a ``stop`` string
+        appears in the decoded output, at ``max_new_tokens`` or at the model's context limit.
+        Every yielded token is in the cache when the iterator finishes (or is closed early).
+        """
+        self._check_sampling(max_new_tokens, temperature, top_p, top_k)
+        ids = self._check_tokens(prompt_ids, cache, reserve=0)
+        processors = _warpers(temperature, top_p, top_k)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        return self._decode_loop(cache, ids, max_new_tokens, processors, generator, list(stop or ()))
+
+    def _decode_loop(
+        self,
+        cache: SessionCache,
+        prompt: list[int],
+        max_new_tokens: int,
+        processors: LogitsProcessorList,
+        generator: torch.Generator | None,
+        stop: list[str],
+    ) -> Iterator[int]:
+        with torch.inference_mode():
+            for start in range(0, len(prompt) - 1, PREFILL_CHUNK):
+                self._forward(cache, prompt[start : min(start + PREFILL_CHUNK, len(prompt) - 1)])
+        pending = [prompt[-1]]  # read into the cache before the next sample (or at the end)
+        generated: list[int] = []
+        try:
+            while len(generated) < max_new_tokens and cache.logical_length + len(pending) < self.max_context:
+                with torch.inference_mode():
+                    hidden = self._forward(cache, pending)
+                    pending = []
+                    logits = self.model.get_output_embeddings()(hidden[0, -1:]).float()
+                    token = _sample(logits, processors, generated, generator)
+                generated.append(token)
+                pending = [token]
+                yield token
+                if token in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
+                    break
+        finally:
+            if pending and cache.logical_length + len(pending) <= self.max_context:
+                with torch.inference_mode():
+                    self._forward(cache, pending)
+
+    # ------------------------------------------------------------------------------ chat
+
+    def chat_delta(self, cache: SessionCache, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Tokens to append so the cache holds ``messages`` rendered by the chat template.
+
+        The cache's tokens are decoded (never re-tokenised) and compared with the rendered
+        conversation as text; only the unread rest is tokenised. A generation prompt is
+        added unless the last message is the assistant's. Raises :class:`HistoryDivergence`
+        if the conversation does not extend what the cache holds.
+        """
+        add_prompt = messages[-1].get("role") != "assistant" if messages else True
+        pieces = render_pieces(self.tokenizer, messages, add_generation_prompt=add_prompt)
+        held = cache.token_ids
+        held_text = self._decode(held)
+        rendered = "".join(p.text for p in pieces)
+        if not rendered.startswith(held_text):
+            common = _common_token_prefix(held, rendered, self._decode)
+            raise HistoryDivergence(
+                f"the conversation differs from the session after {common} of its {len(held)} tokens",
+                common_tokens=common,
+            )
+        return tokenize_pieces(self.tokenizer, cut_pieces(pieces, len(held_text)))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # --------------------------------------------------------------------------- internals
+
+    def _forward(self, cache: SessionCache, ids: list[int]) -> torch.Tensor:
+        """Run the decoder over ``ids`` at the cache's logical positions and commit them.
+
+        Returns the final hidden states ``(1, n, hidden)``. If the forward fails, nothing is
+        committed and the cache is unchanged.
+        """
+        start = cache.logical_length
+        input_ids = torch.tensor([ids], device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
+        out = self.model.base_model(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=False,
+            agentmem_pass=ForwardPass(cache, self.beta_mode),
+        )
+        for layer in cache.layers:
+            layer.commit(len(ids))
+        cache.extend_log(ids)
+        return out.last_hidden_state
+
+    def _check_tokens(self, token_ids: Sequence[int], cache: SessionCache | None, *, reserve: int = 0) -> list[int]:
+        if cache is not None:
+            self.check_cache(cache)
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.reshape(-1).tolist()
+        ids = list(token_ids)
+        if not ids:
+            raise InvalidInput("token list is empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidInput(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        used = cache.logical_length if cache is not None else 0
+        if used + len(ids) + reserve > self.max_context:
+            raise ContextOverflow(
+                f"{used} tokens in the session + {len(ids)} new exceed the model's context of {self.max_context}"
+            )
+        return ids
+
+    def check_cache(self, cache: SessionCache) -> None:
+        """Raise :class:`ModelMismatch` unless ``cache`` was made by this engine's model."""
+        if cache.fingerprint != self.fingerprint:
+            raise ModelMismatch(f"cache belongs to model {cache.fingerprint}, engine runs {self.fingerprint}")
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (self.num_layers, self.num_kv_heads, self.head_dim):
+            raise ModelMismatch("cache layout does not match the model's layers, KV heads or head size")
+
+    def _check_sampling(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidInput(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise InvalidInput(f"temperature must be >= 0, got {temperature!r}")
+        if not 0 < top_p <= 1:
+            raise InvalidInput(f"top_p must be in (0, 1], got {top_p!r}")
+        if not isinstance(top_k, int) or top_k < 0:
+            raise InvalidInput(f"top_k must be a non-negative integer, got {top_k!r}")
+
+
+def _warpers(temperature: float, top_p: float, top_k: int) -> LogitsProcessorList:
+    processors = LogitsProcessorList()
+    if temperature > 0:
+        processors.append(TemperatureLogitsWarper(temperature))
+        if top_k > 0:
+            processors.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+    return processors
+
+
+def _sample(
+    logits: torch.Tensor, processors: LogitsProcessorList, generated: list[int], generator: torch.Generator | None
+) -> int:
+    if not processors:
+        return int(logits.argmax(-1))
+    context = torch.tensor([generated], dtype=torch.long, device=logits.device)
+    scores = processors(context, logits)
+    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+
+
+def _hit_stop(tokenizer: PreTrainedTokenizerBase, generated: list[int], stop: list[str]) -> bool:
+    if not stop:
+        return False
+    longest = max(len(s) for s in stop)
+    # Decoding only the last tokens suffices: a stop string spans at most `longest` tokens.
+    tail = tokenizer.decode(generated[-longest - 1 :], skip_special_tokens=False)
+    return any(s in tail for s in stop)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _common_token_prefix(held: list[int], text: str, decode) -> int:
+    """Largest ``k`` such that the first ``k`` held tokens decode to a prefix of ``text``."""
+    lo, hi = 0, len(held)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(decode(held[:mid])):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

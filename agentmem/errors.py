@@ -1,0 +1,48 @@
+"""Typed errors of agentmem.
+
+Every error a caller can provoke derives from :class:`AgentMemError`, so one ``except``
+clause catches them all; the subclasses say what went wrong precisely enough to act on.
+Input errors also derive from :class:`ValueError` so generic callers keep working.
+"""
+
+from __future__ import annotations
+
+
+class AgentMemError(Exception):
+    """Base class of every error agentmem raises on purpose."""
+
+
+class InvalidInput(AgentMemError, ValueError):
+    """An argument is malformed: empty token list, out-of-vocabulary id, bad parameter."""
+
+
+class ContextOverflow(InvalidInput):
+    """The request would read past the model's maximum context length."""
+
+
+class ModelNotAvailable(AgentMemError):
+    """The requested model cannot be found or loaded from local files."""
+
+
+class UnsupportedModel(AgentMemError):
+    """The model's architecture or attention layout is one agentmem cannot serve exactly."""
+
+
+class ModelMismatch(AgentMemError):
+    """A cache or stored session was made by a different model than the one in use."""
+
+
+class HistoryDivergence(AgentMemError):
+    """A conversation passed in does not extend what the session cache already holds.
+
+    ``common_tokens`` is the length of the longest prefix of the cache's token log that the
+    new conversation still agrees with; a caller may re-read from there.
+    """
+
+    def __init__(self, message: str, *, common_tokens: int) -> None:
+        super().__init__(message)
+        self.common_tokens = common_tokens
+
+
+class CorruptSessionError(AgentMemError):
+    """Stored cache data is damaged or inconsistent and was not loaded."""

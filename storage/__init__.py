@@ -1,0 +1,1 @@
+"""Spill stores for session caches (SQLite, Redis, any SQLAlchemy URL)."""
