@@ -25,7 +25,7 @@ from transformers import (
 from agentmem import attention
 from agentmem.attention import BetaMode, ForwardPass
 from agentmem.cache import SessionCache
-from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces
+from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
 from agentmem.models import (
     EMBEDDED,
@@ -219,7 +219,8 @@ class Engine:
         added unless the last message is the assistant's. Raises :class:`HistoryDivergence`
         if the conversation does not extend what the cache holds.
         """
-        add_prompt = messages[-1].get("role") != "assistant" if messages else True
+        messages = validate_messages(messages)
+        add_prompt = messages[-1]["role"] != "assistant"
         pieces = render_pieces(self.tokenizer, messages, add_generation_prompt=add_prompt)
         held = cache.token_ids
         held_text = self._decode(held)
