@@ -90,8 +90,11 @@ def biased_attention(
         q, keys, values = _fold_bias(q, keys, values, prefix_bias, scale)
         prefix_bias = None
     mask = _attention_mask(n, total, group, prefix_bias, q.dtype, q.device)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    return out[..., :d].reshape(q_heads, n, d)
+    # 4-D inputs: with 3-D ones PyTorch's CPU dispatch falls back to the slow math kernel (3x).
+    out = F.scaled_dot_product_attention(
+        q[None], keys[None], values[None], attn_mask=None if mask is None else mask[None], scale=scale
+    )
+    return out[0, ..., :d].reshape(q_heads, n, d)
 
 
 def _attention_mask(
