@@ -46,3 +46,18 @@ class HistoryDivergence(AgentMemError):
 
 class CorruptSessionError(AgentMemError):
     """Stored cache data is damaged or inconsistent and was not loaded."""
+
+
+class SessionNotFound(AgentMemError, KeyError):
+    """No stored session has this (tenant, session id), or it expired."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class VersionConflict(AgentMemError):
+    """A compare-and-set write found a different version than the caller expected."""
+
+
+class StoreUnavailable(AgentMemError):
+    """The store (database file, server) cannot be reached or written right now."""

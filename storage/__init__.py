@@ -1,1 +1,49 @@
-"""Spill stores for session caches (SQLite, Redis, any SQLAlchemy URL)."""
+"""Spill stores for session caches, chosen by URL.
+
+- ``sqlite:///path/to/file.db`` — the embedded default (:func:`default_url`);
+- any other SQLAlchemy URL (``postgresql://…``) — the same SQL store;
+- ``redis://host:port/db`` or ``rediss://…`` — the Redis store (core commands only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agentmem.errors import InvalidInput
+from agentmem.home import agentmem_home
+from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
+from agentmem.storage.codec import STORAGE_DTYPES, decode_cache, encode_cache, read_header
+
+__all__ = [
+    "STORAGE_DTYPES",
+    "CacheStore",
+    "SessionPage",
+    "SessionRecord",
+    "SessionSummary",
+    "StoreUsage",
+    "decode_cache",
+    "default_url",
+    "encode_cache",
+    "open_store",
+    "read_header",
+]
+
+
+def default_url() -> str:
+    return f"sqlite:///{agentmem_home() / 'sessions.db'}"
+
+
+def open_store(url: str | None = None) -> CacheStore:
+    """Open the store at ``url`` (default: SQLite under ``$AGENTMEM_HOME``)."""
+    url = url or default_url()
+    if not isinstance(url, str) or "://" not in url and not url.startswith("sqlite:"):
+        raise InvalidInput(f"store URL {url!r} is not a URL; try sqlite:///path/sessions.db or redis://host:6379/0")
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from agentmem.storage.redis import RedisStore
+
+        return RedisStore(url)
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    from agentmem.storage.sql import SqlStore
+
+    return SqlStore(url)

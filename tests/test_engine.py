@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from agentmem import CompactedSegment, LayerCache, SessionCache
 from agentmem.errors import ContextOverflow, InvalidInput, ModelMismatch
 
-from conftest import reference_logprobs, reference_model
+from helpers import reference_logprobs, reference_model
 
 TOL = 1e-4
 

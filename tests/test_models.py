@@ -12,7 +12,7 @@ from transformers import GPT2Config
 from agentmem import Engine, models
 from agentmem.errors import ModelNotAvailable, UnsupportedModel
 
-from conftest import TINY, reference_logprobs, reference_model
+from helpers import TINY, reference_logprobs, reference_model
 
 
 def test_embedded_model_is_smollm2_and_reloads_fast(engine):

@@ -1,0 +1,113 @@
+"""What a store keeps for a session, and the store protocol the core programs against.
+
+The core never imports a concrete store: it calls ``agentmem.storage.open_store(url)`` and
+uses the :class:`CacheStore` protocol defined here.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentmem.errors import InvalidInput
+
+# Tenants may not contain ':' (the separator in store keys) nor braces (Redis hash tags).
+_TENANT_RE = re.compile(r"[A-Za-z0-9._@-]{1,128}")
+_SESSION_RE = re.compile(r"[A-Za-z0-9._@:+=/-]{1,256}")
+
+
+def check_tenant(tenant: str) -> str:
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+        raise InvalidInput(
+            f"invalid tenant {tenant!r}: 1-128 characters from letters, digits and . _ @ - (no wildcards)"
+        )
+    return tenant
+
+
+def check_session_id(session_id: str) -> str:
+    if not isinstance(session_id, str) or not _SESSION_RE.fullmatch(session_id):
+        raise InvalidInput(
+            f"invalid session id {session_id!r}: 1-256 characters from letters, digits and . _ @ : + = / -"
+        )
+    return session_id
+
+
+def check_record_key(tenant: str, session_id: str, record: SessionRecord) -> None:
+    """Refuse a write whose record names another tenant or session than its key."""
+    check_tenant(tenant)
+    check_session_id(session_id)
+    if (record.tenant, record.session_id) != (tenant, session_id):
+        raise InvalidInput(
+            f"record belongs to {record.tenant}/{record.session_id}, not {tenant}/{session_id}; refusing the write"
+        )
+
+
+class SessionRecord(BaseModel):
+    """One stored session: its metadata and its encoded cache (``blob``, see ``agentmem.storage.codec``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tenant: str
+    session_id: str
+    model_fingerprint: str
+    logical_length: int = Field(ge=0)
+    token_ids: list[int] = Field(default_factory=list)
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    policy: str | None = None
+    created_at: float = Field(default_factory=time.time)
+    updated_at: float = Field(default_factory=time.time)
+    version: int = Field(default=0, ge=0)
+    ttl_seconds: float | None = Field(default=None, gt=0)
+    blob: bytes = b""
+
+    @property
+    def expires_at(self) -> float | None:
+        return None if self.ttl_seconds is None else self.updated_at + self.ttl_seconds
+
+    def metadata_json(self) -> str:
+        """Every field but the blob and the version (which stores keep in their own columns)."""
+        return self.model_dump_json(exclude={"blob", "version"})
+
+
+class SessionSummary(BaseModel):
+    """A listing entry: what a session is, without its blob."""
+
+    tenant: str
+    session_id: str
+    version: int
+    logical_length: int
+    nbytes: int
+    updated_at: float
+    expires_at: float | None
+
+
+class SessionPage(BaseModel):
+    items: list[SessionSummary]
+    next_cursor: str | None = None
+
+
+class StoreUsage(BaseModel):
+    sessions: int
+    bytes: int
+
+
+@runtime_checkable
+class CacheStore(Protocol):
+    """A spill tier for session records, scoped by tenant.
+
+    ``put`` is compare-and-set: ``expected_version=None`` writes unconditionally, ``0`` only
+    if the session does not exist, ``n`` only if the stored version is ``n``; otherwise
+    :class:`~agentmem.errors.VersionConflict`. It returns the new version.
+    """
+
+    def put(self, tenant: str, session_id: str, record: SessionRecord, *, expected_version: int | None = None) -> int: ...
+    def get(self, tenant: str, session_id: str) -> SessionRecord: ...
+    def delete(self, tenant: str, session_id: str) -> bool: ...
+    def list(self, tenant: str, *, limit: int = 100, cursor: str | None = None) -> SessionPage: ...
+    def delete_tenant(self, tenant: str) -> int: ...
+    def usage(self, tenant: str) -> StoreUsage: ...
+    def prune(self, now: float | None = None) -> int: ...
+    def close(self) -> None: ...

@@ -1,0 +1,123 @@
+"""The blob format: exact or bounded round trips per dtype, and typed errors for damage."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentmem import CompactedSegment, Engine, LayerCache, SessionCache
+from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
+from agentmem.storage import decode_cache, encode_cache, read_header
+
+from helpers import tiny_model
+
+# Largest |decoded - original| relative to each tensor's largest magnitude, per storage dtype.
+TOLERANCE = {"fp16": 1e-3, "bf16": 8e-3, "int8": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def llama(tokenizer) -> Engine:
+    return Engine(tiny_model("llama"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def cache(llama) -> SessionCache:
+    """A cache with a packed segment (heads keep 3 and 5 rows) plus a raw tail."""
+    full = llama.prefill(list(range(100, 160)))
+    layers = []
+    for layer in full.layers:
+        rows = (3, 5)
+        keys = torch.cat([layer.tail_keys[h, : rows[h]] for h in range(2)])
+        values = torch.cat([layer.tail_values[h, : rows[h]] for h in range(2)])
+        seg = CompactedSegment(keys, values, torch.linspace(-2, 2, 8), rows, (0, 40))
+        layers.append(LayerCache([seg], layer.tail_keys[:, 40:], layer.tail_values[:, 40:]))
+    return SessionCache(layers, full.token_ids, full.fingerprint)
+
+
+def assert_close(original: SessionCache, decoded: SessionCache, rel: float) -> None:
+    a, meta_a = original.to_tensors()
+    b, meta_b = decoded.to_tensors()
+    assert meta_a == meta_b and a.keys() == b.keys()
+    for name in a:
+        if rel == 0 or not a[name].is_floating_point():
+            assert torch.equal(a[name], b[name]), name
+        else:
+            scale = a[name].abs().max().clamp(min=1e-6)
+            assert ((a[name] - b[name]).abs().max() / scale) <= rel, name
+
+
+def test_fp32_round_trip_is_bit_exact(cache, llama):
+    decoded = decode_cache(encode_cache(cache, dtype="fp32"), fingerprint=llama.fingerprint)
+    assert_close(cache, decoded, 0)
+    ids = list(range(300, 320))
+    assert torch.equal(llama.score(cache, ids), llama.score(decoded, ids))
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
+def test_lossy_dtypes_within_documented_tolerance(cache, dtype):
+    blob = encode_cache(cache, dtype=dtype)
+    assert read_header(blob)["storage_dtype"] == dtype
+    assert_close(cache, decode_cache(blob), TOLERANCE[dtype])
+
+
+def test_smaller_dtypes_make_smaller_blobs(cache):
+    sizes = {d: len(encode_cache(cache, dtype=d)) for d in ("fp32", "fp16", "int8")}
+    assert sizes["int8"] < sizes["fp16"] < sizes["fp32"]
+
+
+def test_flipped_byte_anywhere_in_payload_is_detected(cache):
+    blob = bytearray(encode_cache(cache, dtype="fp16"))
+    for position in (len(blob) // 2, len(blob) - 1):
+        damaged = bytearray(blob)
+        damaged[position] ^= 0x01
+        with pytest.raises(CorruptSessionError, match="checksum"):
+            decode_cache(bytes(damaged))
+
+
+def test_truncated_blob_is_detected(cache):
+    blob = encode_cache(cache)
+    for cut in (3, 10, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(CorruptSessionError):
+            decode_cache(blob[:cut])
+
+
+def test_wrong_model_is_refused(cache):
+    with pytest.raises(ModelMismatch, match="made by model"):
+        decode_cache(encode_cache(cache), fingerprint="llama-other-model")
+
+
+def test_header_edited_to_lie_is_detected(cache):
+    blob = encode_cache(cache)
+    (length,) = struct.unpack("<I", blob[4:8])
+    header = blob[8 : 8 + length].replace(b'"logical_length":60', b'"logical_length":61')
+    with pytest.raises(CorruptSessionError):
+        decode_cache(blob[:8] + header + blob[8 + length :])
+
+
+def test_unknown_storage_dtype_is_refused(cache):
+    with pytest.raises(InvalidInput, match="storage dtype"):
+        encode_cache(cache, dtype="fp8")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=2048))
+def test_garbage_never_crashes_with_foreign_errors(data):
+    with pytest.raises(AgentMemError):
+        decode_cache(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_mutated_real_blobs_only_raise_our_errors(cache, data):
+    blob = bytearray(encode_cache(cache, dtype="int8"))
+    for _ in range(data.draw(st.integers(1, 4))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(blob)))
+    try:
+        decode_cache(bytes(blob[:cut]))
+    except AgentMemError:
+        pass

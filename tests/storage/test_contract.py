@@ -1,0 +1,128 @@
+"""One contract, every store: SQLite on disk and a real redis-server."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from agentmem.errors import InvalidInput, SessionNotFound, VersionConflict
+from agentmem.record import CacheStore, SessionRecord
+from agentmem.storage import open_store
+
+
+def record(tenant: str, session_id: str, blob: bytes = b"blob", **fields) -> SessionRecord:
+    return SessionRecord(
+        tenant=tenant, session_id=session_id, model_fingerprint="llama-test", logical_length=len(blob),
+        token_ids=list(range(len(blob))), messages=[{"role": "user", "content": "hi"}], policy="default",
+        blob=blob, **fields,
+    )
+
+
+@pytest.fixture
+def store(store_url) -> CacheStore:
+    s = open_store(store_url)
+    yield s
+    s.close()
+
+
+def test_put_get_round_trip_and_versions(store):
+    assert isinstance(store, CacheStore)
+    first = record("acme", "s1", b"\x00\x01" * 1000)
+    assert store.put("acme", "s1", first) == 1
+    got = store.get("acme", "s1")
+    assert got.blob == first.blob and got.version == 1
+    assert got.model_dump(exclude={"version"}) == first.model_dump(exclude={"version"})
+    assert store.put("acme", "s1", record("acme", "s1", b"v2"), expected_version=1) == 2
+    assert store.get("acme", "s1").blob == b"v2"
+
+
+def test_large_blob_is_chunked_and_exact(store):
+    blob = bytes(range(256)) * (40 * 2**20 // 256 // 2)  # 20 MiB: several Redis chunks
+    store.put("acme", "big", record("acme", "big", blob))
+    assert store.get("acme", "big").blob == blob
+    store.put("acme", "big", record("acme", "big", b"small"))
+    assert store.get("acme", "big").blob == b"small"
+
+
+def test_compare_and_set_conflicts(store):
+    store.put("acme", "s1", record("acme", "s1"), expected_version=0)
+    with pytest.raises(VersionConflict):
+        store.put("acme", "s1", record("acme", "s1"), expected_version=0)
+    with pytest.raises(VersionConflict):
+        store.put("acme", "s1", record("acme", "s1", b"lost"), expected_version=5)
+    assert store.get("acme", "s1").blob == b"blob"  # the refused writes changed nothing
+    assert store.put("acme", "s1", record("acme", "s1")) == 2  # no expectation: last writer wins
+
+
+def test_missing_session(store):
+    with pytest.raises(SessionNotFound):
+        store.get("acme", "nope")
+    assert store.delete("acme", "nope") is False
+
+
+def test_tenants_are_isolated(store):
+    store.put("acme", "shared-id", record("acme", "shared-id", b"acme data"))
+    store.put("globex", "shared-id", record("globex", "shared-id", b"globex data"))
+    assert store.get("acme", "shared-id").blob == b"acme data"
+    assert store.get("globex", "shared-id").blob == b"globex data"
+    assert [i.session_id for i in store.list("globex").items] == ["shared-id"]
+    store.delete("acme", "shared-id")
+    assert store.get("globex", "shared-id").blob == b"globex data"
+    with pytest.raises(InvalidInput, match="refusing"):
+        store.put("acme", "x", record("globex", "x"))  # a record may not be filed under another tenant
+
+
+@pytest.mark.parametrize("tenant", ["", "*", "acme:evil", "{acme}", "a b", "%", None])
+def test_wildcards_and_separators_in_tenant_are_refused(store, tenant):
+    for call in (lambda: store.get(tenant, "s"), lambda: store.list(tenant), lambda: store.delete_tenant(tenant)):
+        with pytest.raises(InvalidInput):
+            call()
+
+
+def test_listing_paginates_in_order(store):
+    ids = [f"s{i:03d}" for i in range(25)]
+    for sid in reversed(ids):
+        store.put("acme", sid, record("acme", sid))
+    store.put("other", "s999", record("other", "s999"))
+    seen, cursor = [], None
+    while True:
+        page = store.list("acme", limit=10, cursor=cursor)
+        seen += [item.session_id for item in page.items]
+        assert len(page.items) <= 10
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    assert seen == ids
+
+
+def test_delete_tenant_and_usage(store):
+    for sid in ("a", "b", "c"):
+        store.put("acme", sid, record("acme", sid, b"x" * 100))
+    store.put("globex", "a", record("globex", "a", b"y" * 7))
+    usage = store.usage("acme")
+    assert (usage.sessions, usage.bytes) == (3, 300)
+    assert store.delete_tenant("acme") == 3
+    assert store.usage("acme").sessions == 0 and store.list("acme").items == []
+    assert store.usage("globex").bytes == 7
+
+
+def test_ttl_expiry_and_prune(store):
+    now = time.time()
+    store.put("acme", "old", record("acme", "old", updated_at=now - 100, ttl_seconds=50))
+    store.put("acme", "fresh", record("acme", "fresh", updated_at=now, ttl_seconds=3600))
+    store.put("acme", "forever", record("acme", "forever"))
+    with pytest.raises(SessionNotFound):
+        store.get("acme", "old")
+    assert [i.session_id for i in store.list("acme").items] == ["forever", "fresh"]
+    assert store.prune(now=now + 7200) >= 1  # "fresh" expires by then; "old" may already be gone
+    assert [i.session_id for i in store.list("acme").items] == ["forever"]
+
+
+def test_store_reopens_with_data(store_url):
+    first = open_store(store_url)
+    first.put("acme", "s1", record("acme", "s1", b"persisted"))
+    first.close()
+    again = open_store(store_url)
+    assert again.get("acme", "s1").blob == b"persisted"
+    again.close()
