@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 from pydoc_data.topics import topics
-from transformers import GPT2Config
+from transformers import GPT2Config, MistralConfig
 
 from agentmem import Engine, models
 from agentmem.errors import ModelNotAvailable, UnsupportedModel
 
-from helpers import TINY, reference_logprobs, reference_model
+from helpers import TINY, reference_logprobs, reference_model, tiny_model
 
 
 def test_embedded_model_is_smollm2_and_reloads_fast(engine):
@@ -59,8 +59,6 @@ def test_unknown_folder_is_refused_without_download(tmp_path):
 
 
 def test_local_folder_loads(tmp_path, tokenizer):
-    from conftest import tiny_model
-
     tiny_model("qwen3").save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     engine = Engine.load(str(tmp_path), device="cpu")
@@ -71,7 +69,5 @@ def test_local_folder_loads(tmp_path, tokenizer):
 def test_unsupported_architectures_are_refused():
     with pytest.raises(UnsupportedModel, match="gpt2"):
         models.check_supported(GPT2Config())
-    from transformers import MistralConfig
-
     with pytest.raises(UnsupportedModel, match="sliding-window"):
         models.check_supported(MistralConfig(**TINY, sliding_window=128))
