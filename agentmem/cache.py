@@ -77,7 +77,9 @@ class LayerCache:
         tail_values: torch.Tensor,
         *,
         spare: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> None:
+        """``dtype`` (default: the tail's) is the buffer's; inputs are converted while copied in."""
         if tail_keys.dim() != 3 or tail_keys.shape != tail_values.shape:
             raise InvalidInput(
                 f"tail keys {tuple(tail_keys.shape)} and values {tuple(tail_values.shape)} must both be "
@@ -92,14 +94,18 @@ class LayerCache:
                 )
         self.segments: tuple[CompactedSegment, ...] = tuple(segments)
         self.prefix_length = sum(seg.width for seg in segments)
-        dtype, device = tail_keys.dtype, tail_keys.device
+        dtype, device = dtype or tail_keys.dtype, tail_keys.device
         capacity = _round_up(self.prefix_length + tail_len + spare)
-        self._keys = torch.zeros(heads, capacity, head_dim, dtype=dtype, device=device)
-        self._values = torch.zeros_like(self._keys)
+        # Uninitialised: every slot attention reads is written below or by stage().
+        self._keys = torch.empty(heads, capacity, head_dim, dtype=dtype, device=device)
+        self._values = torch.empty_like(self._keys)
         # Additive logit bias of the prefix slots: β for real rows, -inf for padding.
         self.bias: torch.Tensor | None = None
         if self.prefix_length:
             self.bias = torch.full((heads, self.prefix_length), -math.inf, dtype=dtype, device=device)
+            # Padding slots get weight 0, but 0 * NaN garbage would still poison the output.
+            self._keys[:, : self.prefix_length].zero_()
+            self._values[:, : self.prefix_length].zero_()
         offset = 0
         for seg in segments:
             for h in range(heads):
@@ -169,7 +175,7 @@ class LayerCache:
         capacity = _round_up(max(needed, 2 * self._keys.shape[1]))
         for name in ("_keys", "_values"):
             old = getattr(self, name)
-            new = old.new_zeros(old.shape[0], capacity, old.shape[2])
+            new = old.new_empty(old.shape[0], capacity, old.shape[2])
             new[:, : self.length] = old[:, : self.length]
             setattr(self, name, new)
 
@@ -302,22 +308,28 @@ class SessionCache:
 
     @classmethod
     def from_tensors(
-        cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], *, device: torch.device | str = "cpu"
+        cls,
+        tensors: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
     ) -> SessionCache:
         """Rebuild a cache exported by :meth:`to_tensors`, checking that the two agree.
 
+        ``dtype`` (default: as exported) converts the rows while they are copied into place.
         Raises :class:`CorruptSessionError` when a tensor is missing or its shape disagrees
         with ``meta``; nothing is guessed.
         """
         try:
-            return cls._from_tensors(tensors, meta, device)
+            return cls._from_tensors(tensors, meta, device, dtype)
         except CorruptSessionError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
             raise CorruptSessionError(f"cache tensors do not match their layout: {exc!r}") from exc
 
     @classmethod
-    def _from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device) -> SessionCache:
+    def _from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device, dtype) -> SessionCache:
         if meta.get("format_version") != CACHE_FORMAT_VERSION:
             raise CorruptSessionError(f"unknown cache format version {meta.get('format_version')!r}")
         heads, head_dim = int(meta["num_kv_heads"]), int(meta["head_dim"])
@@ -331,19 +343,22 @@ class SessionCache:
                 head_rows = tuple(int(r) for r in seg_meta["head_rows"])
                 if len(head_rows) != heads:
                     raise CorruptSessionError(f"layer {i} segment {j} has {len(head_rows)} heads, expected {heads}")
-                parts = {p: tensors[f"layers.{i}.segments.{j}.{p}"].to(device) for p in ("keys", "values", "beta")}
+                parts = {
+                    p: tensors[f"layers.{i}.segments.{j}.{p}"].to(device=device, dtype=dtype)
+                    for p in ("keys", "values", "beta")
+                }
                 if parts["keys"].shape != (sum(head_rows), head_dim):
                     raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
                 try:
                     segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]), **parts))
                 except InvalidInput as exc:
                     raise CorruptSessionError(f"layer {i} segment {j}: {exc}") from exc
-            tail_k = tensors[f"layers.{i}.tail.keys"].to(device)
+            tail_k = tensors[f"layers.{i}.tail.keys"].to(device)  # converted to dtype by LayerCache's copy
             tail_v = tensors[f"layers.{i}.tail.values"].to(device)
             expected = (heads, int(layer_meta["tail_length"]), head_dim)
             if tail_k.shape != expected or tail_v.shape != expected:
                 raise CorruptSessionError(f"layer {i} tail has shape {tuple(tail_k.shape)}, expected {expected}")
-            layers.append(LayerCache(segments, tail_k, tail_v))
+            layers.append(LayerCache(segments, tail_k, tail_v, dtype=dtype))
         if len(layers) != int(meta["num_layers"]):
             raise CorruptSessionError(f"{len(layers)} layers stored, layout says {meta['num_layers']}")
         return cls(layers, token_ids.tolist(), str(meta["fingerprint"]))

@@ -187,10 +187,11 @@ class Engine:
         generator: torch.Generator | None,
         stop: list[str],
     ) -> Iterator[int]:
+        last_chunk = (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
         with torch.inference_mode():
-            for start in range(0, len(prompt) - 1, PREFILL_CHUNK):
-                self._forward(cache, prompt[start : min(start + PREFILL_CHUNK, len(prompt) - 1)])
-        pending = [prompt[-1]]  # read into the cache before the next sample (or at the end)
+            for start in range(0, last_chunk, PREFILL_CHUNK):
+                self._forward(cache, prompt[start : start + PREFILL_CHUNK])
+        pending = prompt[last_chunk:]  # read just before the next sample (or at the end)
         generated: list[int] = []
         try:
             while len(generated) < max_new_tokens and cache.logical_length + len(pending) < self.max_context:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -112,20 +113,34 @@ def decode_cache(
             raise CorruptSessionError(
                 f"session payload is {len(payload)} bytes, header says {header.get('payload_bytes')}: truncated"
             )
-        if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
-            raise CorruptSessionError("session payload checksum mismatch: the stored bytes are damaged")
-        target = dtype or getattr(torch, str(header["cache_dtype"]))
-        if not isinstance(target, torch.dtype) or not target.is_floating_point:
-            raise CorruptSessionError(f"invalid cache dtype {header['cache_dtype']!r}")
-        tensors = _restore(st_load(bytes(payload)), target)
-        layout = header["layout"]
-        if not isinstance(layout, dict) or layout.get("fingerprint") != header["fingerprint"]:
-            raise CorruptSessionError("session layout disagrees with its header")
-        return SessionCache.from_tensors(tensors, layout, device=device)
+        # hashlib releases the GIL: hash on another core while the tensors are parsed and
+        # copied into place, and return the cache only once the checksum has matched.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            digest = pool.submit(lambda: hashlib.sha256(payload).hexdigest())
+            try:
+                cache = _build(header, payload, device, dtype)
+            except Exception:
+                if digest.result() != header.get("payload_sha256"):
+                    raise CorruptSessionError("session payload checksum mismatch: the stored bytes are damaged")
+                raise
+            if digest.result() != header.get("payload_sha256"):
+                raise CorruptSessionError("session payload checksum mismatch: the stored bytes are damaged")
+        return cache
     except AgentMemError:
         raise
     except Exception as exc:  # any parser failure on damaged bytes becomes our typed error
         raise CorruptSessionError(f"session blob could not be decoded: {exc!r}") from exc
+
+
+def _build(header: dict[str, Any], payload: memoryview, device, dtype: torch.dtype | None) -> SessionCache:
+    target = dtype or getattr(torch, str(header["cache_dtype"]))
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        raise CorruptSessionError(f"invalid cache dtype {header['cache_dtype']!r}")
+    layout = header["layout"]
+    if not isinstance(layout, dict) or layout.get("fingerprint") != header["fingerprint"]:
+        raise CorruptSessionError("session layout disagrees with its header")
+    tensors = _dequantize(st_load(bytes(payload)))
+    return SessionCache.from_tensors(tensors, layout, device=device, dtype=target)
 
 
 def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,12 +152,13 @@ def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).round().clamp(-127, 127).to(torch.int8), scale
 
 
-def _restore(stored: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _dequantize(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """int8 tensors back to fp32 with their scales; others as stored (cast later, while copied)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in stored.items():
         if name.endswith(_SCALE_SUFFIX):
             continue
         if tensor.dtype == torch.int8:
             tensor = tensor.to(torch.float32) * stored[name + _SCALE_SUFFIX]
-        tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        tensors[name] = tensor
     return tensors

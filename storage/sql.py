@@ -43,8 +43,8 @@ from agentmem.record import (
     check_tenant,
 )
 
-SCHEMA_VERSION = 1
 BUSY_TIMEOUT_MS = 10_000
+_WRITE = "agentmem_write"  # execution option marking a write transaction
 
 metadata = MetaData()
 schema_table = Table("agentmem_schema", metadata, Column("version", Integer, nullable=False))
@@ -78,6 +78,7 @@ class SqlStore:
         self.url = url
         try:
             self._engine = self._make_engine(url)
+            self._writer = self._engine.execution_options(**{_WRITE: True})
             self._migrate()
         except SQLAlchemyError as exc:
             raise StoreUnavailable(f"cannot open SQL store {_redact(url)}: {exc.__class__.__name__}: {exc}") from exc
@@ -99,12 +100,14 @@ class SqlStore:
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # Writers take the lock up front (queueing on busy_timeout instead of failing on
+            # upgrade); readers stay deferred so WAL lets them run beside a writer.
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
 
         return engine
 
     def _migrate(self) -> None:
-        with self._engine.begin() as conn:
+        with self._writer.begin() as conn:
             metadata.create_all(conn, tables=[schema_table])
             current = conn.execute(select(func.max(schema_table.c.version))).scalar() or 0
             if current > len(MIGRATIONS):
@@ -205,7 +208,7 @@ class SqlStore:
     # -------------------------------------------------------------------------- internals
 
     def _transaction(self):
-        return _Guard(self._engine.begin, self.url)
+        return _Guard(self._writer.begin, self.url)
 
     def _connection(self):
         return _Guard(self._engine.connect, self.url)
