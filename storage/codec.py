@@ -1,10 +1,11 @@
-"""The stored form of a session cache: a checked header in front of safetensors bytes.
+"""The stored form of a session cache: one safetensors file (never pickle) with a checked header.
 
-Layout: ``b"AMKV"``, a little-endian ``u32`` header length, the header as UTF-8 JSON, then the
-payload — a safetensors file (never pickle) holding the packed tensors of
-:meth:`SessionCache.to_tensors`. The header carries the format version, the model
-fingerprint, the storage and cache dtypes, the segment layout, the logical length and the
-SHA-256 of the payload, and every one of them is checked before anything is returned.
+The blob is a standard safetensors file holding the packed tensors of
+:meth:`SessionCache.to_tensors`; its ``__metadata__`` carries ``agentmem``, our header as
+JSON: format version, model fingerprint, storage and cache dtypes, segment layout, logical
+length, and the SHA-256 of the tensor data region. Every field is checked before anything is
+returned, and the blob can be inspected with any safetensors tool. Keeping it one file (not
+a header in front of one) lets a reader parse the stored bytes in place, without a copy.
 
 Storage dtypes: ``fp32`` (bit-exact for fp32 caches), ``fp16`` and ``bf16`` (rounded), and
 ``int8`` (symmetric, one fp32 scale per channel — per head and dimension for the raw tail,
@@ -26,7 +27,7 @@ from safetensors.torch import save as st_save
 from agentmem.cache import SessionCache
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
 
-MAGIC = b"AMKV"
+_META_KEY = "agentmem"
 FORMAT_VERSION = 1
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -53,7 +54,9 @@ def encode_cache(cache: SessionCache, *, dtype: str = "fp16") -> bytes:
             stored[name], stored[name + _SCALE_SUFFIX] = _quantize(tensor)
         else:
             stored[name] = tensor.to(STORAGE_DTYPES[dtype])
-    payload = st_save(stored)
+    tensors_only = st_save(stored)
+    data_start = 8 + struct.unpack("<Q", tensors_only[:8])[0]
+    data = memoryview(tensors_only)[data_start:]
     header = {
         "format_version": FORMAT_VERSION,
         "fingerprint": cache.fingerprint,
@@ -61,31 +64,36 @@ def encode_cache(cache: SessionCache, *, dtype: str = "fp16") -> bytes:
         "cache_dtype": str(cache.dtype).removeprefix("torch."),
         "logical_length": cache.logical_length,
         "layout": layout,
-        "payload_bytes": len(payload),
-        "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        "data_bytes": len(data),
+        "data_sha256": hashlib.sha256(data).hexdigest(),
     }
-    head = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + struct.pack("<I", len(head)) + head + payload
+    # Add the metadata to the safetensors JSON header; the data region is unchanged by it.
+    st_header = json.loads(tensors_only[8:data_start])
+    st_header["__metadata__"] = {_META_KEY: json.dumps(header, separators=(",", ":"))}
+    head = json.dumps(st_header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors keeps the data region 8-byte aligned
+    return struct.pack("<Q", len(head)) + head + data.tobytes()
 
 
 def read_header(blob: bytes) -> dict[str, Any]:
-    """The blob's header, checked for shape (not yet against the payload)."""
+    """The blob's agentmem header, checked for shape (not yet against the data)."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise CorruptSessionError(f"session blob must be bytes, not {type(blob).__name__}")
-    blob = bytes(blob[: 8 + _HEADER_LIMIT]) if len(blob) > 8 + _HEADER_LIMIT else bytes(blob)
-    if len(blob) < 8 or blob[:4] != MAGIC:
-        raise CorruptSessionError("not an agentmem session blob (bad magic bytes)")
-    (length,) = struct.unpack("<I", blob[4:8])
+    if len(blob) < 8:
+        raise CorruptSessionError("session blob is truncated (shorter than its length prefix)")
+    (length,) = struct.unpack("<Q", bytes(blob[:8]))
     if length > _HEADER_LIMIT or 8 + length > len(blob):
         raise CorruptSessionError(f"session blob header claims {length} bytes; the blob is truncated or damaged")
     try:
-        header = json.loads(blob[8 : 8 + length])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptSessionError(f"session blob header is not valid JSON: {exc}") from exc
+        st_header = json.loads(bytes(blob[8 : 8 + length]))
+        header = json.loads(st_header["__metadata__"][_META_KEY])
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CorruptSessionError(f"not an agentmem session blob (no valid header): {exc!r}") from exc
     if not isinstance(header, dict):
         raise CorruptSessionError("session blob header is not a JSON object")
     if header.get("format_version") != FORMAT_VERSION:
         raise CorruptSessionError(f"unsupported session blob format {header.get('format_version')!r}")
+    header["_data_start"] = 8 + length
     return header
 
 
@@ -108,23 +116,23 @@ def decode_cache(
             raise ModelMismatch(
                 f"stored session was made by model {header.get('fingerprint')}, this engine runs {fingerprint}"
             )
-        payload = memoryview(blob)[8 + struct.unpack("<I", bytes(blob[4:8]))[0] :]
-        if len(payload) != header.get("payload_bytes"):
+        data = memoryview(blob)[header["_data_start"] :]
+        if len(data) != header.get("data_bytes"):
             raise CorruptSessionError(
-                f"session payload is {len(payload)} bytes, header says {header.get('payload_bytes')}: truncated"
+                f"session data is {len(data)} bytes, header says {header.get('data_bytes')}: truncated"
             )
         # hashlib releases the GIL: hash on another core while the tensors are parsed and
         # copied into place, and return the cache only once the checksum has matched.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            digest = pool.submit(lambda: hashlib.sha256(payload).hexdigest())
+            digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
             try:
-                cache = _build(header, payload, device, dtype)
+                cache = _build(header, blob, device, dtype)
             except Exception:
-                if digest.result() != header.get("payload_sha256"):
-                    raise CorruptSessionError("session payload checksum mismatch: the stored bytes are damaged")
+                if digest.result() != header.get("data_sha256"):
+                    raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged")
                 raise
-            if digest.result() != header.get("payload_sha256"):
-                raise CorruptSessionError("session payload checksum mismatch: the stored bytes are damaged")
+            if digest.result() != header.get("data_sha256"):
+                raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged")
         return cache
     except AgentMemError:
         raise
@@ -132,14 +140,16 @@ def decode_cache(
         raise CorruptSessionError(f"session blob could not be decoded: {exc!r}") from exc
 
 
-def _build(header: dict[str, Any], payload: memoryview, device, dtype: torch.dtype | None) -> SessionCache:
+def _build(header: dict[str, Any], blob: bytes, device, dtype: torch.dtype | None) -> SessionCache:
     target = dtype or getattr(torch, str(header["cache_dtype"]))
     if not isinstance(target, torch.dtype) or not target.is_floating_point:
         raise CorruptSessionError(f"invalid cache dtype {header['cache_dtype']!r}")
     layout = header["layout"]
-    if not isinstance(layout, dict) or layout.get("fingerprint") != header["fingerprint"]:
+    if not isinstance(layout, dict) or any(
+        layout.get(key) != header[key] for key in ("fingerprint", "logical_length")
+    ):
         raise CorruptSessionError("session layout disagrees with its header")
-    tensors = _dequantize(st_load(bytes(payload)))
+    tensors = _dequantize(st_load(blob if isinstance(blob, bytes) else bytes(blob)))
     return SessionCache.from_tensors(tensors, layout, device=device, dtype=target)
 
 

@@ -74,7 +74,7 @@ def test_flipped_byte_anywhere_in_payload_is_detected(cache):
     for position in (len(blob) // 2, len(blob) - 1):
         damaged = bytearray(blob)
         damaged[position] ^= 0x01
-        with pytest.raises(CorruptSessionError, match="checksum"):
+        with pytest.raises(CorruptSessionError, match="checksum|header"):
             decode_cache(bytes(damaged))
 
 
@@ -92,10 +92,20 @@ def test_wrong_model_is_refused(cache):
 
 def test_header_edited_to_lie_is_detected(cache):
     blob = encode_cache(cache)
-    (length,) = struct.unpack("<I", blob[4:8])
-    header = blob[8 : 8 + length].replace(b'"logical_length":60', b'"logical_length":61')
-    with pytest.raises(CorruptSessionError):
-        decode_cache(blob[:8] + header + blob[8 + length :])
+    (length,) = struct.unpack("<Q", blob[:8])
+    for field in (rb'\"logical_length\":60,\"layout', rb'\"num_layers\":3'):
+        assert blob[8 : 8 + length].count(field) == 1
+        lie = field.replace(b"60", b"61").replace(b":3", b":4")
+        header = blob[8 : 8 + length].replace(field, lie)
+        with pytest.raises(CorruptSessionError):
+            decode_cache(blob[:8] + header + blob[8 + length :])
+
+
+def test_blob_is_a_plain_safetensors_file(cache):
+    from safetensors.torch import load
+
+    tensors = load(encode_cache(cache, dtype="fp32"))
+    assert torch.equal(tensors["token_ids"], torch.tensor(cache.token_ids))
 
 
 def test_unknown_storage_dtype_is_refused(cache):
