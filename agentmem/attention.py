@@ -19,7 +19,7 @@ Two ways to carry β, chosen by ``BetaMode``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,12 +36,22 @@ _FOLD_FLOOR = -3.0e4
 _FOLD_DIMS = 8  # extra key dimensions; keeps head_dim a multiple of 8 for fused kernels
 
 
+class QueryRecorder(Protocol):
+    """Receives every layer's queries during a forward (compaction's reference queries)."""
+
+    def record(
+        self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, prefix_bias: torch.Tensor | None,
+        output: torch.Tensor, scale: float,
+    ) -> None: ...
+
+
 @dataclass
 class ForwardPass:
     """What one model forward attends to; passed to the model as the ``agentmem_pass`` kwarg."""
 
     cache: SessionCache
     beta_mode: BetaMode = "mask"
+    recorder: QueryRecorder | None = None
 
 
 def session_attention(
@@ -64,6 +74,8 @@ def session_attention(
     keys, values = layer.stage(key[0], value[0])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = biased_attention(query[0], keys, values, layer.bias, scale=scale, mode=forward_pass.beta_mode)
+    if forward_pass.recorder is not None:
+        forward_pass.recorder.record(module.layer_idx, query[0], keys, layer.bias, out, scale)
     return out.transpose(0, 1).unsqueeze(0), None
 
 
@@ -95,6 +107,21 @@ def biased_attention(
         q[None], keys[None], values[None], attn_mask=None if mask is None else mask[None], scale=scale
     )
     return out[0, ..., :d].reshape(q_heads, n, d)
+
+
+def attention_logsumexp(
+    query: torch.Tensor, keys: torch.Tensor, prefix_bias: torch.Tensor | None, *, scale: float
+) -> torch.Tensor:
+    """log Σ exp(logits) over every key each new query sees: ``(Hkv, group·n)``, queries folded as above."""
+    q_heads, n, d = query.shape
+    kv_heads, total, _ = keys.shape
+    group = q_heads // kv_heads
+    q = query.reshape(kv_heads, group * n, d).float()
+    logits = torch.bmm(q, keys.float().transpose(1, 2)) * scale
+    mask = _attention_mask(n, total, group, prefix_bias, torch.float32, query.device)
+    if mask is not None:
+        logits = logits + mask if mask.dtype != torch.bool else logits.masked_fill(~mask, float("-inf"))
+    return logits.logsumexp(-1)
 
 
 def _attention_mask(

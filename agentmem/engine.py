@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from agentmem import attention
-from agentmem.attention import BetaMode, ForwardPass
+from agentmem.attention import BetaMode, ForwardPass, QueryRecorder
 from agentmem.cache import SessionCache
 from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
@@ -145,6 +145,20 @@ class Engine:
             out.append(logits.log_softmax(-1).gather(-1, targets[s : s + _LOGPROB_CHUNK, None])[:, 0])
         return torch.cat(out)
 
+    @torch.inference_mode()
+    def observe(self, cache: SessionCache, token_ids: Sequence[int], recorder: QueryRecorder) -> None:
+        """Read ``token_ids`` over the cache with ``recorder`` seeing every layer's queries.
+
+        Compaction uses this to collect reference queries; the cache is left as it was.
+        """
+        ids = self._check_tokens(token_ids, cache)
+        mark = cache.logical_length
+        try:
+            for start in range(0, len(ids), PREFILL_CHUNK):
+                self._forward(cache, ids[start : start + PREFILL_CHUNK], recorder)
+        finally:
+            cache.truncate(mark)
+
     # ---------------------------------------------------------------------------- writing
 
     def generate(self, cache: SessionCache, prompt_ids: Sequence[int], **kwargs: Any) -> list[int]:
@@ -239,7 +253,7 @@ class Engine:
 
     # --------------------------------------------------------------------------- internals
 
-    def _forward(self, cache: SessionCache, ids: list[int]) -> torch.Tensor:
+    def _forward(self, cache: SessionCache, ids: list[int], recorder: QueryRecorder | None = None) -> torch.Tensor:
         """Run the decoder over ``ids`` at the cache's logical positions and commit them.
 
         Returns the final hidden states ``(1, n, hidden)``. If the forward fails, nothing is
@@ -252,7 +266,7 @@ class Engine:
             input_ids=input_ids,
             position_ids=positions,
             use_cache=False,
-            agentmem_pass=ForwardPass(cache, self.beta_mode),
+            agentmem_pass=ForwardPass(cache, self.beta_mode, recorder),
         )
         for layer in cache.layers:
             layer.commit(len(ids))

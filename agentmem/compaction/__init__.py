@@ -1,0 +1,64 @@
+"""KV-cache compaction: Attention Matching (arXiv 2602.16284) and the baselines it is measured against.
+
+``compact(engine, cache, ratio=10)`` returns a new, smaller cache; the input is untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from agentmem.cache import SessionCache
+from agentmem.compaction.methods import REGISTRY, Job
+from agentmem.compaction.span import assemble, plan_span
+from agentmem.errors import InvalidInput
+
+METHODS: dict[str, str] = {name: method.description for name, method in REGISTRY.items()}
+
+__all__ = ["METHODS", "compact"]
+
+
+def compact(
+    engine,
+    cache: SessionCache,
+    *,
+    ratio: float | None = None,
+    target_tokens: int | None = None,
+    method: str = "am",
+    queries: str = "repeat",
+    keep_recent: int = 256,
+    protect_prefix: int = 0,
+    head_budgets: torch.Tensor | None = None,
+    seed: int = 0,
+) -> SessionCache:
+    """Compact every row but the first ``protect_prefix`` tokens and the last ``keep_recent``.
+
+    ``ratio`` r keeps ~1/r of the span's rows over all layers and heads; ``target_tokens``
+    keeps that many token-equivalents (rows per layer and head) instead. Already-compacted
+    segments in the span are compacted again with their β as a prior. A span that already
+    fits the budget is returned unchanged (as a copy).
+    """
+    if method not in REGISTRY:
+        raise InvalidInput(f"unknown compaction method {method!r}; choose one of {', '.join(REGISTRY)}")
+    if (ratio is None) == (target_tokens is None):
+        raise InvalidInput("give exactly one of ratio= or target_tokens=")
+    if ratio is not None and not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio >= 1):
+        raise InvalidInput(f"ratio must be a finite number >= 1, got {ratio!r}")
+    if target_tokens is not None and (not isinstance(target_tokens, int) or target_tokens < 0):
+        raise InvalidInput(f"target_tokens must be a non-negative integer, got {target_tokens!r}")
+    for name, value in (("keep_recent", keep_recent), ("protect_prefix", protect_prefix)):
+        if not isinstance(value, int) or value < 0:
+            raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
+    engine.check_cache(cache)
+    plan = plan_span(cache, protect_prefix=protect_prefix, keep_recent=keep_recent)
+    if plan is None:
+        return cache.clone()
+    heads = cache.num_layers * cache.num_kv_heads
+    total = round(plan.rows / ratio) if ratio is not None else target_tokens * heads
+    if total >= plan.rows:
+        return cache.clone()
+    job = Job(engine, cache, plan, total, queries, head_budgets, seed)
+    with torch.inference_mode():
+        choices = REGISTRY[method].run(job)
+    return assemble(cache, plan, choices)

@@ -1,0 +1,56 @@
+"""How many rows each (layer, KV head) keeps: global top-k, calibrated proportions, or uniform.
+
+Non-uniform budgets were the largest single gain in the paper's ablation, and choosing rows
+globally by attention normalised over everything a query sees (KVzip's rule) is what made
+eviction strong here; both are built on the same per-row scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentmem.errors import InvalidInput
+
+
+def global_top(scores: list[torch.Tensor], counts: list[list[int]], total: int) -> list[list[torch.Tensor]]:
+    """The ``total`` highest-scoring rows over all layers and heads; returns row indices per layer, head."""
+    flat, owners = [], []
+    for layer, (layer_scores, layer_counts) in enumerate(zip(scores, counts)):
+        for head, n in enumerate(layer_counts):
+            flat.append(layer_scores[head, :n])
+            owners.append((layer, head, n))
+    everything = torch.cat(flat)
+    keep = torch.zeros(everything.numel(), dtype=torch.bool)
+    keep[everything.topk(min(total, everything.numel())).indices] = True
+    out: list[list[torch.Tensor]] = [[] for _ in scores]
+    offset = 0
+    for layer, head, n in owners:
+        out[layer].append(keep[offset : offset + n].nonzero()[:, 0])
+        offset += n
+    return out
+
+
+def proportional(counts: list[list[int]], total: int, proportions: torch.Tensor | None) -> list[list[int]]:
+    """Row budgets per layer and head: ``proportions`` (layers × heads, summing to 1) or uniform.
+
+    A head never keeps more rows than it has; what it cannot take is handed to the others.
+    """
+    layers, heads = len(counts), len(counts[0])
+    shares = torch.full((layers, heads), 1.0 / (layers * heads)) if proportions is None else proportions.float()
+    if shares.shape != (layers, heads) or not torch.isfinite(shares).all() or (shares < 0).any():
+        raise InvalidInput(f"head budgets must be a non-negative {layers}x{heads} table")
+    shares = shares / shares.sum()
+    cap = torch.tensor(counts, dtype=torch.float32)
+    budget = torch.zeros_like(cap)
+    remaining = float(total)
+    open_heads = cap > 0
+    for _ in range(layers * heads):  # water-filling: redistribute what capped heads cannot use
+        if remaining < 0.5 or not open_heads.any():
+            break
+        share = shares * open_heads
+        if share.sum() <= 0:
+            share = open_heads.float()
+        budget = torch.minimum(budget + remaining * share / share.sum(), cap)
+        remaining = total - float(budget.sum())
+        open_heads = budget < cap
+    return budget.round().long().tolist()

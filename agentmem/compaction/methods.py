@@ -1,0 +1,130 @@
+"""The compaction methods: Attention Matching and the baselines it is measured against.
+
+Each method turns a :class:`SpanPlan` into per-layer, per-head :class:`HeadChoice` lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from agentmem.compaction import budgets, solvers
+from agentmem.compaction.queries import LayerQueries, collect_queries
+from agentmem.compaction.span import HeadChoice, SpanPlan
+from agentmem.compaction.solvers import SpanAttention
+
+
+@dataclass
+class Job:
+    """Everything a method needs: the engine, the cache, its span, and the requested budget."""
+
+    engine: object
+    cache: object
+    plan: SpanPlan
+    total: int  # rows to keep over all layers and heads
+    queries: str
+    head_budgets: torch.Tensor | None
+    seed: int
+
+    @property
+    def counts(self) -> list[list[int]]:
+        return [layer.counts for layer in self.plan.layers]
+
+    @property
+    def scale(self) -> float:
+        return self.engine.head_dim**-0.5
+
+    def span_tokens(self) -> list[int]:
+        return self.cache.token_ids[self.plan.start : self.plan.end]
+
+    def reference(self, budget_tokens: int) -> list[LayerQueries]:
+        return collect_queries(self.engine, self.cache, self.span_tokens(), self.queries, budget=budget_tokens,
+                               seed=self.seed)
+
+
+def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadChoice]]:
+    """Keep the selected rows as they are (β = their prior, original values)."""
+    out = []
+    for layer, heads in zip(job.plan.layers, selection):
+        out.append([HeadChoice(rows, layer.prior[h, rows], layer.values[h, rows]) for h, rows in enumerate(heads)])
+    return out
+
+
+def _scores(job: Job, queries: list[LayerQueries]) -> list[torch.Tensor]:
+    return [SpanAttention.of(layer, q, job.scale).scores() for layer, q in zip(job.plan.layers, queries)]
+
+
+def _per_head_top(scores: list[torch.Tensor], budget: list[list[int]]) -> list[list[torch.Tensor]]:
+    return [[s[h].topk(b).indices.sort().values for h, b in enumerate(layer_budget)]
+            for s, layer_budget in zip(scores, budget)]
+
+
+def window(job: Job) -> list[list[HeadChoice]]:
+    """StreamingLLM-style: the span's first 4 rows (attention sinks) and its most recent rows."""
+    budget = budgets.proportional(job.counts, job.total, None)
+    selection = []
+    for layer_counts, layer_budget in zip(job.counts, budget):
+        heads = []
+        for n, b in zip(layer_counts, layer_budget):
+            sinks = min(4, b)
+            heads.append(torch.cat([torch.arange(sinks), torch.arange(n - (b - sinks), n)]).unique())
+        selection.append(heads)
+    return _unfitted(job, selection)
+
+
+def top_attention(job: Job, *, query_tokens: int = 512) -> list[list[HeadChoice]]:
+    """H2O/SnapKV-like eviction: each head keeps the same number of its most-attended rows."""
+    scores = _scores(job, job.reference(query_tokens))
+    return _unfitted(job, _per_head_top(scores, budgets.proportional(job.counts, job.total, None)))
+
+
+def global_eviction(job: Job, *, query_tokens: int = 512) -> list[list[HeadChoice]]:
+    """KVzip-like: the most-attended rows over all layers and heads, no fitting."""
+    return _unfitted(job, budgets.global_top(_scores(job, job.reference(query_tokens)), job.counts, job.total))
+
+
+def attention_matching(job: Job, *, query_tokens: int, omp: bool = False, holdout: float = 0.2) -> list[list[HeadChoice]]:
+    """AM: global (or calibrated) budgets, rows by attention or OMP, validated β and value fits."""
+    queries = job.reference(query_tokens)
+    atts = [SpanAttention.of(layer, q, job.scale) for layer, q in zip(job.plan.layers, queries)]
+    scores = [att.scores() for att in atts]
+    if job.head_budgets is not None:
+        selection = _per_head_top(scores, budgets.proportional(job.counts, job.total, job.head_budgets))
+    else:
+        selection = budgets.global_top(scores, job.counts, job.total)
+    generator = torch.Generator().manual_seed(job.seed)
+    out = []
+    for layer, att, rows in zip(job.plan.layers, atts, selection):
+        order = torch.randperm(att.lse_span.shape[1], generator=generator)
+        cut = max(1, int(len(order) * holdout))
+        train, held = att.take(order[cut:]), att.take(order[:cut])
+        if omp:
+            rows = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
+        out.append(solvers.choose_fits(layer, train, held, rows, fit=True))
+    return out
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    description: str
+    run: Callable[[Job], list[list[HeadChoice]]]
+
+
+REGISTRY: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("am", "Attention Matching: global budgets, top-attention rows, held-out-validated β and value fits "
+                     "(1,024 reference-query tokens)", lambda job: attention_matching(job, query_tokens=1024)),
+        Method("am-fast", "Attention Matching with 384 reference-query tokens (faster, slightly less exact)",
+               lambda job: attention_matching(job, query_tokens=384)),
+        Method("am-omp", "Attention Matching with rows chosen by OMP on the mass residual (thorough, slower)",
+               lambda job: attention_matching(job, query_tokens=1024, omp=True)),
+        Method("window", "baseline: attention sinks + most recent rows (StreamingLLM)", window),
+        Method("top-attention", "baseline: uniform per-head eviction by attention (H2O/SnapKV-like)", top_attention),
+        Method("global-eviction", "baseline: global eviction by normalised attention, no fitting (KVzip-like)",
+               global_eviction),
+    )
+}

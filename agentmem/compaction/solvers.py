@@ -1,0 +1,191 @@
+"""The Attention Matching fits, batched over the KV heads of one layer, in float32.
+
+Notation per head: reference queries ``q`` (N of them), span keys ``K`` with prior bias ``b``
+(β of rows compacted before; 0 for raw rows), span values ``V``. For each query:
+
+- ``lse_span`` = log Σ_j exp(q·K_j·s + b_j): the span's attention mass (log);
+- ``Y`` = softmax over the span · V: the span's attention output;
+- ``a`` = exp(lse_span − lse_all): the share of the query's whole attention on the span,
+  used as the query's weight (a query that barely looks at the span barely constrains it).
+
+A head keeps rows ``S``. Its mass is matched by ``w ≥ 0`` (β = b_S + log w, bounded) from
+non-negative least squares on ``Σ_i exp(q·K_i·s + b_i − lse_span)·w_i ≈ 1``; its values by a
+ridge fit toward the kept rows' own values: ``C_v = V_S + argmin ‖P·Δ − (Y − P·V_S)‖² + λ‖Δ‖²``
+(λ = mean of diag(PᵀP); unregularised fits collapse when a head keeps many rows).
+
+Every fitted part is judged by the layer's true attention output on held-out queries (see
+:func:`output_error`) and dropped where it does not beat the unfitted choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from agentmem.compaction.queries import LayerQueries
+from agentmem.compaction.span import HeadChoice, LayerSpan
+
+BETA_BOUND = 3.0  # |β − prior| ≤ 3, as in the paper
+_NEG = float("-inf")
+
+
+@dataclass
+class SpanAttention:
+    """Per-query quantities of the span under a set of reference queries (see module doc)."""
+
+    logits: torch.Tensor  # (H, N, n), -inf on padding
+    lse_span: torch.Tensor  # (H, N)
+    output: torch.Tensor  # (H, N, d)
+    share: torch.Tensor  # (H, N) in [0, 1]
+    queries: LayerQueries
+
+    @classmethod
+    def of(cls, span: LayerSpan, queries: LayerQueries, scale: float) -> SpanAttention:
+        logits = torch.bmm(queries.q, span.keys.transpose(1, 2)) * scale + span.prior[:, None, :]
+        lse_span = logits.logsumexp(-1)
+        output = torch.bmm((logits - lse_span[..., None]).exp(), span.values)
+        share = (lse_span - queries.lse).exp().clamp(max=1.0)
+        return cls(logits, lse_span, output, share, queries)
+
+    def take(self, index: torch.Tensor) -> SpanAttention:
+        """The same span seen by a subset of the queries."""
+        return SpanAttention(
+            self.logits[:, index], self.lse_span[:, index], self.output[:, index], self.share[:, index],
+            self.queries.take(index),
+        )
+
+    def scores(self) -> torch.Tensor:
+        """Each span row's largest attention weight over the queries, normalised by *all* they saw: ``(H, n)``."""
+        return (self.logits - self.queries.lse[..., None]).exp().amax(dim=1)
+
+
+def pad_selection(selection: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head index lists → padded ``(H, t)`` indices and a validity mask."""
+    width = max(1, max(len(s) for s in selection))
+    index = torch.zeros(len(selection), width, dtype=torch.long)
+    valid = torch.zeros(len(selection), width, dtype=torch.bool)
+    for h, rows in enumerate(selection):
+        index[h, : len(rows)] = rows
+        valid[h, : len(rows)] = True
+    return index, valid
+
+
+def kept_logits(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Logits of the kept rows ``(H, N, t)``, -inf where a head has fewer rows than ``t``."""
+    gathered = att.logits.gather(2, index[:, None, :].expand(-1, att.logits.shape[1], -1))
+    return gathered.masked_fill(~valid[:, None, :], _NEG)
+
+
+def fit_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, iterations: int = 60) -> torch.Tensor:
+    """Weights ``w ∈ [e^-3, e^3]`` (``(H, t)``) matching each query's span mass; bounded NNLS.
+
+    Solved by projected gradient from the clamped ridge solution, step ``1/λ_max``.
+    """
+    design = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()  # (H, N, t), 0 on padding
+    weight = att.share[..., None]
+    gram = torch.bmm(design.transpose(1, 2), design * weight)  # (H, t, t)
+    rhs = (design * weight).sum(1)  # (H, t)
+    eye = torch.eye(gram.shape[-1])[None]
+    ridge = 1e-6 * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
+    lo, hi = math.exp(-BETA_BOUND), math.exp(BETA_BOUND)
+    w = torch.linalg.solve(gram + ridge * eye, rhs[..., None])[..., 0].nan_to_num(1.0).clamp(lo, hi)
+    step = 1.0 / _largest_eigenvalue(gram).clamp(min=1e-12)
+    for _ in range(iterations):
+        w = (w - step[:, None] * (torch.bmm(gram, w[..., None])[..., 0] - rhs)).clamp(lo, hi)
+    return w.masked_fill(~valid, 1.0)
+
+
+def fit_values(
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, kept_values: torch.Tensor
+) -> torch.Tensor:
+    """Values ``(H, t, d)`` fitted toward the kept rows' own, ridge-regularised (module doc)."""
+    probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)
+    weight = att.share[..., None]
+    gram = torch.bmm(probs.transpose(1, 2), probs * weight)
+    lam = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
+    eye = torch.eye(gram.shape[-1])[None]
+    eye_padded = eye + torch.diag_embed((~valid).float())  # keeps padded rows' Δ at zero
+    residual = att.output - torch.bmm(probs, kept_values)
+    delta = torch.linalg.solve(gram + lam * eye_padded, torch.bmm((probs * weight).transpose(1, 2), residual))
+    return kept_values + delta * valid[..., None]
+
+
+def output_error(
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """Per-head mean squared error ``(H,)`` of the *layer's* attention output after compaction.
+
+    With ``O`` the true output and ``a`` the span's share, the rest of the rows contribute
+    ``O − a·Y`` (unchanged by compaction), so the compacted output is
+    ``(a_c·Y_c + O − a·Y) / (a_c + 1 − a)`` with ``a_c``, ``Y_c`` the compacted span's share
+    and output. Exact for these queries, no extra attention pass needed.
+    """
+    logits = kept_logits(att, index, valid) + beta[:, None, :]
+    lse_c = logits.logsumexp(-1)
+    share_c = (lse_c - att.queries.lse).exp()
+    out_c = torch.bmm((logits - lse_c[..., None]).exp().nan_to_num(0.0), values)
+    full = att.queries.out
+    mixed = (share_c[..., None] * out_c + full - att.share[..., None] * att.output) / (
+        share_c + 1.0 - att.share
+    )[..., None]
+    return (mixed - full).pow(2).sum(-1).mean(-1)
+
+
+def omp_select(att: SpanAttention, budgets: list[int], *, rounds: int = 8) -> list[torch.Tensor]:
+    """Greedy selection on the mass residual (orthogonal matching pursuit), ``budgets[h]`` rows per head.
+
+    Each round adds the rows most correlated with the weighted residual of the mass fit,
+    then refits the weights, so later picks cover mass the earlier ones do not.
+    """
+    heads, _, n = att.logits.shape
+    design = (att.logits - att.lse_span[..., None]).exp()  # (H, N, n)
+    weight = att.share
+    chosen = [torch.zeros(0, dtype=torch.long) for _ in range(heads)]
+    residual = torch.ones_like(att.lse_span)
+    for r in range(rounds):
+        corr = torch.bmm((weight * residual)[:, None, :], design)[:, 0]  # (H, n)
+        for h in range(heads):
+            corr[h, chosen[h]] = _NEG
+        for h in range(heads):
+            want = math.ceil(budgets[h] * (r + 1) / rounds) - len(chosen[h])
+            if want > 0:
+                picks = corr[h].topk(min(want, n - len(chosen[h]))).indices
+                chosen[h] = torch.cat([chosen[h], picks[torch.isfinite(corr[h, picks])]])
+        index, valid = pad_selection(chosen)
+        w = fit_mass(att, index, valid, iterations=20)
+        approx = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()
+        residual = 1.0 - (approx * w[:, None, :]).sum(-1)
+    return chosen
+
+
+def choose_fits(
+    span: LayerSpan, train: SpanAttention, held: SpanAttention, selection: list[torch.Tensor], *, fit: bool
+) -> list[HeadChoice]:
+    """Per head, the best of: kept rows as they are; fitted β; fitted β and values (held-out error)."""
+    index, valid = pad_selection(selection)
+    kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1]))
+    prior = span.prior.gather(1, index)
+    candidates = [(prior, kept_values)]
+    if fit and len(train.lse_span[0]):
+        w = fit_mass(train, index, valid)
+        beta = prior + w.log()
+        candidates.append((beta, kept_values))
+        candidates.append((beta, fit_values(train, index, valid, beta - prior, kept_values)))
+    errors = torch.stack([output_error(held, index, valid, b - prior, v) for b, v in candidates])  # (C, H)
+    best = errors.nan_to_num(float("inf")).argmin(0)
+    choices = []
+    for h, rows in enumerate(selection):
+        beta, values = candidates[int(best[h])]
+        t = len(rows)
+        choices.append(HeadChoice(index=rows, beta=beta[h, :t], values=values[h, :t]))
+    return choices
+
+
+def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 20) -> torch.Tensor:
+    v = torch.ones(gram.shape[0], gram.shape[1], 1)
+    for _ in range(iterations):
+        v = torch.bmm(gram, v)
+        v = v / v.norm(dim=1, keepdim=True).clamp(min=1e-30)
+    return (torch.bmm(gram, v) * v).sum((1, 2))

@@ -1,0 +1,135 @@
+"""Which rows a compaction replaces, and how the compacted cache is put back together.
+
+Per layer, the *span* is every row except (a) segments that lie entirely inside the
+protected prefix, (b) raw rows of the protected prefix, and (c) the last ``keep_recent`` raw
+rows. Earlier compacted segments inside the span are compacted again: their β is carried as
+a *prior* bias on their logits, so re-compaction matches the original attention, not a copy.
+
+Rows are gathered per KV head into padded tensors (padding has prior ``-inf``: zero weight),
+which is the layout every solver works on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from agentmem.cache import CompactedSegment, LayerCache, SessionCache
+
+
+@dataclass
+class LayerSpan:
+    """One layer's span rows per KV head, padded: ``keys``/``values`` ``(H, n, d)``, ``prior`` ``(H, n)``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    prior: torch.Tensor
+    counts: list[int]
+    kept_segments: list[CompactedSegment]
+
+    @property
+    def rows(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass
+class SpanPlan:
+    """The span of every layer plus the token bookkeeping shared by all layers."""
+
+    start: int  # first logical position covered by the span
+    end: int  # one past the last
+    protected_raw: int  # raw tail rows kept as an identity segment (protected prefix)
+    recent: int  # raw tail rows kept as they are
+    layers: list[LayerSpan]
+
+    @property
+    def rows(self) -> int:
+        return sum(layer.rows for layer in self.layers)
+
+
+def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> SpanPlan | None:
+    """The rows to compact, or ``None`` when nothing lies between the prefix and the recent window."""
+    length = cache.logical_length
+    tail = cache.layers[0].tail_length
+    tail_start = length - tail
+    protected_raw = min(max(0, protect_prefix - tail_start), tail)
+    recent = min(keep_recent, tail - protected_raw)
+    raw_span = tail - protected_raw - recent
+    layers = []
+    for layer in cache.layers:
+        kept = [seg for seg in layer.segments if seg.span[1] <= protect_prefix]
+        old = [seg for seg in layer.segments if seg.span[1] > protect_prefix]
+        layers.append(_gather(layer, old, kept, protected_raw, raw_span))
+    if not any(layer.rows for layer in layers):
+        return None
+    old_starts = [seg.span[0] for seg in cache.layers[0].segments if seg.span[1] > protect_prefix]
+    start = min(old_starts + [tail_start + protected_raw])
+    return SpanPlan(start, length - recent, protected_raw, recent, layers)
+
+
+def _gather(layer: LayerCache, old: list[CompactedSegment], kept: list[CompactedSegment], skip: int, raw: int) -> LayerSpan:
+    heads = layer.num_heads
+    keys, values, prior = [], [], []
+    for h in range(heads):
+        k = [seg.keys[seg.head_slice(h)] for seg in old] + [layer.tail_keys[h, skip : skip + raw]]
+        v = [seg.values[seg.head_slice(h)] for seg in old] + [layer.tail_values[h, skip : skip + raw]]
+        b = [seg.beta[seg.head_slice(h)].float() for seg in old] + [
+            torch.zeros(raw, device=layer.tail_keys.device)
+        ]
+        keys.append(torch.cat([t.float() for t in k]))
+        values.append(torch.cat([t.float() for t in v]))
+        prior.append(torch.cat(b))
+    counts = [len(k) for k in keys]
+    width = max(counts)
+    pad_k = torch.zeros(heads, width, layer.tail_keys.shape[-1], device=layer.tail_keys.device)
+    pad_v = torch.zeros_like(pad_k)
+    pad_b = torch.full((heads, width), -math.inf, device=layer.tail_keys.device)
+    for h in range(heads):
+        pad_k[h, : counts[h]], pad_v[h, : counts[h]], pad_b[h, : counts[h]] = keys[h], values[h], prior[h]
+    return LayerSpan(pad_k, pad_v, pad_b, counts, kept)
+
+
+@dataclass
+class HeadChoice:
+    """What one KV head keeps: row indices into its span, their β and values."""
+
+    index: torch.Tensor  # (t,) long
+    beta: torch.Tensor  # (t,)
+    values: torch.Tensor  # (t, d)
+
+
+def assemble(cache: SessionCache, plan: SpanPlan, choices: list[list[HeadChoice]]) -> SessionCache:
+    """A new cache: kept segments, the protected raw rows, the compacted span, the recent rows."""
+    layers = []
+    protected_start = cache.logical_length - cache.layers[0].tail_length
+    for layer, span, heads in zip(cache.layers, plan.layers, choices):
+        dtype = layer.tail_keys.dtype
+        segments = list(span.kept_segments)
+        if plan.protected_raw:
+            segments.append(_identity_segment(layer, plan.protected_raw, protected_start))
+        keys = torch.cat([span.keys[h, c.index] for h, c in enumerate(heads)])
+        segments.append(
+            CompactedSegment(
+                keys=keys.to(dtype),
+                values=torch.cat([c.values for c in heads]).to(dtype),
+                beta=torch.cat([c.beta for c in heads]).to(dtype),
+                head_rows=tuple(len(c.index) for c in heads),
+                span=(plan.start, plan.end),
+            )
+        )
+        recent = slice(layer.tail_length - plan.recent, layer.tail_length)
+        layers.append(LayerCache(segments, layer.tail_keys[:, recent].clone(), layer.tail_values[:, recent].clone()))
+    return SessionCache(layers, cache.token_ids, cache.fingerprint)
+
+
+def _identity_segment(layer: LayerCache, rows: int, start: int) -> CompactedSegment:
+    heads, _, dim = layer.tail_keys.shape
+    return CompactedSegment(
+        keys=layer.tail_keys[:, :rows].reshape(-1, dim).clone(),
+        values=layer.tail_values[:, :rows].reshape(-1, dim).clone(),
+        beta=torch.zeros(heads * rows, dtype=layer.tail_keys.dtype, device=layer.tail_keys.device),
+        head_rows=(rows,) * heads,
+        span=(start, start + rows),
+    )
