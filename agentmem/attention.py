@@ -116,11 +116,13 @@ def attention_logsumexp(
     q_heads, n, d = query.shape
     kv_heads, total, _ = keys.shape
     group = q_heads // kv_heads
-    q = query.reshape(kv_heads, group * n, d).float()
-    logits = torch.bmm(q, keys.float().transpose(1, 2)) * scale
-    mask = _attention_mask(n, total, group, prefix_bias, torch.float32, query.device)
-    if mask is not None:
-        logits = logits + mask if mask.dtype != torch.bool else logits.masked_fill(~mask, float("-inf"))
+    past = total - n
+    logits = torch.bmm(query.reshape(kv_heads, group * n, d).float(), keys.float().transpose(1, 2))
+    logits.mul_(scale)
+    if prefix_bias is not None:
+        logits[:, :, : prefix_bias.shape[1]] += prefix_bias.float().unsqueeze(1)
+    future = torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1).repeat(group, 1)
+    logits[:, :, past:].masked_fill_(future, float("-inf"))
     return logits.logsumexp(-1)
 
 

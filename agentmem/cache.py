@@ -108,7 +108,7 @@ class LayerCache:
             self._values[:, : self.prefix_length].zero_()
         offset = 0
         for seg in segments:
-            for h in range(heads):
+            for h in range(heads if seg.width else 0):
                 rows = seg.head_slice(h)
                 n = seg.head_rows[h]
                 self._keys[h, offset : offset + n] = seg.keys[rows].to(dtype)

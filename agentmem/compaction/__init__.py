@@ -11,6 +11,7 @@ import torch
 
 from agentmem.cache import SessionCache
 from agentmem.compaction.methods import REGISTRY, Job
+from agentmem.compaction.queries import check_source
 from agentmem.compaction.span import assemble, plan_span
 from agentmem.errors import InvalidInput
 
@@ -50,6 +51,7 @@ def compact(
     for name, value in (("keep_recent", keep_recent), ("protect_prefix", protect_prefix)):
         if not isinstance(value, int) or value < 0:
             raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
+    check_source(queries)
     engine.check_cache(cache)
     plan = plan_span(cache, protect_prefix=protect_prefix, keep_recent=keep_recent)
     if plan is None:

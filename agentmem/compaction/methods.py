@@ -39,8 +39,10 @@ class Job:
     def span_tokens(self) -> list[int]:
         return self.cache.token_ids[self.plan.start : self.plan.end]
 
-    def reference(self, budget_tokens: int) -> list[LayerQueries]:
-        return collect_queries(self.engine, self.cache, self.span_tokens(), self.queries, budget=budget_tokens,
+    def reference(self, share: float) -> list[LayerQueries]:
+        """Reference queries reading about ``share`` of the span's length (at least 256 tokens)."""
+        budget = max(256, round(share * (self.plan.end - self.plan.start)))
+        return collect_queries(self.engine, self.cache, self.span_tokens(), self.queries, budget=budget,
                                seed=self.seed)
 
 
@@ -74,32 +76,33 @@ def window(job: Job) -> list[list[HeadChoice]]:
     return _unfitted(job, selection)
 
 
-def top_attention(job: Job, *, query_tokens: int = 512) -> list[list[HeadChoice]]:
+def top_attention(job: Job, *, query_share: float = 1.0) -> list[list[HeadChoice]]:
     """H2O/SnapKV-like eviction: each head keeps the same number of its most-attended rows."""
-    scores = _scores(job, job.reference(query_tokens))
+    scores = _scores(job, job.reference(query_share))
     return _unfitted(job, _per_head_top(scores, budgets.proportional(job.counts, job.total, None)))
 
 
-def global_eviction(job: Job, *, query_tokens: int = 512) -> list[list[HeadChoice]]:
+def global_eviction(job: Job, *, query_share: float = 1.0) -> list[list[HeadChoice]]:
     """KVzip-like: the most-attended rows over all layers and heads, no fitting."""
-    return _unfitted(job, budgets.global_top(_scores(job, job.reference(query_tokens)), job.counts, job.total))
+    return _unfitted(job, budgets.global_top(_scores(job, job.reference(query_share)), job.counts, job.total))
 
 
-def attention_matching(job: Job, *, query_tokens: int, omp: bool = False, holdout: float = 0.2) -> list[list[HeadChoice]]:
+def attention_matching(job: Job, *, query_share: float, omp: bool = False, holdout: float = 0.2) -> list[list[HeadChoice]]:
     """AM: global (or calibrated) budgets, rows by attention or OMP, validated β and value fits."""
-    queries = job.reference(query_tokens)
-    atts = [SpanAttention.of(layer, q, job.scale) for layer, q in zip(job.plan.layers, queries)]
-    scores = [att.scores() for att in atts]
+    queries = job.reference(query_share)
+    order = torch.randperm(queries[0].q.shape[1], generator=torch.Generator().manual_seed(job.seed))
+    cut = max(1, int(len(order) * holdout))
+    splits = []  # (train, held-out) attention of the span, per layer
+    for layer, q in zip(job.plan.layers, queries):
+        splits.append((SpanAttention.of(layer, q.take(order[cut:]), job.scale),
+                       SpanAttention.of(layer, q.take(order[:cut]), job.scale)))
+    scores = [torch.maximum(train.scores(), held.scores()) for train, held in splits]
     if job.head_budgets is not None:
         selection = _per_head_top(scores, budgets.proportional(job.counts, job.total, job.head_budgets))
     else:
         selection = budgets.global_top(scores, job.counts, job.total)
-    generator = torch.Generator().manual_seed(job.seed)
     out = []
-    for layer, att, rows in zip(job.plan.layers, atts, selection):
-        order = torch.randperm(att.lse_span.shape[1], generator=generator)
-        cut = max(1, int(len(order) * holdout))
-        train, held = att.take(order[cut:]), att.take(order[:cut])
+    for layer, (train, held), rows in zip(job.plan.layers, splits, selection):
         if omp:
             rows = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
         out.append(solvers.choose_fits(layer, train, held, rows, fit=True))
@@ -116,12 +119,12 @@ class Method:
 REGISTRY: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("am", "Attention Matching: global budgets, top-attention rows, held-out-validated β and value fits "
-                     "(1,024 reference-query tokens)", lambda job: attention_matching(job, query_tokens=1024)),
-        Method("am-fast", "Attention Matching with 384 reference-query tokens (faster, slightly less exact)",
-               lambda job: attention_matching(job, query_tokens=384)),
+        Method("am", "Attention Matching: global budgets, top-attention rows, held-out-validated β and value fits; "
+                     "reference queries read the whole span", lambda job: attention_matching(job, query_share=1.0)),
+        Method("am-fast", "Attention Matching with reference queries over half of the span (faster than a prefill)",
+               lambda job: attention_matching(job, query_share=0.5)),
         Method("am-omp", "Attention Matching with rows chosen by OMP on the mass residual (thorough, slower)",
-               lambda job: attention_matching(job, query_tokens=1024, omp=True)),
+               lambda job: attention_matching(job, query_share=1.0, omp=True)),
         Method("window", "baseline: attention sinks + most recent rows (StreamingLLM)", window),
         Method("top-attention", "baseline: uniform per-head eviction by attention (H2O/SnapKV-like)", top_attention),
         Method("global-eviction", "baseline: global eviction by normalised attention, no fitting (KVzip-like)",

@@ -27,7 +27,7 @@ from agentmem.errors import InvalidInput
 SOURCES = ("repeat", "context", "self-study")
 REPEAT_PROMPT = "\n\nRepeat the text above, word for word.\n\n"
 SELF_STUDY_PROMPT = "\n\nWrite a question about the details of the text above, then answer it.\nQuestion:"
-_CHUNK = 128
+_CHUNK = 32
 
 
 @dataclass
@@ -62,12 +62,17 @@ class QueryCollector:
         ]
 
 
+def check_source(source: str) -> list[str]:
+    """The parts of a query-source spec like ``repeat+self-study``; raises on unknown names."""
+    parts = source.split("+") if isinstance(source, str) else []
+    if not parts or any(p not in SOURCES for p in parts):
+        raise InvalidInput(f"unknown query source {source!r}; use {', '.join(SOURCES)} or a '+' mix")
+    return parts
+
+
 def collect_queries(engine, cache: SessionCache, span_tokens: list[int], source: str, *, budget: int, seed: int) -> list[LayerQueries]:
     """Reference queries of ``source`` (see module doc), reading at most about ``budget`` tokens."""
-    parts = source.split("+")
-    unknown = [p for p in parts if p not in SOURCES]
-    if unknown or not parts:
-        raise InvalidInput(f"unknown query source {source!r}; use {', '.join(SOURCES)} or a '+' mix")
+    parts = check_source(source)
     share = max(_CHUNK, budget // len(parts))
     collected = [_collect_one(engine, cache, span_tokens, p, share, seed) for p in parts]
     return [

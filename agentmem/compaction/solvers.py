@@ -49,13 +49,6 @@ class SpanAttention:
         share = (lse_span - queries.lse).exp().clamp(max=1.0)
         return cls(logits, lse_span, output, share, queries)
 
-    def take(self, index: torch.Tensor) -> SpanAttention:
-        """The same span seen by a subset of the queries."""
-        return SpanAttention(
-            self.logits[:, index], self.lse_span[:, index], self.output[:, index], self.share[:, index],
-            self.queries.take(index),
-        )
-
     def scores(self) -> torch.Tensor:
         """Each span row's largest attention weight over the queries, normalised by *all* they saw: ``(H, n)``."""
         return (self.logits - self.queries.lse[..., None]).exp().amax(dim=1)
@@ -78,7 +71,7 @@ def kept_logits(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) ->
     return gathered.masked_fill(~valid[:, None, :], _NEG)
 
 
-def fit_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, iterations: int = 60) -> torch.Tensor:
+def fit_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, iterations: int = 25) -> torch.Tensor:
     """Weights ``w ∈ [e^-3, e^3]`` (``(H, t)``) matching each query's span mass; bounded NNLS.
 
     Solved by projected gradient from the clamped ridge solution, step ``1/λ_max``.
@@ -95,6 +88,19 @@ def fit_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, it
     for _ in range(iterations):
         w = (w - step[:, None] * (torch.bmm(gram, w[..., None])[..., 0] - rhs)).clamp(lo, hi)
     return w.masked_fill(~valid, 1.0)
+
+
+def fit_scalar_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One weight per head (``(H, t)``, constant along t) scaling the kept rows' mass to the span's.
+
+    Unlike per-row weights it leaves the kept rows' relative attention — hence their output —
+    untouched, and fixes only how much the span weighs against the rest of the cache.
+    """
+    kept = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp().sum(-1)  # (H, N)
+    weight = att.share
+    c = (weight * kept).sum(-1) / (weight * kept * kept).sum(-1).clamp(min=1e-30)
+    c = c.nan_to_num(1.0).clamp(math.exp(-BETA_BOUND), math.exp(BETA_BOUND))
+    return c[:, None].expand(index.shape).clone()
 
 
 def fit_values(
@@ -163,16 +169,22 @@ def omp_select(att: SpanAttention, budgets: list[int], *, rounds: int = 8) -> li
 def choose_fits(
     span: LayerSpan, train: SpanAttention, held: SpanAttention, selection: list[torch.Tensor], *, fit: bool
 ) -> list[HeadChoice]:
-    """Per head, the best of: kept rows as they are; fitted β; fitted β and values (held-out error)."""
+    """Per head, the candidate with the least held-out output error.
+
+    Candidates: kept rows as they are; each of no / one-scalar / per-row β, with the kept
+    values or fitted ones. On real caches (see the tests) fitted values usually help, and a
+    per-row β often hurts unless values are refitted with it — hence the validation.
+    """
     index, valid = pad_selection(selection)
     kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1]))
     prior = span.prior.gather(1, index)
     candidates = [(prior, kept_values)]
     if fit and len(train.lse_span[0]):
-        w = fit_mass(train, index, valid)
-        beta = prior + w.log()
-        candidates.append((beta, kept_values))
-        candidates.append((beta, fit_values(train, index, valid, beta - prior, kept_values)))
+        for log_w in (torch.zeros_like(prior), fit_scalar_mass(train, index, valid).log(),
+                      fit_mass(train, index, valid).log()):
+            if log_w.any():
+                candidates.append((prior + log_w, kept_values))
+            candidates.append((prior + log_w, fit_values(train, index, valid, log_w, kept_values)))
     errors = torch.stack([output_error(held, index, valid, b - prior, v) for b, v in candidates])  # (C, H)
     best = errors.nan_to_num(float("inf")).argmin(0)
     choices = []
@@ -183,7 +195,7 @@ def choose_fits(
     return choices
 
 
-def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 20) -> torch.Tensor:
+def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 10) -> torch.Tensor:
     v = torch.ones(gram.shape[0], gram.shape[1], 1)
     for _ in range(iterations):
         v = torch.bmm(gram, v)

@@ -1,0 +1,203 @@
+"""Fidelity of compaction: how much of a document the model still knows after each method.
+
+On real text not written by us (Python's docs and standard-library sources), a 1,536-token
+context is prefilled and compacted by every method at 4x, 10x, 20x and 50x (the ratio over
+the whole context; no raw recent window, so every method keeps the same number of rows as
+kvpress does). Three probes are scored with ``engine.score`` (mean NLL of their target):
+
+- ``next``: the 160 tokens that follow the context;
+- ``opening``: the context's first 128 tokens, repeated after an instruction;
+- ``middle``: 128 tokens from the middle of the context, cued by the 16 before them.
+
+retention = (NLL_no_context − NLL_method) / (NLL_no_context − NLL_full); 1 is lossless.
+NVIDIA's kvpress runs the same model, text, probes and ratios in its own virtual environment
+(it pins transformers < 5.3); see ``kvpress_runner.py``. Writes
+``benchmarks/results/fidelity.{md,json,png}``. Run: ``python benchmarks/fidelity.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from agentmem import Engine
+from agentmem.compaction import compact
+from agentmem.models import EMBEDDED, resolve_model_dir
+from common import RESULTS, machine, write_results
+
+CONTEXT, NEXT, PASSAGE, CUE = 1536, 160, 128, 16
+RATIOS = (4, 10, 20, 50)
+METHODS = ("window", "top-attention", "global-eviction", "am-fast", "am")
+OPENING_PROMPT = "\n\nRepeat the beginning of the text above, word for word.\n\n"
+MIDDLE_PROMPT = "\n\nContinue this passage from the text above, word for word:\n"
+KVPRESS_PRESSES = ("snapkv", "expected_attention", "tova", "streaming_llm", "knorm", "kvzip")
+HERE = Path(__file__).resolve().parent
+
+
+def documents() -> dict[str, str]:
+    """Two prose and two code documents from the Python installation itself."""
+    from pydoc_data.topics import topics
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return {
+        "docs: compound statements": topics["compound"],
+        "docs: the debugger": topics["debugger"],
+        "code: textwrap.py": (stdlib / "textwrap.py").read_text(),
+        "code: json/decoder.py": (stdlib / "json" / "decoder.py").read_text(),
+    }
+
+
+def make_probes(tokenize, ids: list[int]) -> dict[str, tuple[list[int], int]]:
+    """probe name → (tokens to score after the context, number of target tokens at their end)."""
+    middle = CONTEXT // 2
+    return {
+        "next": (ids[CONTEXT - 1 : CONTEXT + NEXT], NEXT),
+        "opening": (tokenize(OPENING_PROMPT) + ids[:PASSAGE], PASSAGE),
+        "middle": (tokenize(MIDDLE_PROMPT) + ids[middle - CUE : middle + PASSAGE], PASSAGE),
+    }
+
+
+def probe_nll(engine: Engine, cache, probes) -> dict[str, float]:
+    """Mean NLL of each probe's target, the probe read right after the cache."""
+    return {name: -engine.score(cache, tokens)[-n:].mean().item() for name, (tokens, n) in probes.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ratios", type=int, nargs="+", default=list(RATIOS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--docs", type=int, nargs="+", default=[0, 1, 2, 3], help="which documents (indices)")
+    parser.add_argument("--no-kvpress", action="store_true", help="skip the kvpress comparison")
+    args = parser.parse_args()
+
+    engine = Engine.load(EMBEDDED)
+    tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    jobs, rows = [], []
+    for doc, text in [list(documents().items())[i] for i in args.docs]:
+        ids = tokenize(text)
+        assert len(ids) >= CONTEXT + NEXT, doc
+        probes = make_probes(tokenize, ids)
+        # The context's last token opens the "next" probe, so the cache holds the first CONTEXT - 1.
+        start = time.perf_counter()
+        full = engine.prefill(ids[: CONTEXT - 1])
+        prefill_s = time.perf_counter() - start
+        reference = {"full": probe_nll(engine, full, probes), "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
+        print(f"{doc}: prefill {prefill_s:.1f} s, NLL full {reference['full']}, none {reference['none']}", flush=True)
+        jobs.append({"doc": doc, "context": ids[: CONTEXT - 1], "probes": probes, "reference": reference})
+        for ratio in args.ratios:
+            for method in args.methods:
+                start = time.perf_counter()
+                small = compact(engine, full, ratio=ratio, method=method, keep_recent=0)
+                seconds = time.perf_counter() - start
+                nll = probe_nll(engine, small, probes)
+                rows.append(_row(doc, method, ratio, nll, reference, seconds, small.nbytes, prefill_s))
+                print(f"  {ratio:3d}x {method:16s} {seconds:6.1f} s  " + "  ".join(
+                    f"{k} {rows[-1][k]:.3f}" for k in ("next", "opening", "middle")), flush=True)
+    if not args.no_kvpress:
+        rows += run_kvpress(jobs, args.ratios)
+    summary = summarise(rows)
+    md = write_results("fidelity", "Compaction fidelity on the embedded model (retention; 1 = as good as the full cache)",
+                       summary, {"per document": "benchmarks/results/fidelity.json (rows)", "machine": machine(),
+                                 "command": "python benchmarks/fidelity.py"})
+    (RESULTS / "fidelity.json").write_text(json.dumps({"summary": summary, "rows": rows, "machine": machine()}, indent=2))
+    plot(summary)
+    print(md)
+
+
+def _row(doc, method, ratio, nll, reference, seconds, nbytes, prefill_s) -> dict:
+    row = {"doc": doc, "method": method, "ratio": ratio}
+    for probe, value in nll.items():
+        full, none = reference["full"][probe], reference["none"][probe]
+        row[probe] = (none - value) / (none - full)
+        row[f"nll {probe}"] = value
+        row[f"full nll {probe}"] = full
+    row.update({"seconds": seconds, "bytes": nbytes, "prefill seconds": prefill_s})
+    return row
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Mean retention per (method, ratio) over documents; recall = mean of opening and middle."""
+    out = []
+    keys = sorted({(r["method"], r["ratio"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    for method, ratio in keys:
+        group = [r for r in rows if (r["method"], r["ratio"]) == (method, ratio)]
+        mean = lambda key: sum(r[key] for r in group) / len(group)  # noqa: E731
+        out.append({
+            "ratio": ratio, "method": method, "next": mean("next"), "opening": mean("opening"),
+            "middle": mean("middle"), "recall (opening+middle)/2": (mean("opening") + mean("middle")) / 2,
+            "next NLL vs full": mean("nll next") / mean("full nll next"),
+            "compaction s": mean("seconds"), "KiB kept": mean("bytes") / 1024 if group[0]["bytes"] else float("nan"),
+        })
+    return out
+
+
+def run_kvpress(jobs: list[dict], ratios: list[int]) -> list[dict]:
+    """The kvpress presses on the same model, text and probes, in the kvpress virtual environment."""
+    python = ensure_kvpress_env()
+    job_file = RESULTS / "kvpress_job.json"
+    out_file = RESULTS / "kvpress_out.json"
+    payload = {
+        "model": str(resolve_model_dir(EMBEDDED)), "ratios": ratios, "presses": list(KVPRESS_PRESSES),
+        "docs": [{"doc": j["doc"], "context": j["context"], "probes": {k: list(v) for k, v in j["probes"].items()}}
+                 for j in jobs],
+    }
+    job_file.write_text(json.dumps(payload))
+    subprocess.run([str(python), str(HERE / "kvpress_runner.py"), str(job_file), str(out_file)], check=True)
+    rows = []
+    references = {j["doc"]: j["reference"] for j in jobs}
+    for r in json.loads(out_file.read_text()):
+        rows.append(_row(r["doc"], f"kvpress {r['press']}", r["ratio"], r["nll"], references[r["doc"]], r["seconds"], 0,
+                         float("nan")))
+    job_file.unlink()
+    out_file.unlink()
+    return rows
+
+
+def ensure_kvpress_env() -> Path:
+    """``benchmarks/.venv-kvpress`` with the local CPU torch and kvpress (which pins transformers < 5.3)."""
+    venv = HERE / ".venv-kvpress"
+    python = venv / "bin" / "python"
+    if not (venv / ".ready").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run(pip + ["torch==2.13.0"], check=True)
+        subprocess.run(pip + ["kvpress==0.5.5"], check=True, env={**os.environ, "PIP_NO_WARN_CONFLICTS": "1"})
+        (venv / ".ready").touch()
+    return python
+
+
+def plot(summary: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
+    for ax, key in zip(axes, ("recall (opening+middle)/2", "next")):
+        for method in sorted({r["method"] for r in summary}):
+            points = sorted((r["ratio"], r[key]) for r in summary if r["method"] == method)
+            style = "-o" if method.startswith("am") else ("--s" if method.startswith("kvpress") else ":^")
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=method, linewidth=2 if method == "am" else 1)
+        ax.set_xscale("log")
+        ax.set_xticks(sorted({r["ratio"] for r in summary}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("compaction ratio")
+        ax.set_ylabel(f"retention: {key}")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="lower left")
+    fig.suptitle("Retention vs compaction ratio, SmolLM2-135M, Python docs and sources")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "fidelity.png", dpi=120)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

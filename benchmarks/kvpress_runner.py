@@ -1,0 +1,73 @@
+"""Runs inside ``benchmarks/.venv-kvpress`` (kvpress pins transformers < 5.3); driven by fidelity.py.
+
+Reads a job (model folder, contexts as token ids, probes, ratios, press names), compresses each
+context with each press while prefilling, and scores every probe against the compressed
+cache at the context's logical positions, exactly as kvpress's own pipeline does for questions.
+Usage: ``python kvpress_runner.py JOB.json OUT.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from kvpress import (
+    ExpectedAttentionPress,
+    KnormPress,
+    KVzipPress,
+    SnapKVPress,
+    StreamingLLMPress,
+    TOVAPress,
+)
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.utils import logging as hf_logging
+
+PRESSES = {
+    "snapkv": SnapKVPress,
+    "expected_attention": ExpectedAttentionPress,
+    "tova": TOVAPress,
+    "streaming_llm": StreamingLLMPress,
+    "knorm": KnormPress,
+    "kvzip": KVzipPress,
+}
+
+
+def score(model, cache: DynamicCache, context_length: int, tokens: list[int], n_target: int) -> float:
+    lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+    ids = torch.tensor([tokens])
+    positions = torch.arange(context_length, context_length + len(tokens)).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, position_ids=positions).logits[0, :-1].float()
+    for layer, length in zip(cache.layers, lengths):  # drop the probe again, as kvpress does for answers
+        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+    logprobs = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return -logprobs[-n_target:].mean().item()
+
+
+def main() -> None:
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    job = json.loads(open(sys.argv[1]).read())
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
+    out = []
+    for doc in job["docs"]:
+        context = torch.tensor([doc["context"]])
+        for ratio in job["ratios"]:
+            for name in job["presses"]:
+                press = PRESSES[name](compression_ratio=1.0 - 1.0 / ratio)
+                cache = DynamicCache()
+                start = time.perf_counter()
+                with torch.no_grad(), press(model):
+                    model.model(input_ids=context, past_key_values=cache)
+                seconds = time.perf_counter() - start
+                nll = {probe: score(model, cache, context.shape[1], tokens, n) for probe, (tokens, n) in doc["probes"].items()}
+                out.append({"doc": doc["doc"], "press": name, "ratio": ratio, "nll": nll, "seconds": seconds,
+                            "kept": cache.get_seq_length()})
+                print(f"  kvpress {ratio:3d}x {name:20s} kept {cache.get_seq_length():5d}  {nll}", flush=True)
+    open(sys.argv[2], "w").write(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

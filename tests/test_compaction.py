@@ -1,0 +1,173 @@
+"""Compaction: API contract, exactness at ratio 1, fits that help, edge cases, repeated compaction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydoc_data.topics import topics
+
+from agentmem.compaction import METHODS, compact
+from agentmem.compaction.queries import collect_queries
+from agentmem.compaction.solvers import (
+    SpanAttention,
+    choose_fits,
+    fit_mass,
+    fit_values,
+    output_error,
+    pad_selection,
+)
+from agentmem.compaction.span import plan_span
+from agentmem.errors import InvalidInput
+
+
+@pytest.fixture(scope="module")
+def llama(tokenizer):
+    from agentmem import Engine
+    from helpers import tiny_model
+
+    return Engine(tiny_model("llama"), tokenizer)
+
+
+def doc_ids(engine, n: int) -> list[int]:
+    ids = engine.tokenizer(topics["compound"], add_special_tokens=False)["input_ids"]
+    return ids[:n]
+
+
+def test_methods_are_listed_with_descriptions():
+    for name in ("am", "am-fast", "am-omp", "window", "top-attention", "global-eviction"):
+        assert name in METHODS and len(METHODS[name]) > 20
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_keeps_about_one_in_ratio_and_leaves_input_alone(llama, method):
+    ids = doc_ids(llama, 300)
+    cache = llama.prefill(ids[:260])
+    before = cache.to_tensors()
+    small = compact(llama, cache, ratio=5, method=method, keep_recent=20, protect_prefix=8)
+    after = cache.to_tensors()
+    assert before[1] == after[1] and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    span_rows = (260 - 20 - 8) * llama.num_layers * llama.num_kv_heads
+    compacted = sum(len(layer.segments[-1].keys) for layer in small.layers)
+    assert abs(compacted - span_rows / 5) <= llama.num_layers * llama.num_kv_heads
+    assert small.logical_length == 260 and small.token_ids == cache.token_ids
+    assert all(layer.tail_length == 20 for layer in small.layers)
+    scores = llama.score(small, ids[259:])
+    assert scores.shape == (40,) and torch.isfinite(scores).all()
+
+
+def test_ratio_one_with_fitting_is_exact(llama):
+    ids = doc_ids(llama, 200)
+    cache = llama.prefill(ids[:160])
+    same = compact(llama, cache, ratio=1.0 + 1e-9, method="am", keep_recent=16)
+    assert same.is_compacted or same.physical_length == cache.physical_length
+    assert torch.allclose(llama.score(same, ids[159:]), llama.score(cache, ids[159:]), atol=1e-4)
+
+
+def test_fits_reduce_held_out_error_on_a_real_cache(engine):
+    """On the embedded model and real text, fits lower the layer-output error on unseen queries."""
+    ids = doc_ids(engine, 700)
+    cache = engine.prefill(ids[:600])
+    plan = plan_span(cache, protect_prefix=0, keep_recent=0)
+    queries = collect_queries(engine, cache, cache.token_ids, "repeat", budget=600, seed=0)
+    wins = {"values": 0, "chosen": 0, "chosen strictly": 0}
+    total = 0
+    for layer_idx in (4, 14, 24):
+        q, span = queries[layer_idx], plan.layers[layer_idx]
+        order = torch.randperm(q.q.shape[1], generator=torch.Generator().manual_seed(1))
+        train = SpanAttention.of(span, q.take(order[300:]), engine.head_dim**-0.5)
+        held = SpanAttention.of(span, q.take(order[:300]), engine.head_dim**-0.5)
+        selection = [s.topk(60).indices for s in train.scores()]
+        index, valid = pad_selection(selection)
+        kept_v = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1]))
+        zero = torch.zeros(index.shape)
+        plain = output_error(held, index, valid, zero, kept_v)
+        values = output_error(held, index, valid, zero, fit_values(train, index, valid, zero, kept_v))
+        choices = choose_fits(span, train, held, selection, fit=True)
+        chosen_index, chosen_valid = pad_selection([c.index for c in choices])
+        beta = torch.stack([c.beta for c in choices]) - span.prior.gather(1, chosen_index)
+        chosen = output_error(held, chosen_index, chosen_valid, beta, torch.stack([c.values for c in choices]))
+        wins["values"] += int((values < plain).sum())
+        wins["chosen"] += int((chosen <= plain + 1e-7).sum())
+        wins["chosen strictly"] += int((chosen < plain * 0.99).sum())
+        total += len(plain)
+    assert wins["chosen"] == total, wins  # validation never picks something worse than eviction
+    assert wins["chosen strictly"] >= 0.8 * total, wins  # and almost always a fit beats it by > 1%
+    assert wins["values"] >= 0.6 * total, wins
+
+
+def test_fits_reduce_error_on_random_caches():
+    torch.manual_seed(0)
+    from agentmem.compaction.queries import LayerQueries
+    from agentmem.compaction.span import LayerSpan
+
+    heads, n, d, queries = 2, 200, 16, 800
+    keys, values = torch.randn(heads, n, d), torch.randn(heads, n, d)
+    span = LayerSpan(keys, values, torch.zeros(heads, n), [n, n], [])
+    q = torch.randn(heads, queries, d) * 2
+    logits = torch.bmm(q, keys.transpose(1, 2)) * d**-0.5
+    out = torch.bmm(logits.softmax(-1), values)
+    lq = LayerQueries(q, logits.logsumexp(-1), out)  # the span is everything these queries see
+    train = SpanAttention.of(span, lq.take(torch.arange(600)), d**-0.5)
+    held = SpanAttention.of(span, lq.take(torch.arange(600, 800)), d**-0.5)
+    index, valid = pad_selection([torch.arange(0, n, 5)] * heads)
+    kept_v = values.gather(1, index[..., None].expand(-1, -1, d))
+    log_w = fit_mass(train, index, valid).log()
+    plain = output_error(held, index, valid, torch.zeros(index.shape), kept_v)
+    fitted = output_error(held, index, valid, log_w, fit_values(train, index, valid, log_w, kept_v))
+    assert (fitted < plain).all()
+
+
+def test_repeated_compaction_keeps_logical_positions(llama):
+    ids = doc_ids(llama, 420)
+    cache = llama.prefill(ids[:200])
+    first = compact(llama, cache, ratio=4, keep_recent=32, protect_prefix=4)
+    llama.prefill(ids[200:350], first)
+    second = compact(llama, first, ratio=4, keep_recent=32, protect_prefix=4)
+    assert second.logical_length == 350 and second.token_ids == ids[:350]
+    assert second.physical_length < first.physical_length
+    spans = [seg.span for seg in second.layers[0].segments]
+    assert spans[0] == (0, 4) and spans[-1][1] == 350 - 32  # prefix kept, one span up to the recent rows
+    # New tokens still go at the logical length: reading on works and matches positions.
+    llama.prefill(ids[350:360], second)
+    assert second.logical_length == 360
+    assert torch.isfinite(llama.score(second, ids[359:])).all()
+
+
+def test_packed_rows_cost_the_bytes_reported(llama):
+    cache = llama.prefill(doc_ids(llama, 240))
+    small = compact(llama, cache, ratio=6, method="am-fast", keep_recent=16)
+    elt = small.dtype.itemsize
+    expected = 0
+    for layer in small.layers:
+        for seg in layer.segments:
+            expected += sum(seg.head_rows) * (2 * small.head_dim + 1) * elt
+        expected += 2 * layer.tail_length * small.num_kv_heads * small.head_dim * elt
+    assert small.nbytes == expected
+    rows = [seg.head_rows for layer in small.layers for seg in layer.segments]
+    assert len({r for head_rows in rows for r in head_rows}) > 1  # global budgets: heads differ
+
+
+def test_edge_cases(llama):
+    ids = doc_ids(llama, 100)
+    cache = llama.prefill(ids[:80])
+    assert compact(llama, cache, ratio=4, keep_recent=80).physical_length == 80  # nothing to compact
+    assert compact(llama, cache, ratio=4, keep_recent=500).physical_length == 80
+    assert compact(llama, cache, target_tokens=1000, keep_recent=10).physical_length == 80  # span under budget
+    tiny = compact(llama, cache, target_tokens=0, keep_recent=10, method="global-eviction")
+    assert all(sum(layer.segments[-1].head_rows) == 0 for layer in tiny.layers)  # zero rows kept
+    assert torch.isfinite(llama.score(tiny, ids[79:])).all()
+    for bad in (0.5, float("nan"), float("inf"), -2):
+        with pytest.raises(InvalidInput):
+            compact(llama, cache, ratio=bad)
+    with pytest.raises(InvalidInput):
+        compact(llama, cache)
+    with pytest.raises(InvalidInput):
+        compact(llama, cache, ratio=2, target_tokens=3)
+    with pytest.raises(InvalidInput):
+        compact(llama, cache, ratio=2, method="magic")
+    with pytest.raises(InvalidInput):
+        compact(llama, cache, ratio=2, queries="telepathy")
+    with pytest.raises(InvalidInput):
+        compact(llama, cache, ratio=2, keep_recent=-1)
