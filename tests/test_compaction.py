@@ -171,3 +171,30 @@ def test_edge_cases(llama):
         compact(llama, cache, ratio=2, queries="telepathy")
     with pytest.raises(InvalidInput):
         compact(llama, cache, ratio=2, keep_recent=-1)
+
+
+def test_calibration_profile_sums_to_one_and_drives_budgets(llama):
+    from agentmem.compaction import calibrate
+
+    profile = calibrate.calibrate(llama, [topics["compound"], topics["debugger"]], ratio=5, context=200)
+    assert profile.shape == (llama.num_layers, llama.num_kv_heads)
+    assert math.isclose(float(profile.sum()), 1.0, rel_tol=1e-5)
+    cache = llama.prefill(doc_ids(llama, 220))
+    small = compact(llama, cache, ratio=5, keep_recent=10, head_budgets=profile, method="am-fast")
+    kept = torch.tensor([list(layer.segments[-1].head_rows) for layer in small.layers], dtype=torch.float32)
+    expected = profile * kept.sum()
+    assert (kept - expected).abs().max() <= 1.0 + 1e-6  # rounding only (no head is capped here)
+
+
+def test_shipped_profile_for_the_embedded_model(engine, tmp_path):
+    from agentmem.compaction import calibrate
+
+    profile = calibrate.shipped(engine)
+    assert profile.shape == (30, 3) and math.isclose(float(profile.sum()), 1.0, rel_tol=1e-4)
+    cache = engine.prefill(doc_ids(engine, 300))
+    small = compact(engine, cache, ratio=10, keep_recent=32, head_budgets="calibrated", method="global-eviction")
+    assert small.physical_length < cache.physical_length
+    other = tmp_path / "other.json"
+    other.write_text('{"fingerprint": "other", "proportions": [[1.0]]}')
+    with pytest.raises(InvalidInput, match="calibrated for other"):
+        compact(engine, cache, ratio=10, head_budgets=str(other))

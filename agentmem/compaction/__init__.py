@@ -12,7 +12,7 @@ import torch
 from agentmem.cache import SessionCache
 from agentmem.compaction.methods import REGISTRY, Job
 from agentmem.compaction.queries import check_source
-from agentmem.compaction.span import assemble, plan_span
+from agentmem.compaction.span import plan_span
 from agentmem.errors import InvalidInput
 
 METHODS: dict[str, str] = {name: method.description for name, method in REGISTRY.items()}
@@ -30,7 +30,7 @@ def compact(
     queries: str = "repeat",
     keep_recent: int = 256,
     protect_prefix: int = 0,
-    head_budgets: torch.Tensor | None = None,
+    head_budgets: torch.Tensor | str | None = None,
     seed: int = 0,
 ) -> SessionCache:
     """Compact every row but the first ``protect_prefix`` tokens and the last ``keep_recent``.
@@ -38,7 +38,9 @@ def compact(
     ``ratio`` r keeps ~1/r of the span's rows over all layers and heads; ``target_tokens``
     keeps that many token-equivalents (rows per layer and head) instead. Already-compacted
     segments in the span are compacted again with their β as a prior. A span that already
-    fits the budget is returned unchanged (as a copy).
+    fits the budget is returned unchanged (as a copy). ``head_budgets`` splits the budget by a
+    calibrated ``(layers, kv_heads)`` table (or ``"calibrated"``: the profile shipped for the
+    model); by default AM and global eviction choose rows globally per context.
     """
     if method not in REGISTRY:
         raise InvalidInput(f"unknown compaction method {method!r}; choose one of {', '.join(REGISTRY)}")
@@ -53,6 +55,10 @@ def compact(
             raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
     check_source(queries)
     engine.check_cache(cache)
+    if isinstance(head_budgets, str):
+        from agentmem.compaction import calibrate
+
+        head_budgets = calibrate.shipped(engine) if head_budgets == "calibrated" else calibrate.load(head_budgets, engine)
     plan = plan_span(cache, protect_prefix=protect_prefix, keep_recent=keep_recent)
     if plan is None:
         return cache.clone()
@@ -62,5 +68,4 @@ def compact(
         return cache.clone()
     job = Job(engine, cache, plan, total, queries, head_budgets, seed)
     with torch.inference_mode():
-        choices = REGISTRY[method].run(job)
-    return assemble(cache, plan, choices)
+        return REGISTRY[method].run(job)

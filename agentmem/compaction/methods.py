@@ -12,8 +12,12 @@ import torch
 
 from agentmem.compaction import budgets, solvers
 from agentmem.compaction.queries import LayerQueries, collect_queries
-from agentmem.compaction.span import HeadChoice, SpanPlan
+from agentmem.cache import SessionCache
+from agentmem.compaction.span import HeadChoice, SpanPlan, assemble, prefix_cache, span_of_rows
 from agentmem.compaction.solvers import SpanAttention
+
+
+SUMMARY_PROMPT = "\n\nSummarise the text above in at most {words} words, keeping names, numbers and facts.\nSummary:"
 
 
 @dataclass
@@ -116,25 +120,70 @@ def attention_matching(
     return out
 
 
+def summary(job: Job, *, tokens: int | None = None) -> SessionCache:
+    """Token-space baseline: the model summarises the span; the summary's rows replace it.
+
+    The summary is generated over the full cache, then read on top of the protected prefix
+    alone (its own rows, β = 0); the recent rows stay as they were. ``tokens`` defaults to the
+    budget in token-equivalents.
+    """
+    cache, plan, engine = job.cache, job.plan, job.engine
+    budget = max(1, tokens or job.total // (cache.num_layers * cache.num_kv_heads))
+    prompt = engine.tokenizer(SUMMARY_PROMPT.format(words=max(1, budget * 3 // 4)), add_special_tokens=False)
+    mark = cache.logical_length
+    try:
+        written = engine.generate(cache, prompt["input_ids"], max_new_tokens=budget)
+    finally:
+        cache.truncate(mark)
+    written = [t for t in written if t not in engine.eos_token_ids] or written[:1]
+    prefix = prefix_cache(cache, plan)
+    engine.prefill(written, prefix)
+    rows = [[HeadChoice(torch.arange(len(written)), torch.zeros(len(written)), layer.tail_values[h].float())
+             for h in range(cache.num_kv_heads)] for layer in prefix.layers]
+    summary_plan = SpanPlan(plan.start, plan.end, plan.protected_raw, plan.recent,
+                            [span_of_rows(layer, span.kept_segments) for layer, span in zip(prefix.layers, plan.layers)])
+    return assemble(cache, summary_plan, rows)
+
+
+def summary_then_am(job: Job) -> SessionCache:
+    """The summary at up to 4x the budget, then Attention Matching down to the budget."""
+    heads = job.cache.num_layers * job.cache.num_kv_heads
+    factor = min(4.0, job.plan.rows / max(1, job.total))
+    summarised = summary(job, tokens=max(1, round(job.total * factor / heads)))
+    from agentmem.compaction import compact  # the public entry point validates and plans again
+
+    return compact(job.engine, summarised, target_tokens=job.total // heads, method="am", queries=job.queries,
+                   keep_recent=job.plan.recent, protect_prefix=job.plan.start, seed=job.seed)
+
+
+def _rows(choose: Callable[[Job], list[list[HeadChoice]]]) -> Callable[[Job], SessionCache]:
+    """A row-selecting method as a cache builder."""
+    return lambda job: assemble(job.cache, job.plan, choose(job))
+
+
 @dataclass(frozen=True)
 class Method:
     name: str
     description: str
-    run: Callable[[Job], list[list[HeadChoice]]]
+    run: Callable[[Job], SessionCache]
 
 
 REGISTRY: dict[str, Method] = {
     m.name: m
     for m in (
         Method("am", "Attention Matching: global budgets, top-attention rows, held-out-validated β and value fits, "
-                     "every reference query of a whole-span repeat", attention_matching),
+                     "every reference query of a whole-span repeat", _rows(attention_matching)),
         Method("am-fast", "Attention Matching fitted on at most 1,536 reference queries per KV head (faster)",
-               lambda job: attention_matching(job, max_queries=1536)),
+               _rows(lambda job: attention_matching(job, max_queries=1536))),
         Method("am-omp", "Attention Matching with rows chosen by OMP on the mass residual (thorough, slower)",
-               lambda job: attention_matching(job, omp=True)),
-        Method("window", "baseline: attention sinks + most recent rows (StreamingLLM)", window),
-        Method("top-attention", "baseline: uniform per-head eviction by attention (H2O/SnapKV-like)", top_attention),
+               _rows(lambda job: attention_matching(job, omp=True))),
+        Method("window", "baseline: attention sinks + most recent rows (StreamingLLM)", _rows(window)),
+        Method("top-attention", "baseline: uniform per-head eviction by attention (H2O/SnapKV-like)",
+               _rows(top_attention)),
         Method("global-eviction", "baseline: global eviction by normalised attention, no fitting (KVzip-like)",
-               global_eviction),
+               _rows(global_eviction)),
+        Method("summary", "baseline: the model summarises the span in tokens; the summary's rows replace it", summary),
+        Method("summary+am", "the summary at up to 4x the budget, compacted by Attention Matching to the budget",
+               summary_then_am),
     )
 }

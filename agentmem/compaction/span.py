@@ -133,3 +133,26 @@ def _identity_segment(layer: LayerCache, rows: int, start: int) -> CompactedSegm
         head_rows=(rows,) * heads,
         span=(start, start + rows),
     )
+
+
+def prefix_cache(cache: SessionCache, plan: SpanPlan) -> SessionCache:
+    """Only what precedes the span — kept segments and protected raw rows — with the prefix's tokens.
+
+    New tokens read into it take the span's first positions (used to re-read a summary).
+    """
+    tail_start = cache.logical_length - cache.layers[0].tail_length
+    layers = []
+    for layer, span in zip(cache.layers, plan.layers):
+        segments = list(span.kept_segments)
+        if plan.protected_raw:
+            segments.append(_identity_segment(layer, plan.protected_raw, tail_start))
+        empty = layer.tail_keys[:, :0]
+        layers.append(LayerCache(segments, empty, empty))
+    return SessionCache(layers, cache.token_ids[: plan.start], cache.fingerprint)
+
+
+def span_of_rows(layer: LayerCache, kept: list[CompactedSegment]) -> LayerSpan:
+    """A layer's raw tail as a span (every head the same rows, prior 0) after the ``kept`` segments."""
+    keys, values = layer.tail_keys.float(), layer.tail_values.float()
+    heads, rows, _ = keys.shape
+    return LayerSpan(keys, values, torch.zeros(heads, rows), [rows] * heads, kept)
