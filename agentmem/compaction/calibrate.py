@@ -15,7 +15,7 @@ import torch
 
 from agentmem.compaction import budgets
 from agentmem.compaction.queries import collect_queries
-from agentmem.compaction.solvers import SpanAttention
+from agentmem.compaction.solvers import row_scores
 from agentmem.compaction.span import plan_span
 from agentmem.errors import InvalidInput
 
@@ -34,7 +34,7 @@ def calibrate(engine, texts: list[str], *, ratio: float = 10.0, context: int = 1
         plan = plan_span(cache, protect_prefix=0, keep_recent=0)
         queries = collect_queries(engine, cache, cache.token_ids, "repeat", budget=len(ids), seed=0)
         scale = engine.head_dim**-0.5
-        scores = [SpanAttention.of(layer, q, scale).scores() for layer, q in zip(plan.layers, queries)]
+        scores = [row_scores(layer, q, scale) for layer, q in zip(plan.layers, queries)]
         chosen = budgets.global_top(scores, [layer.counts for layer in plan.layers], round(plan.rows / ratio))
         kept = torch.tensor([[len(rows) for rows in layer] for layer in chosen], dtype=torch.float32)
         shares += kept / kept.sum()

@@ -59,7 +59,7 @@ def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadCh
 
 
 def _scores(job: Job, queries: list[LayerQueries]) -> list[torch.Tensor]:
-    return [SpanAttention.of(layer, q, job.scale).scores() for layer, q in zip(job.plan.layers, queries)]
+    return [solvers.row_scores(layer, q, job.scale) for layer, q in zip(job.plan.layers, queries)]
 
 
 def _per_head_top(scores: list[torch.Tensor], budget: list[list[int]]) -> list[list[torch.Tensor]]:

@@ -28,6 +28,7 @@ from agentmem.compaction.queries import LayerQueries
 from agentmem.compaction.span import HeadChoice, LayerSpan
 
 BETA_BOUND = 3.0  # |β − prior| ≤ 3, as in the paper
+MAX_FIT_ROWS = 512  # heads keeping more rows keep them unfitted: the O(t³) solves cost more than they gain
 _NEG = float("-inf")
 
 
@@ -51,7 +52,14 @@ class SpanAttention:
 
     def scores(self) -> torch.Tensor:
         """Each span row's largest attention weight over the queries, normalised by *all* they saw: ``(H, n)``."""
-        return (self.logits - self.queries.lse[..., None]).exp().amax(dim=1)
+        return (self.logits - self.queries.lse[..., None]).amax(dim=1).exp()
+
+
+def row_scores(span: LayerSpan, queries: LayerQueries, scale: float) -> torch.Tensor:
+    """:meth:`SpanAttention.scores` without the rest of the span's attention (for selection only)."""
+    logits = torch.bmm(queries.q, span.keys.transpose(1, 2)).mul_(scale)
+    logits += span.prior[:, None, :] - queries.lse[..., None]
+    return logits.amax(dim=1).exp()
 
 
 def pad_selection(selection: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +187,7 @@ def choose_fits(
     kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1]))
     prior = span.prior.gather(1, index)
     candidates = [(prior, kept_values)]
-    if fit and len(train.lse_span[0]):
+    if fit and len(train.lse_span[0]) and index.shape[1] <= MAX_FIT_ROWS:
         for log_w in (torch.zeros_like(prior), fit_scalar_mass(train, index, valid).log(),
                       fit_mass(train, index, valid).log()):
             if log_w.any():
