@@ -61,3 +61,11 @@ class VersionConflict(AgentMemError):
 
 class StoreUnavailable(AgentMemError):
     """The store (database file, server) cannot be reached or written right now."""
+
+
+class BudgetExceeded(AgentMemError):
+    """A tenant's policy says ``reject`` and the request would go over one of its budgets."""
+
+
+class SessionBusy(AgentMemError):
+    """Another process holds the session's lease (it is live there)."""

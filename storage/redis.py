@@ -195,6 +195,45 @@ class RedisStore:
                     self._call(lambda: self._redis.zrem(index, sid))
         return removed
 
+    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
+        check_tenant(tenant)
+        check_session_id(session_id)
+        key, ttl_ms = _lease_key(tenant, session_id), max(1, int(ttl_seconds * 1000))
+
+        def acquire() -> bool:
+            if self._redis.set(key, owner, nx=True, px=ttl_ms):
+                return True
+            with self._redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(key)
+                    holder = pipe.get(key)
+                    if holder is not None and holder.decode() != owner:
+                        return False
+                    pipe.multi()
+                    pipe.set(key, owner, px=ttl_ms)
+                    pipe.execute()
+                    return True
+                except WatchError:
+                    return False
+
+        return self._call(acquire)
+
+    def release_lease(self, tenant: str, session_id: str, owner: str) -> None:
+        key = _lease_key(tenant, session_id)
+
+        def release() -> None:
+            with self._redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(key)
+                    if pipe.get(key) == owner.encode():
+                        pipe.multi()
+                        pipe.delete(key)
+                        pipe.execute()
+                except WatchError:
+                    pass  # someone else took it meanwhile: nothing of ours to release
+
+        self._call(release)
+
     def close(self) -> None:
         self._redis.close()
 
@@ -227,6 +266,10 @@ def _meta_key(tenant: str, session_id: str) -> str:
 
 def _chunk_key(tenant: str, session_id: str, write_id: str, index: int) -> str:
     return f"am:{_tag(tenant, session_id)}:blob:{write_id}:{index}"
+
+
+def _lease_key(tenant: str, session_id: str) -> str:
+    return f"am:{_tag(tenant, session_id)}:lease"
 
 
 def _index_key(tenant: str) -> str:

@@ -63,12 +63,26 @@ sessions_table = Table(
 )
 
 
+leases_table = Table(
+    "agentmem_leases",
+    metadata,
+    Column("tenant", String(128), primary_key=True),
+    Column("session_id", String(256), primary_key=True),
+    Column("owner", String(128), nullable=False),
+    Column("expires_at", Float, nullable=False),
+)
+
+
 def _create_v1(conn: Connection) -> None:
     metadata.create_all(conn, tables=[sessions_table])
 
 
+def _add_leases_v2(conn: Connection) -> None:
+    metadata.create_all(conn, tables=[leases_table])
+
+
 # Each entry brings the schema from version i to i + 1; append, never edit.
-MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1]
+MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1, _add_leases_v2]
 
 
 class SqlStore:
@@ -201,6 +215,27 @@ class SqlStore:
         t = sessions_table.c
         with self._transaction() as conn:
             return conn.execute(delete(sessions_table).where(t.expires_at.is_not(None), t.expires_at <= now)).rowcount
+
+    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
+        check_tenant(tenant)
+        check_session_id(session_id)
+        now = time.time()
+        key = leases_table.c.tenant == tenant, leases_table.c.session_id == session_id
+        with self._transaction() as conn:
+            row = conn.execute(select(leases_table.c.owner, leases_table.c.expires_at).where(*key)).first()
+            if row is None:
+                conn.execute(insert(leases_table).values(tenant=tenant, session_id=session_id, owner=owner,
+                                                         expires_at=now + ttl_seconds))
+                return True
+            if row.owner != owner and row.expires_at > now:
+                return False
+            conn.execute(update(leases_table).where(*key).values(owner=owner, expires_at=now + ttl_seconds))
+            return True
+
+    def release_lease(self, tenant: str, session_id: str, owner: str) -> None:
+        t = leases_table.c
+        with self._transaction() as conn:
+            conn.execute(delete(leases_table).where(t.tenant == tenant, t.session_id == session_id, t.owner == owner))
 
     def close(self) -> None:
         self._engine.dispose()

@@ -126,3 +126,16 @@ def test_store_reopens_with_data(store_url):
     again = open_store(store_url)
     assert again.get("acme", "s1").blob == b"persisted"
     again.close()
+
+
+def test_leases_exclude_other_owners_until_released_or_expired(store):
+    assert store.acquire_lease("acme", "s1", "worker-a", 30)
+    assert store.acquire_lease("acme", "s1", "worker-a", 30)  # renewal by the holder
+    assert not store.acquire_lease("acme", "s1", "worker-b", 30)
+    assert store.acquire_lease("globex", "s1", "worker-b", 30)  # another tenant's session: another lease
+    store.release_lease("acme", "s1", "worker-b")  # not the holder: no effect
+    assert not store.acquire_lease("acme", "s1", "worker-b", 30)
+    store.release_lease("acme", "s1", "worker-a")
+    assert store.acquire_lease("acme", "s1", "worker-b", 0.2)
+    time.sleep(0.3)
+    assert store.acquire_lease("acme", "s1", "worker-a", 30)  # expired: free again

@@ -1,0 +1,115 @@
+"""Per-tenant budget policies: when to compact, how, what to keep, and what to do when over.
+
+A :class:`BudgetPolicy` is validated on construction, and loads from YAML/JSON files or from
+``AGENTMEM_*`` environment variables (``AGENTMEM_MAX_LIVE_TOKENS=4096`` …).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agentmem.errors import InvalidInput
+
+ENV_PREFIX = "AGENTMEM_"
+
+
+class BudgetPolicy(BaseModel):
+    """How a tenant's sessions use memory. Sizes are in tokens (rows per layer and KV head) or bytes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = "default"
+    max_live_tokens: int = Field(4096, gt=0, description="physical rows that trigger compaction")
+    target_ratio: float | None = Field(4.0, description="compact the span to 1/ratio of its rows")
+    target_tokens: int | None = Field(None, ge=0, description="or to this many token-equivalents")
+    keep_recent: int = Field(256, ge=0, description="most recent tokens kept raw")
+    protect_system_prompt: bool = True
+    method: str = "am-fast"
+    queries: str = "repeat"
+    max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
+    max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
+    ttl_seconds: float | None = Field(None, gt=0)
+    storage_dtype: Literal["fp32", "fp16", "bf16", "int8"] = "fp16"
+    on_over_budget: Literal["compact", "spill", "reject"] = "compact"
+    max_context_tokens: int | None = Field(None, gt=0, description="logical tokens a session may read")
+
+    @field_validator("target_ratio")
+    @classmethod
+    def _ratio(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value >= 1):
+            raise ValueError("target_ratio must be a finite number >= 1")
+        return value
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, value: str) -> str:
+        from agentmem.compaction import METHODS
+
+        if value not in METHODS:
+            raise ValueError(f"unknown compaction method {value!r}; choose one of {', '.join(METHODS)}")
+        return value
+
+    @field_validator("queries")
+    @classmethod
+    def _queries(cls, value: str) -> str:
+        from agentmem.compaction.queries import check_source
+
+        check_source(value)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BudgetPolicy:
+        if (self.target_ratio is None) == (self.target_tokens is None):
+            raise ValueError("set exactly one of target_ratio and target_tokens")
+        if self.keep_recent >= self.max_live_tokens:
+            raise ValueError(f"keep_recent ({self.keep_recent}) must be below max_live_tokens ({self.max_live_tokens})")
+        if self.target_tokens is not None and self.target_tokens + self.keep_recent >= self.max_live_tokens:
+            raise ValueError("target_tokens + keep_recent must be below max_live_tokens, or compaction cannot help")
+        return self
+
+    @classmethod
+    def create(cls, **fields) -> BudgetPolicy:
+        """Construct, raising :class:`InvalidInput` (one line per problem) instead of pydantic's error."""
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            raise InvalidInput(_explain(exc)) from exc
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> dict[str, BudgetPolicy]:
+        """Policies per tenant from YAML or JSON: ``{tenant: {field: value}}``; the key ``default`` is the fallback."""
+        import yaml
+
+        try:
+            text = Path(path).read_text()
+            data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            raise InvalidInput(f"cannot read policies from {path}: {exc}") from exc
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            raise InvalidInput(f"{path} must map tenant names to policy fields")
+        return {tenant: cls.create(name=tenant, **fields) for tenant, fields in data.items()}
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> BudgetPolicy:
+        """A policy from ``AGENTMEM_<FIELD>`` variables (e.g. ``AGENTMEM_TARGET_RATIO=8``)."""
+        environ = os.environ if environ is None else environ
+        fields = {}
+        for name in cls.model_fields:
+            value = environ.get(ENV_PREFIX + name.upper())
+            if value is not None:
+                fields[name] = None if value.lower() in ("", "none", "null") else value
+        if "target_tokens" in fields and "target_ratio" not in fields:
+            fields["target_ratio"] = None
+        return cls.create(**{**fields, **overrides})
+
+
+def _explain(exc: ValidationError) -> str:
+    return "invalid budget policy: " + "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'policy'}: {err['msg']}" for err in exc.errors()
+    )
