@@ -28,7 +28,7 @@ class BudgetPolicy(BaseModel):
     max_live_tokens: int = Field(4096, gt=0, description="physical rows that trigger compaction")
     target_ratio: float | None = Field(4.0, description="compact the span to 1/ratio of its rows")
     target_tokens: int | None = Field(None, ge=0, description="or to this many token-equivalents")
-    keep_recent: int = Field(256, ge=0, description="most recent tokens kept raw")
+    keep_recent: int = Field(256, ge=1, description="most recent tokens kept raw (at least 1: decoding resumes from it)")
     protect_system_prompt: bool = True
     method: str = "am-fast"
     queries: str = "repeat"

@@ -1,0 +1,471 @@
+"""Sessions: live caches per (tenant, session id) under per-tenant budgets, spilled and resumed by ID.
+
+A :class:`SessionManager` keeps sessions live in memory; each turn reads only the tokens the
+cache does not hold yet (``engine.chat_delta``), compacts the cache when it crosses the
+tenant's ``max_live_tokens`` (before reading, and during a long generation), and spills
+least-recently-used idle sessions to the store when live bytes exceed the device budget. A
+session is live in one process at a time: loading it takes a lease in the store.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agentmem.cache import SessionCache
+from agentmem.compaction import compact
+from agentmem.engine import Engine
+from agentmem.errors import BudgetExceeded, HistoryDivergence, InvalidInput, SessionBusy, SessionNotFound
+from agentmem.metrics import Metrics, prometheus_text
+from agentmem.policy import BudgetPolicy
+from agentmem.record import CacheStore, SessionRecord, check_session_id, check_tenant
+from agentmem.storage import decode_cache, encode_cache, open_store
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class Usage:
+    """What one turn cost: tokens read, reused, generated; compactions; the cache afterwards."""
+
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    compactions: int = 0
+    live_tokens: int = 0
+    logical_tokens: int = 0
+    live_bytes: int = 0
+    reprefilled_tokens: int = 0  # read again because the caller's history diverged from the session's
+    finish_reason: str = "stop"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Reply:
+    text: str
+    usage: Usage
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Session:
+    """One live conversation; calls on it are serialised by its lock."""
+
+    def __init__(self, manager: SessionManager, tenant: str, session_id: str, cache: SessionCache,
+                 messages: list[dict[str, Any]], version: int, created_at: float) -> None:
+        self.manager, self.tenant, self.session_id = manager, tenant, session_id
+        self.cache, self._messages, self.version, self.created_at = cache, messages, version, created_at
+        self.lock = threading.RLock()
+        self.last_used = time.monotonic()
+        self._last_reply_ids: list[int] = []
+
+    @property
+    def policy(self) -> BudgetPolicy:
+        return self.manager.policy_for(self.tenant)
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return [dict(m) for m in self._messages]
+
+    def chat(self, message_or_messages: str | Mapping[str, Any] | Sequence[Mapping[str, Any]], **generation) -> Reply:
+        """Add a user turn (a string or message) or pass the whole conversation (a list); reply to it."""
+        pieces, usage = [], None
+        for item in self.stream(message_or_messages, **generation):
+            if isinstance(item, Usage):
+                usage = item
+            else:
+                pieces.append(item)
+        return Reply("".join(pieces), usage, self._last_reply_ids)
+
+    def stream(self, message_or_messages, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
+               seed: int | None = None) -> Iterator[str | Usage]:
+        """Like :meth:`chat`, yielding text pieces as they are generated and finally the :class:`Usage`."""
+        with self.lock:
+            self.manager._touch(self)
+            usage = Usage()
+            conversation = self._conversation(message_or_messages)
+            delta = self._reconcile(conversation, usage)
+            self._check_context(len(delta) + max_new_tokens)
+            if self.cache.physical_length + len(delta) > self.policy.max_live_tokens:
+                self._compact(usage)
+            usage.reused_tokens = self.cache.logical_length
+            usage.prefilled_tokens += len(delta)
+            generated: list[int] = []
+            shown = ""
+            for token in self._generate(delta, usage, max_new_tokens, temperature=temperature, top_p=top_p,
+                                        top_k=top_k, stop=stop, seed=seed):
+                generated.append(token)
+                text = _visible(self.manager.engine, generated, stop)
+                if len(text) > len(shown) and not text.endswith("\ufffd"):
+                    yield text[len(shown):]
+                    shown = text
+            text = _visible(self.manager.engine, generated, stop, final=True)
+            if len(text) > len(shown):
+                yield text[len(shown):]
+            eos = self.manager.engine.eos_token_ids
+            stopped = text != _visible(self.manager.engine, generated, None)
+            usage.finish_reason = "stop" if generated and (generated[-1] in eos or stopped) else "length"
+            content = self.manager.engine.tokenizer.decode([t for t in generated if t not in eos])
+            self._messages = conversation + [{"role": "assistant", "content": content}]
+            self._last_reply_ids = generated
+            usage.generated_tokens = len(generated)
+            usage.live_tokens, usage.logical_tokens = self.cache.physical_length, self.cache.logical_length
+            usage.live_bytes = self.cache.nbytes
+            self.manager._record_turn(self, usage)
+            yield usage
+
+    def fork(self, new_id: str) -> Session:
+        """A new session of the same tenant starting from this one's cache and messages."""
+        with self.lock:
+            return self.manager._adopt(self.tenant, new_id, self.cache.clone(), self.messages)
+
+    # ------------------------------------------------------------------------ internals
+
+    def _conversation(self, given) -> list[dict[str, Any]]:
+        if isinstance(given, str):
+            return self._messages + [{"role": "user", "content": given}]
+        if isinstance(given, Mapping):
+            return self._messages + [dict(given)]
+        if isinstance(given, Sequence) and given:
+            return [dict(m) if isinstance(m, Mapping) else m for m in given]
+        raise InvalidInput("chat takes a string, a message mapping or a non-empty list of messages")
+
+    def _reconcile(self, conversation: list[dict[str, Any]], usage: Usage) -> list[int]:
+        """Tokens to read so the cache holds ``conversation``; re-reads from a divergence, visibly."""
+        engine = self.manager.engine
+        try:
+            return engine.chat_delta(self.cache, conversation)
+        except HistoryDivergence as diverged:
+            held = self.cache.logical_length
+            if diverged.common_tokens >= held - self.cache.layers[0].tail_length:
+                self.cache.truncate(diverged.common_tokens)
+            else:  # the edit reaches into compacted rows: only a full re-read is exact
+                self.cache = engine.new_cache()
+            usage.reprefilled_tokens = held - self.cache.logical_length
+            return engine.chat_delta(self.cache, conversation)
+
+    def _check_context(self, needed: int) -> None:
+        limit = self.policy.max_context_tokens
+        if limit is not None and self.cache.logical_length + needed > limit:
+            raise BudgetExceeded(
+                f"session {self.tenant}/{self.session_id} holds {self.cache.logical_length} tokens; "
+                f"{needed} more would exceed the policy's max_context_tokens={limit}"
+            )
+
+    def _compact(self, usage: Usage) -> None:
+        policy = self.policy
+        if policy.on_over_budget == "reject":
+            raise BudgetExceeded(
+                f"session {self.tenant}/{self.session_id} has {self.cache.physical_length} live tokens; "
+                f"max_live_tokens={policy.max_live_tokens} and the policy rejects instead of compacting"
+            )
+        self.cache = self.manager._compact(self.tenant, self.cache, self._system_tokens())
+        usage.compactions += 1
+
+    def _system_tokens(self) -> int:
+        """Tokens of the leading system prompt (protected from compaction when the policy says so)."""
+        if not self.policy.protect_system_prompt or not self._messages or self._messages[0]["role"] != "system":
+            return 0
+        engine = self.manager.engine
+        return min(len(engine.chat_delta(engine.new_cache(), self._messages[:1])), self.cache.logical_length)
+
+    def _generate(self, prompt: list[int], usage: Usage, max_new_tokens: int, **sampling) -> Iterator[int]:
+        """Generate, compacting whenever the live rows reach the budget (online compaction).
+
+        When a round of decoding fills the budget mid-reply, its last token is taken back out
+        of the cache, the cache is compacted, and decoding resumes from that token.
+        """
+        engine, limit = self.manager.engine, self.policy.max_live_tokens
+        produced: list[int] = []
+        while len(produced) < max_new_tokens:
+            room = max(1, limit - self.cache.physical_length - len(prompt))
+            step = min(max_new_tokens - len(produced), room)
+            count = 0
+            for token in engine.stream(self.cache, prompt, max_new_tokens=step, **sampling):
+                produced.append(token)
+                count += 1
+                yield token
+            ended = count < step or produced[-1] in engine.eos_token_ids
+            if ended or _visible(engine, produced, sampling.get("stop"), final=True) != _visible(engine, produced, None):
+                return
+            if len(produced) < max_new_tokens:
+                self.cache.truncate(self.cache.logical_length - 1)
+                prompt = [produced[-1]]
+                self._compact(usage)
+
+
+def _visible(engine: Engine, ids: list[int], stop: Sequence[str] | None, final: bool = False) -> str:
+    """Decoded reply text, cut at the first stop string; while streaming, a possible stop prefix is held back."""
+    text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    for s in stop or ():
+        if s in text:
+            return text[: text.index(s)]
+    if not final and stop:
+        hold = max(len(s) for s in stop) - 1
+        return text[: max(0, len(text) - hold)]
+    return text
+
+
+
+
+class SessionManager:
+    """Live sessions of many tenants on one engine, spilled to and resumed from one store.
+
+    ``policies`` maps tenant → :class:`BudgetPolicy` (others get ``default_policy``);
+    ``device_budget_bytes`` bounds the bytes of all live caches together. ``lease_wait`` is how
+    long :meth:`session` waits for another process to release a session before raising
+    :class:`SessionBusy`.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: str | CacheStore | None = None,
+        *,
+        policies: Mapping[str, BudgetPolicy] | None = None,
+        default_policy: BudgetPolicy | None = None,
+        device_budget_bytes: int | None = None,
+        lease_seconds: float = 600.0,
+        lease_wait: float = 0.0,
+    ) -> None:
+        if device_budget_bytes is not None and device_budget_bytes <= 0:
+            raise InvalidInput(f"device_budget_bytes must be positive, got {device_budget_bytes}")
+        self.engine = engine
+        self.store: CacheStore = open_store(store) if store is None or isinstance(store, str) else store
+        self.policies = dict(policies or {})
+        self.default_policy = default_policy or BudgetPolicy()
+        self.device_budget_bytes = device_budget_bytes
+        self.lease_seconds, self.lease_wait = lease_seconds, lease_wait
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.metrics = Metrics()
+        self._live: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        self._lock = threading.RLock()
+
+    def policy_for(self, tenant: str) -> BudgetPolicy:
+        return self.policies.get(tenant, self.default_policy)
+
+    # ------------------------------------------------------------------------ sessions
+
+    def session(self, session_id: str, *, tenant: str = "default", create: bool = True) -> Session:
+        """The live session, else the stored one (resumed without re-reading), else a new one."""
+        key = (check_tenant(tenant), check_session_id(session_id))
+        with self._lock:
+            if key in self._live:
+                self._live.move_to_end(key)
+                return self._live[key]
+            self._take_lease(tenant, session_id)
+            try:
+                record = self.store.get(tenant, session_id)
+            except SessionNotFound:
+                if not create:
+                    self.store.release_lease(tenant, session_id, self.owner)
+                    raise
+                return self._adopt(tenant, session_id, self.engine.new_cache(), [], leased=True)
+            except BaseException:
+                self.store.release_lease(tenant, session_id, self.owner)
+                raise
+            try:
+                cache = decode_cache(record.blob, fingerprint=self.engine.fingerprint, device=self.engine.device,
+                                     dtype=self.engine.dtype)
+            except BaseException:
+                self.store.release_lease(tenant, session_id, self.owner)
+                raise
+            self.metrics.add("resumes")
+            session = Session(self, tenant, session_id, cache, list(record.messages), record.version, record.created_at)
+            return self._register(session)
+
+    def spill(self, tenant: str, session_id: str) -> int:
+        """Write the session to the store and drop it from memory; returns the stored version."""
+        key = (check_tenant(tenant), check_session_id(session_id))
+        with self._lock:
+            session = self._live.get(key)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} of tenant {tenant!r} is not live here")
+        with session.lock:
+            version = self._write(session)
+            with self._lock:
+                self._live.pop(key, None)
+            self.store.release_lease(tenant, session_id, self.owner)
+            self.metrics.add("spills")
+            return version
+
+    def spill_all(self) -> None:
+        with self._lock:
+            keys = list(self._live)
+        for tenant, session_id in keys:
+            self.spill(tenant, session_id)
+
+    def delete(self, tenant: str, session_id: str) -> bool:
+        """Forget a session, live and stored."""
+        key = (check_tenant(tenant), check_session_id(session_id))
+        with self._lock:
+            live = self._live.pop(key, None)
+        removed = self.store.delete(tenant, session_id)
+        self.store.release_lease(tenant, session_id, self.owner)
+        return removed or live is not None
+
+    def list(self, tenant: str) -> list[dict[str, Any]]:
+        """Every session of ``tenant``: stored ones with their size, live ones marked live."""
+        check_tenant(tenant)
+        out: dict[str, dict[str, Any]] = {}
+        cursor = None
+        while True:
+            page = self.store.list(tenant, limit=1000, cursor=cursor)
+            for item in page.items:
+                out[item.session_id] = {"session_id": item.session_id, "live": False, "logical_tokens": item.logical_length,
+                                        "stored_bytes": item.nbytes, "version": item.version}
+            if page.next_cursor is None:
+                break
+            cursor = page.next_cursor
+        with self._lock:
+            for (t, sid), session in self._live.items():
+                if t == tenant:
+                    entry = out.setdefault(sid, {"session_id": sid, "stored_bytes": 0, "version": session.version})
+                    entry.update(live=True, logical_tokens=session.cache.logical_length, live_bytes=session.cache.nbytes)
+        return [out[k] for k in sorted(out)]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            live = list(self._live.values())
+        gauges = {
+            "live_sessions": len(live),
+            "live_bytes": sum(s.cache.nbytes for s in live),
+            "live_tokens": sum(s.cache.physical_length for s in live),
+            "logical_tokens": sum(s.cache.logical_length for s in live),
+        }
+        return {**self.metrics.snapshot(), **gauges}
+
+    def prometheus(self) -> str:
+        stats = self.stats()
+        counters = self.metrics.snapshot()
+        return prometheus_text(counters, {k: v for k, v in stats.items() if k not in counters})
+
+    def close(self) -> None:
+        """Spill every live session and close the store."""
+        try:
+            self.spill_all()
+        finally:
+            self.store.close()
+
+    def __enter__(self) -> SessionManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------ internals
+
+    def _take_lease(self, tenant: str, session_id: str) -> None:
+        deadline = time.monotonic() + self.lease_wait
+        while not self.store.acquire_lease(tenant, session_id, self.owner, self.lease_seconds):
+            if time.monotonic() >= deadline:
+                raise SessionBusy(f"session {session_id!r} of tenant {tenant!r} is live in another process")
+            time.sleep(0.05)
+
+    def _adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]],
+               *, leased: bool = False) -> Session:
+        key = (check_tenant(tenant), check_session_id(session_id))
+        with self._lock:
+            if key in self._live:
+                raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists")
+            if not leased:
+                self._take_lease(tenant, session_id)
+            return self._register(Session(self, tenant, session_id, cache, messages, 0, time.time()))
+
+    def _register(self, session: Session) -> Session:
+        """Make ``session`` live, first spilling the tenant's LRU session if it is at ``max_sessions``."""
+        policy = self.policy_for(session.tenant)
+        if policy.max_sessions is not None:
+            mine = [s for s in self._live.values() if s.tenant == session.tenant]
+            if len(mine) >= policy.max_sessions:
+                if policy.on_over_budget == "reject":
+                    self.store.release_lease(session.tenant, session.session_id, self.owner)
+                    raise BudgetExceeded(
+                        f"tenant {session.tenant!r} has {len(mine)} live sessions; max_sessions={policy.max_sessions}"
+                    )
+                self._evict(lambda s: s.tenant == session.tenant, keep=session)
+        self._live[(session.tenant, session.session_id)] = session
+        return session
+
+    def _touch(self, session: Session) -> None:
+        session.last_used = time.monotonic()
+        with self._lock:
+            self._live.move_to_end((session.tenant, session.session_id))
+        self.store.acquire_lease(session.tenant, session.session_id, self.owner, self.lease_seconds)
+
+    def _record_turn(self, session: Session, usage: Usage) -> None:
+        for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "compactions", "reprefilled_tokens"):
+            self.metrics.add(name, getattr(usage, name))
+        self.metrics.add("turns")
+        self._enforce_device_budget(keep=session)
+
+    def _compact(self, tenant: str, cache: SessionCache, protect: int) -> SessionCache:
+        policy = self.policy_for(tenant)
+        target = {"ratio": policy.target_ratio} if policy.target_ratio is not None else {
+            "target_tokens": policy.target_tokens}
+        self.metrics.add("compactions")
+        return compact(self.engine, cache, method=policy.method, queries=policy.queries,
+                       keep_recent=policy.keep_recent, protect_prefix=protect, **target)
+
+    def _enforce_device_budget(self, keep: Session) -> None:
+        if self.device_budget_bytes is None:
+            return
+        with self._lock:
+            total = sum(s.cache.nbytes for s in self._live.values())
+        if total <= self.device_budget_bytes:
+            return
+        if self.policy_for(keep.tenant).on_over_budget == "reject" and len(self._live) == 1:
+            return  # nothing else to spill; the session's own budget is its policy's business
+        self._evict(lambda s: True, keep=keep)
+
+    def _evict(self, eligible, keep: Session) -> None:
+        """Spill least-recently-used idle sessions (compacting first where the policy says so) until
+        the device budget holds, or, for ``max_sessions``, one session of the tenant."""
+        with self._lock:
+            candidates = [s for s in self._live.values() if s is not keep and eligible(s)]
+        for victim in candidates:  # OrderedDict order: least recently used first
+            if not victim.lock.acquire(blocking=False):
+                continue  # busy in another thread: not idle
+            try:
+                policy = self.policy_for(victim.tenant)
+                if policy.on_over_budget == "compact" and victim.cache.physical_length > policy.keep_recent:
+                    victim.cache = self._compact(victim.tenant, victim.cache, victim._system_tokens())
+                self.spill(victim.tenant, victim.session_id)
+            finally:
+                victim.lock.release()
+            with self._lock:
+                total = sum(s.cache.nbytes for s in self._live.values())
+            if self.device_budget_bytes is None or total <= self.device_budget_bytes:
+                return
+
+    def _write(self, session: Session) -> int:
+        policy = self.policy_for(session.tenant)
+        blob = encode_cache(session.cache, dtype=policy.storage_dtype)
+        if policy.max_stored_bytes is not None:
+            used = self.store.usage(session.tenant).bytes
+            try:
+                previous = len(self.store.get(session.tenant, session.session_id).blob)
+            except SessionNotFound:
+                previous = 0
+            if used - previous + len(blob) > policy.max_stored_bytes:
+                raise BudgetExceeded(
+                    f"tenant {session.tenant!r} stores {used} bytes; this session's {len(blob)} would exceed "
+                    f"max_stored_bytes={policy.max_stored_bytes}"
+                )
+        record = SessionRecord(
+            tenant=session.tenant, session_id=session.session_id, model_fingerprint=self.engine.fingerprint,
+            logical_length=session.cache.logical_length, token_ids=session.cache.token_ids, messages=session.messages,
+            policy=policy.name, created_at=session.created_at, updated_at=time.time(),
+            ttl_seconds=policy.ttl_seconds, blob=blob,
+        )
+        session.version = self.store.put(session.tenant, session.session_id, record, expected_version=session.version)
+        return session.version
