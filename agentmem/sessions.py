@@ -281,7 +281,9 @@ class SessionManager:
                 raise
             self.metrics.add("resumes")
             session = Session(self, tenant, session_id, cache, list(record.messages), record.version, record.created_at)
-            return self._register(session)
+            self._register(session)
+        self._enforce_device_budget(keep=session)
+        return session
 
     def spill(self, tenant: str, session_id: str) -> int:
         """Write the session to the store and drop it from memory; returns the stored version."""
