@@ -175,30 +175,27 @@ def test_fork_copies_and_diverges(tiny, tmp_path):
         assert base.cache.token_ids == child.cache.token_ids[: base.cache.logical_length]
 
 
-def test_lease_excludes_a_second_process(tmp_path):
+def test_lease_excludes_a_second_process(engine, tmp_path):
     db = f"sqlite:///{tmp_path / 'lease.db'}"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from agentmem import Engine, SessionManager
         with SessionManager(Engine.load("embedded", device="cpu"), {db!r}) as m:
-            m.session("busy", tenant="acme")
+            m.session("busy", tenant="acme").chat("hello", max_new_tokens=2)
             print("ready", flush=True)
             sys.stdin.readline()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "ready"
-        from agentmem.storage import open_store
-
-        store = open_store(db)
-        manager = SessionManager.__new__(SessionManager)  # no engine needed to take a lease
-        SessionManager.__init__(manager, engine=None, store=store)
+        manager = SessionManager(engine, db)
         with pytest.raises(SessionBusy, match="live in another process"):
-            manager._take_lease("acme", "busy")
-        manager.lease_wait = 30
+            manager.session("busy", tenant="acme")
+        manager.lease_wait = 60
         holder.stdin.write("\n")
         holder.stdin.flush()
-        manager._take_lease("acme", "busy")  # waits until the holder spills and releases
-        store.close()
+        resumed = manager.session("busy", tenant="acme")  # waits until the holder spills and releases
+        assert resumed.messages[0]["content"] == "hello" and resumed.version == 1
+        manager.close()
     finally:
         holder.kill()
         holder.wait()
