@@ -222,3 +222,40 @@ def test_threads_serialise_per_session_and_run_sessions_concurrently(tiny, tmp_p
             assert len(session.messages) == 12  # two threads x three turns x (user + assistant)
             assert tiny.chat_delta(session.cache, session.messages + [{"role": "user", "content": "x"}])
         assert manager.stats()["turns"] == 18
+
+
+def test_online_compaction_during_a_long_generation(tiny, tmp_path):
+    policy = BudgetPolicy(max_live_tokens=96, keep_recent=16, target_ratio=4, method="global-eviction")
+    saved, tiny.eos_token_ids = tiny.eos_token_ids, frozenset()  # a random model must not stop by chance
+    try:
+        with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+            session = manager.session("long")
+            reply = session.chat("Write a lot.", max_new_tokens=200)
+            usage = reply.usage
+            assert usage.generated_tokens == 200 and usage.finish_reason == "length"
+            assert usage.compactions >= 2  # decoding went on after each compaction
+            assert usage.live_tokens <= policy.max_live_tokens
+            assert usage.logical_tokens == usage.prefilled_tokens + 200
+            assert session.cache.token_ids[-200:] == reply.token_ids  # every generated token is in the cache
+    finally:
+        tiny.eos_token_ids = saved
+
+
+def test_max_stored_bytes_refuses_the_spill_and_keeps_the_session(tiny, tmp_path):
+    policy = BudgetPolicy(max_stored_bytes=1000)
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("big")
+        session.chat("hello", max_new_tokens=2)
+        with pytest.raises(BudgetExceeded, match="max_stored_bytes=1000"):
+            manager.spill("default", "big")
+        assert manager.session("big") is session  # still live, nothing lost
+        manager.policies["default"] = BudgetPolicy()  # lift the limit so close() can spill
+
+
+def test_metrics_in_prometheus_text_format(tiny, tmp_path):
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager:
+        manager.session("m").chat("hello", max_new_tokens=3)
+        text = manager.prometheus()
+    assert "# TYPE agentmem_turns_total counter\nagentmem_turns_total 1\n" in text
+    assert "# TYPE agentmem_live_sessions gauge\nagentmem_live_sessions 1\n" in text
+    assert "agentmem_generated_tokens_total 3" in text
