@@ -64,9 +64,9 @@ def run_demo(*, model: str, max_new_tokens: int, echo: Callable[[str], None] = p
         ("blob size", f"{len(blob) / 2**20:.1f} MiB"),
         ("restore from blob", f"{restore_s * 1e3:.1f} ms"),
         ("re-read the transcript", f"{reread_s * 1e3:.1f} ms ({reread_s / restore_s:.0f}x slower)"),
-        (f"p(answer) restored cache", f"{math.exp(with_memory):.3g}  (log {with_memory:.2f})"),
-        (f"p(answer) re-read cache", f"{math.exp(same):.3g}  (log {same:.2f})"),
-        (f"p(answer) never told", f"{math.exp(without):.3g}  (log {without:.2f})"),
+        ("p(answer) restored cache", f"{math.exp(with_memory):.3g}  (log {with_memory:.2f})"),
+        ("p(answer) re-read cache", f"{math.exp(same):.3g}  (log {same:.2f})"),
+        ("p(answer) never told", f"{math.exp(without):.3g}  (log {without:.2f})"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

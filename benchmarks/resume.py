@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import redis
-import torch
 
 from agentmem import Engine, SessionCache
+from agentmem.compaction import compact
 from agentmem.record import SessionRecord
 from agentmem.storage import decode_cache, encode_cache, open_store
 from agentmem.storage.local_redis import LocalRedis
@@ -34,20 +34,8 @@ NEW_MESSAGE = "\nQuestion: what does the text above say about exceptions?"
 
 
 def compacted_10x(engine: Engine, cache: SessionCache) -> SessionCache:
-    """A 10x-smaller cache for its byte size: AM when available, else sink + recent window."""
-    try:
-        from agentmem.compaction import compact
-    except ImportError:
-        compact = None
-    if compact is not None:
-        return compact(engine, cache, ratio=10, keep_recent=64, method="am-fast")
-    keep = cache.logical_length // 10
-    layers = [
-        type(layer)([], torch.cat([layer.tail_keys[:, :4], layer.tail_keys[:, -(keep - 4) :]], 1),
-                    torch.cat([layer.tail_values[:, :4], layer.tail_values[:, -(keep - 4) :]], 1))
-        for layer in cache.layers
-    ]
-    return SessionCache(layers, cache.token_ids, cache.fingerprint)
+    """The cache compacted 10x by Attention Matching (am-fast), the last 64 tokens kept raw."""
+    return compact(engine, cache, ratio=10, keep_recent=64, method="am-fast")
 
 
 def raw_readers(sqlite_path: Path, redis_url: str, tenant: str, session_id: str):

@@ -127,9 +127,9 @@ def decode_cache(
             digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
             try:
                 cache = _build(header, blob, device, dtype)
-            except Exception:
+            except Exception as exc:
                 if digest.result() != header.get("data_sha256"):
-                    raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged")
+                    raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged") from exc
                 raise
             if digest.result() != header.get("data_sha256"):
                 raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged")

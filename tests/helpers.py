@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -13,6 +14,9 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+if TYPE_CHECKING:
+    from agentmem import Engine
 
 
 TINY = dict(

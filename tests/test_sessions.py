@@ -9,7 +9,6 @@ import textwrap
 import threading
 
 import pytest
-import torch
 from pydoc_data.topics import topics
 
 from agentmem import BudgetPolicy, Engine, SessionManager

@@ -18,13 +18,13 @@ def global_top(scores: list[torch.Tensor], counts: list[list[int]], total: int) 
     for layer, (layer_scores, layer_counts) in enumerate(zip(scores, counts)):
         for head, n in enumerate(layer_counts):
             flat.append(layer_scores[head, :n])
-            owners.append((layer, head, n))
+            owners.append((layer, n))
     everything = torch.cat(flat)
     keep = torch.zeros(everything.numel(), dtype=torch.bool)
     keep[everything.topk(min(total, everything.numel())).indices] = True
     out: list[list[torch.Tensor]] = [[] for _ in scores]
     offset = 0
-    for layer, head, n in owners:
+    for layer, n in owners:
         out[layer].append(keep[offset : offset + n].nonzero()[:, 0])
         offset += n
     return out
