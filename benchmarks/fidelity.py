@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--docs", type=int, nargs="+", default=[0, 1, 2, 3], help="which documents (indices)")
     parser.add_argument("--no-kvpress", action="store_true", help="skip the kvpress comparison")
+    parser.add_argument("--update", action="store_true",
+                        help="re-measure only --methods and merge them into the saved results")
     args = parser.parse_args()
 
     engine = Engine.load(EMBEDDED)
@@ -106,6 +108,10 @@ def main() -> None:
                     f"{k} {rows[-1][k]:.3f}" for k in ("next", "opening", "middle")), flush=True)
     if not args.no_kvpress:
         rows += run_kvpress(jobs, args.ratios)
+    if args.update:
+        measured = {(r["doc"], r["method"], r["ratio"]) for r in rows}
+        saved = json.loads((RESULTS / "fidelity.json").read_text())["rows"]
+        rows = [r for r in saved if (r["doc"], r["method"], r["ratio"]) not in measured] + rows
     summary = summarise(rows)
     md = write_results("fidelity", "Compaction fidelity on the embedded model (retention; 1 = as good as the full cache)",
                        summary, {"per document": "benchmarks/results/fidelity.json (rows)", "machine": machine(),

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import torch
 
 from agentmem.compaction import budgets, solvers
-from agentmem.compaction.queries import LayerQueries, collect_queries
+from agentmem.compaction.queries import REPEAT_PROMPT, LayerQueries, collect_queries, sample_chunks
 from agentmem.cache import SessionCache
 from agentmem.compaction.span import HeadChoice, SpanPlan, assemble, prefix_cache, span_of_rows
 from agentmem.compaction.solvers import SpanAttention
 
 
+VALIDATION_TOKENS = 256
 SUMMARY_PROMPT = "\n\nSummarise the text above in at most {words} words, keeping names, numbers and facts.\nSummary:"
 
 
@@ -112,12 +113,30 @@ def attention_matching(
         selection = _per_head_top(scores, budgets.proportional(job.counts, job.total, job.head_budgets))
     else:
         selection = budgets.global_top(scores, job.counts, job.total)
-    out = []
+    fitted, kept = [], []
     for layer, (train, held), rows in zip(job.plan.layers, splits, selection):
         if omp:
             rows = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
-        out.append(solvers.choose_fits(layer, train, held, rows, fit=True))
-    return out
+        kept.append(rows)
+        fitted.append(solvers.choose_fits(layer, train, held, rows, fit=True))
+    return end_to_end_choice(job, [fitted, _unfitted(job, kept)])
+
+
+def end_to_end_choice(job: Job, candidates: list[list[list[HeadChoice]]]) -> list[list[HeadChoice]]:
+    """The candidate under which the model best re-reads the span (lowest NLL), judged end to end.
+
+    Per-head fits are validated on each layer's attention output, but errors compound
+    through the layers: on verbatim-heavy text (code) unfitted rows sometimes serve the whole
+    model better. Scoring "repeat the text above" plus chunks of the span under each
+    candidate settles it with the model's own likelihood, for ~2 short scoring passes.
+    """
+    tokenize = lambda text: job.engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    probe = tokenize(REPEAT_PROMPT) + sample_chunks(job.span_tokens(), VALIDATION_TOKENS)
+    room = job.engine.max_context - job.cache.logical_length
+    if len(candidates) == 1 or room < len(probe):
+        return candidates[0]
+    nll = [-job.engine.score(assemble(job.cache, job.plan, c), probe).mean().item() for c in candidates]
+    return candidates[min(range(len(candidates)), key=nll.__getitem__)]
 
 
 def summary(job: Job, *, tokens: int | None = None) -> SessionCache:

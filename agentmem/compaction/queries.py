@@ -93,14 +93,14 @@ def _collect_one(engine, cache: SessionCache, span_tokens: list[int], source: st
             cache.truncate(mark)
         tokens = prompt + written
     else:
-        tokens = (encode(REPEAT_PROMPT) if source == "repeat" else []) + _sample_chunks(span_tokens, budget)
+        tokens = (encode(REPEAT_PROMPT) if source == "repeat" else []) + sample_chunks(span_tokens, budget)
     room = engine.max_context - cache.logical_length
     collector = QueryCollector()
     engine.observe(cache, tokens[:room], collector)
     return collector.layers()
 
 
-def _sample_chunks(tokens: list[int], budget: int) -> list[int]:
+def sample_chunks(tokens: list[int], budget: int) -> list[int]:
     """``budget`` tokens as evenly spread contiguous chunks of the span (all of it if it fits)."""
     if len(tokens) <= budget:
         return list(tokens)
