@@ -198,6 +198,7 @@ def plot(summary: list[dict]) -> None:
         ax.set_xscale("log")
         ax.set_xticks(sorted({r["ratio"] for r in summary}))
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("compaction ratio")
         ax.set_ylabel(f"retention: {key}")
         ax.grid(alpha=0.3)
