@@ -103,17 +103,18 @@ class LayerCache:
         self.bias: torch.Tensor | None = None
         if self.prefix_length:
             self.bias = torch.full((heads, self.prefix_length), -math.inf, dtype=dtype, device=device)
-            # Padding slots get weight 0, but 0 * NaN garbage would still poison the output.
-            self._keys[:, : self.prefix_length].zero_()
-            self._values[:, : self.prefix_length].zero_()
         offset = 0
         for seg in segments:
-            for h in range(heads if seg.width else 0):
-                rows = seg.head_slice(h)
-                n = seg.head_rows[h]
-                self._keys[h, offset : offset + n] = seg.keys[rows].to(dtype)
-                self._values[h, offset : offset + n] = seg.values[rows].to(dtype)
-                self.bias[h, offset : offset + n] = seg.beta[rows].to(dtype)
+            keys, values, beta = (t.to(dtype) for t in (seg.keys, seg.values, seg.beta))
+            start = 0
+            for h, n in enumerate(seg.head_rows if seg.width else ()):
+                self._keys[h, offset : offset + n] = keys[start : start + n]
+                self._values[h, offset : offset + n] = values[start : start + n]
+                self.bias[h, offset : offset + n] = beta[start : start + n]
+                # Padding slots get weight 0, but 0 * NaN garbage would still poison the output.
+                self._keys[h, offset + n : offset + seg.width] = 0
+                self._values[h, offset + n : offset + seg.width] = 0
+                start += n
             offset += seg.width
         self._keys[:, offset : offset + tail_len] = tail_keys
         self._values[:, offset : offset + tail_len] = tail_values
