@@ -77,7 +77,8 @@ def main() -> None:
         "peak live MiB": max(t["live_bytes"] for t in timeline) / 2**20,
         "all sessions uncompacted MiB": logical_total * bytes_per_token / 2**20,
     }]
-    md = write_results("sessions", "50 support sessions x 20 turns through one manager (embedded model, SQLite)",
+    md = write_results("sessions", f"{args.sessions} support sessions x {args.turns} turns through one manager "
+                                   "(embedded model, SQLite)",
                        rows, {"policy": policy.model_dump(), "machine": machine(),
                               "command": "python benchmarks/sessions.py"})
     plot(latencies, timeline, budget)
