@@ -23,7 +23,7 @@ def main() -> None:
 @app.command()
 def demo(
     model: str = typer.Option("embedded", help="'embedded' or a local Hugging Face model folder"),
-    max_new_tokens: int = typer.Option(40, help="tokens generated per reply"),
+    max_new_tokens: int = typer.Option(32, help="tokens generated per reply"),
 ) -> None:
     """A support conversation on the embedded model: only new tokens are read each turn,
     and the cache survives a save/restore bit-exactly without re-reading the transcript."""

@@ -9,16 +9,16 @@ from typer.testing import CliRunner
 from agentmem.cli import app
 
 
-def test_demo_reads_only_new_tokens_and_restores_exactly(engine):
-    result = CliRunner().invoke(app, ["demo", "--max-new-tokens", "8"])
+def test_demo_compacts_resumes_reading_only_the_new_message_and_measures_recall(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path))
+    monkeypatch.setattr("agentmem.demo.Engine.load", lambda *a, **k: engine)
+    result = CliRunner().invoke(app, ["demo", "--max-new-tokens", "32"])
     assert result.exit_code == 0, result.output
-    reused = [int(m) for m in re.findall(r"reused (\d+) from the cache", result.output)]
-    assert reused[0] == 0 and all(b > a for a, b in zip(reused, reused[1:]))
-    restored = re.search(r"p\(answer\) restored cache\s+\S+\s+\(log (-?[\d.]+)\)", result.output)
-    reread = re.search(r"p\(answer\) re-read cache\s+\S+\s+\(log (-?[\d.]+)\)", result.output)
-    never = re.search(r"p\(answer\) never told\s+\S+\s+\(log (-?[\d.]+)\)", result.output)
-    assert abs(float(restored.group(1)) - float(reread.group(1))) < 1e-2
-    assert float(restored.group(1)) > float(never.group(1))
+    assert int(re.search(r"compactions\s+(\d+)", result.output).group(1)) >= 1
+    assert re.search(r"tokens re-read on resume\s+0 \+ \d+ \(the new message\)", result.output)
+    logs = {name: float(v) for name, v in re.findall(r"p\(answer\), ([^\n]+?)\s+\S+\s+\(log (-?[\d.]+)\)", result.output)}
+    assert logs["compacted session"] > logs["a session never told"]
+    assert logs["full cache (never compacted)"] > logs["a session never told"]
 
 
 def test_bad_model_is_one_line_error_and_exit_code():

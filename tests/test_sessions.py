@@ -258,3 +258,11 @@ def test_metrics_in_prometheus_text_format(tiny, tmp_path):
     assert "# TYPE agentmem_turns_total counter\nagentmem_turns_total 1\n" in text
     assert "# TYPE agentmem_live_sessions gauge\nagentmem_live_sessions 1\n" in text
     assert "agentmem_generated_tokens_total 3" in text
+
+
+def test_compactions_are_counted_once(tiny, tmp_path):
+    policy = BudgetPolicy(max_live_tokens=48, keep_recent=8, target_ratio=4, method="window")
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("c")
+        total = sum(session.chat(filler(i), max_new_tokens=4).usage.compactions for i in range(3))
+        assert total >= 2 and manager.stats()["compactions"] == total
