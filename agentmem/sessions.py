@@ -66,6 +66,7 @@ class Session:
         self.lock = threading.RLock()
         self.last_used = time.monotonic()
         self._last_reply_ids: list[int] = []
+        self.stored_bytes = 0  # size of its blob in the store; the lease makes this copy the only writer
 
     @property
     def policy(self) -> BudgetPolicy:
@@ -281,6 +282,7 @@ class SessionManager:
                 raise
             self.metrics.add("resumes")
             session = Session(self, tenant, session_id, cache, list(record.messages), record.version, record.created_at)
+            session.stored_bytes = len(record.blob)
             self._register(session)
         self._enforce_device_budget(keep=session)
         return session
@@ -454,11 +456,7 @@ class SessionManager:
         blob = encode_cache(session.cache, dtype=policy.storage_dtype)
         if policy.max_stored_bytes is not None:
             used = self.store.usage(session.tenant).bytes
-            try:
-                previous = len(self.store.get(session.tenant, session.session_id).blob)
-            except SessionNotFound:
-                previous = 0
-            if used - previous + len(blob) > policy.max_stored_bytes:
+            if used - session.stored_bytes + len(blob) > policy.max_stored_bytes:
                 raise BudgetExceeded(
                     f"tenant {session.tenant!r} stores {used} bytes; this session's {len(blob)} would exceed "
                     f"max_stored_bytes={policy.max_stored_bytes}"
@@ -470,4 +468,5 @@ class SessionManager:
             ttl_seconds=policy.ttl_seconds, blob=blob,
         )
         session.version = self.store.put(session.tenant, session.session_id, record, expected_version=session.version)
+        session.stored_bytes = len(blob)
         return session.version

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agentmem.errors import InvalidInput
+from agentmem.errors import InvalidInput, StoreUnavailable
 from agentmem.home import agentmem_home
 from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
 from agentmem.storage.codec import STORAGE_DTYPES, decode_cache, encode_cache, read_header
@@ -43,7 +43,11 @@ def open_store(url: str | None = None) -> CacheStore:
 
         return RedisStore(url)
     if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-        Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(url.removeprefix("sqlite:///")).expanduser().parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot open SQL store {url}: cannot create {folder}: {exc}") from exc
     from agentmem.storage.sql import SqlStore
 
     return SqlStore(url)

@@ -139,3 +139,15 @@ def test_leases_exclude_other_owners_until_released_or_expired(store):
     assert store.acquire_lease("acme", "s1", "worker-b", 0.2)
     time.sleep(0.3)
     assert store.acquire_lease("acme", "s1", "worker-a", 30)  # expired: free again
+
+
+def test_unreachable_stores_raise_store_unavailable(tmp_path):
+    from agentmem.errors import StoreUnavailable
+    from agentmem.storage.local_redis import free_port
+
+    with pytest.raises(StoreUnavailable, match="unavailable"):
+        open_store(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(StoreUnavailable, match="cannot open SQL store"):
+        open_store(f"sqlite:///{blocker}/sessions.db")  # parent is a file
