@@ -16,6 +16,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from agentmem.errors import InvalidInput, UnsupportedModel
+from agentmem.tools import check_tools, system_prompt_with_tools, template_supports_tools
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _SENTINEL = "\ue000agentmem-content-{}\ue001"
@@ -50,12 +51,31 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 
 
 def render_pieces(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[TextPiece]:
-    """The templated conversation as alternating template and content pieces."""
+    """The templated conversation as alternating template and content pieces.
+
+    ``tools`` (OpenAI-style function specs) go to the template when it takes them, else into
+    the system message (see :mod:`agentmem.tools`).
+    """
     checked = validate_messages(messages)
+    template_kwargs: dict[str, Any] = {}
+    if tools:
+        tools = check_tools(tools)
+        if template_supports_tools(tokenizer.chat_template):
+            template_kwargs["tools"] = tools
+        elif checked[0]["role"] == "system":
+            checked[0] = {**checked[0], "content": system_prompt_with_tools(checked[0]["content"], tools)}
+        else:
+            checked.insert(0, {"role": "system", "content": system_prompt_with_tools("", tools)})
     masked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(checked)]
-    rendered = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    rendered = tokenizer.apply_chat_template(
+        masked, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
     pieces: list[TextPiece] = []
     cursor = 0
     seen = set()

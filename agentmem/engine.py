@@ -226,17 +226,24 @@ class Engine:
 
     # ------------------------------------------------------------------------------ chat
 
-    def chat_delta(self, cache: SessionCache, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def chat_delta(
+        self,
+        cache: SessionCache,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Tokens to append so the cache holds ``messages`` rendered by the chat template.
 
         The cache's tokens are decoded (never re-tokenised) and compared with the rendered
         conversation as text; only the unread rest is tokenised. A generation prompt is
-        added unless the last message is the assistant's. Raises :class:`HistoryDivergence`
+        added unless the last message is the assistant's. ``tools`` are rendered as
+        :func:`agentmem.chat.render_pieces` describes. Raises :class:`HistoryDivergence`
         if the conversation does not extend what the cache holds.
         """
         messages = validate_messages(messages)
         add_prompt = messages[-1]["role"] != "assistant"
-        pieces = render_pieces(self.tokenizer, messages, add_generation_prompt=add_prompt)
+        pieces = render_pieces(self.tokenizer, messages, add_generation_prompt=add_prompt, tools=tools)
         held = cache.token_ids
         held_text = self._decode(held)
         rendered = "".join(p.text for p in pieces)

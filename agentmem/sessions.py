@@ -44,6 +44,7 @@ class Usage:
     live_bytes: int = 0
     reprefilled_tokens: int = 0  # read again because the caller's history diverged from the session's
     finish_reason: str = "stop"
+    compaction_events: list[dict[str, Any]] = field(default_factory=list)  # rows before/after, seconds
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +67,7 @@ class Session:
         self.lock = threading.RLock()
         self.last_used = time.monotonic()
         self._last_reply_ids: list[int] = []
+        self._tools: list[dict[str, Any]] | None = None  # tools the last turn was rendered with
         self.stored_bytes = 0  # size of its blob in the store; the lease makes this copy the only writer
 
     @property
@@ -88,13 +90,22 @@ class Session:
 
     def stream(self, message_or_messages, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
-               seed: int | None = None) -> Iterator[str | Usage]:
-        """Like :meth:`chat`, yielding text pieces as they are generated and finally the :class:`Usage`."""
+               seed: int | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+               reply_prefix: str = "") -> Iterator[str | Usage]:
+        """Like :meth:`chat`, yielding text pieces as they are generated and finally the :class:`Usage`.
+
+        ``tools`` (OpenAI-style function specs) are rendered into the prompt (see
+        :mod:`agentmem.tools`); ``reply_prefix`` is text the reply is made to start with (read
+        as part of the prompt, yielded first, and part of the stored reply).
+        """
         with self.lock:
             self.manager._touch(self)
             usage = Usage()
             conversation = self._conversation(message_or_messages)
+            self._tools = list(tools) if tools else None
             delta = self._reconcile(conversation, usage)
+            delta += self.manager.engine.tokenizer(reply_prefix, add_special_tokens=False,
+                                                   split_special_tokens=True)["input_ids"] if reply_prefix else []
             self._check_context(len(delta) + max_new_tokens)
             if self.cache.physical_length + len(delta) > self.policy.max_live_tokens:
                 self._compact(usage)
@@ -102,6 +113,8 @@ class Session:
             usage.prefilled_tokens += len(delta)
             generated: list[int] = []
             shown = ""
+            if reply_prefix:
+                yield reply_prefix
             for token in self._generate(delta, usage, max_new_tokens, temperature=temperature, top_p=top_p,
                                         top_k=top_k, stop=stop, seed=seed):
                 generated.append(token)
@@ -115,7 +128,7 @@ class Session:
             eos = self.manager.engine.eos_token_ids
             stopped = text != _visible(self.manager.engine, generated, None)
             usage.finish_reason = "stop" if generated and (generated[-1] in eos or stopped) else "length"
-            content = self.manager.engine.tokenizer.decode([t for t in generated if t not in eos])
+            content = reply_prefix + self.manager.engine.tokenizer.decode([t for t in generated if t not in eos])
             self._messages = conversation + [{"role": "assistant", "content": content}]
             self._last_reply_ids = generated
             usage.generated_tokens = len(generated)
@@ -144,15 +157,25 @@ class Session:
         """Tokens to read so the cache holds ``conversation``; re-reads from a divergence, visibly."""
         engine = self.manager.engine
         try:
-            return engine.chat_delta(self.cache, conversation)
+            delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
         except HistoryDivergence as diverged:
-            held = self.cache.logical_length
-            if diverged.common_tokens >= held - self.cache.layers[0].tail_length:
-                self.cache.truncate(diverged.common_tokens)
-            else:  # the edit reaches into compacted rows: only a full re-read is exact
-                self.cache = engine.new_cache()
-            usage.reprefilled_tokens = held - self.cache.logical_length
-            return engine.chat_delta(self.cache, conversation)
+            self._rewind(diverged.common_tokens, usage)
+            delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
+        if not delta and self.cache.logical_length:
+            # The cache already holds the whole prompt (a regenerated reply): the last token is
+            # read again, since generation needs its logits.
+            self._rewind(self.cache.logical_length - 1, usage)
+            delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
+        return delta
+
+    def _rewind(self, keep_tokens: int, usage: Usage) -> None:
+        """Drop what the cache holds after its first ``keep_tokens`` tokens, counting what must be re-read."""
+        held = self.cache.logical_length
+        if keep_tokens >= held - self.cache.layers[0].tail_length:
+            self.cache.truncate(keep_tokens)
+        else:  # the cut reaches into compacted rows: only a full re-read is exact
+            self.cache = self.manager.engine.new_cache()
+        usage.reprefilled_tokens += held - self.cache.logical_length
 
     def _check_context(self, needed: int) -> None:
         limit = self.policy.max_context_tokens
@@ -169,15 +192,22 @@ class Session:
                 f"session {self.tenant}/{self.session_id} has {self.cache.physical_length} live tokens; "
                 f"max_live_tokens={policy.max_live_tokens} and the policy rejects instead of compacting"
             )
+        before, began = self.cache.physical_length, time.perf_counter()
         self.cache = self.manager._compact(self.tenant, self.cache, self._system_tokens())
         usage.compactions += 1
+        usage.compaction_events.append({
+            "rows_before": before, "rows_after": self.cache.physical_length,
+            "logical_tokens": self.cache.logical_length, "seconds": round(time.perf_counter() - began, 4),
+            "method": policy.method,
+        })
 
     def _system_tokens(self) -> int:
         """Tokens of the leading system prompt (protected from compaction when the policy says so)."""
         if not self.policy.protect_system_prompt or not self._messages or self._messages[0]["role"] != "system":
             return 0
         engine = self.manager.engine
-        return min(len(engine.chat_delta(engine.new_cache(), self._messages[:1])), self.cache.logical_length)
+        system = engine.chat_delta(engine.new_cache(), self._messages[:1], tools=self._tools)
+        return min(len(system), self.cache.logical_length)
 
     def _generate(self, prompt: list[int], usage: Usage, max_new_tokens: int, **sampling) -> Iterator[int]:
         """Generate, compacting whenever the live rows reach the budget (online compaction).
