@@ -59,8 +59,9 @@ def run_demo(*, model: str, max_new_tokens: int, echo: Callable[[str], None] = p
             echo(f"       assistant: {reply.text.strip()[:120]}")
             echo(f"       read {usage.prefilled_tokens} new tokens, reused {usage.reused_tokens}; "
                  f"live rows {before} -> {usage.live_tokens} of {usage.logical_tokens} read; {seconds:.1f} s")
-            if usage.compactions:
-                echo(f"       compacted {usage.compactions}x (budget {POLICY.max_live_tokens} live tokens crossed)")
+            for event in usage.compaction_events:
+                echo(f"       compacted ({event['method']}, budget {POLICY.max_live_tokens} live tokens crossed): "
+                     f"{event['rows_before']} -> {event['rows_after']} rows in {event['seconds']:.2f} s")
         messages = session.messages
         compacted = session.cache.clone()
         stats = manager.stats()

@@ -29,6 +29,7 @@ from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_m
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
 from agentmem.models import (
     EMBEDDED,
+    EMBEDDED_DIR_NAME,
     check_supported,
     default_device,
     default_dtype,
@@ -85,7 +86,7 @@ class Engine:
         device = torch.device(device) if device is not None else default_device()
         dtype = dtype or default_dtype(device)
         hf_model, tokenizer = load_model(model, device=device, dtype=dtype, attn_implementation=attention.register())
-        return cls(hf_model, tokenizer, beta_mode=beta_mode, name=str(model))
+        return cls(hf_model, tokenizer, beta_mode=beta_mode, name=EMBEDDED_DIR_NAME if str(model) == EMBEDDED else str(model))
 
     @property
     def device(self) -> torch.device:

@@ -192,14 +192,26 @@ class Session:
                 f"session {self.tenant}/{self.session_id} has {self.cache.physical_length} live tokens; "
                 f"max_live_tokens={policy.max_live_tokens} and the policy rejects instead of compacting"
             )
-        before, began = self.cache.physical_length, time.perf_counter()
-        self.cache = self.manager._compact(self.tenant, self.cache, self._system_tokens())
+        usage.compaction_events.append(self._compact_with(policy))
         usage.compactions += 1
-        usage.compaction_events.append({
+
+    def compact(self, **overrides: Any) -> dict[str, Any]:
+        """Compact now, with the tenant's policy or these fields of it overridden
+        (``target_ratio``, ``target_tokens``, ``method``, ``keep_recent`` …); returns the event."""
+        with self.lock:
+            fields = self.policy.model_dump()
+            if "target_tokens" in overrides and "target_ratio" not in overrides:
+                fields["target_ratio"] = None
+            return self._compact_with(BudgetPolicy.create(**{**fields, **overrides}))
+
+    def _compact_with(self, policy: BudgetPolicy) -> dict[str, Any]:
+        before, began = self.cache.physical_length, time.perf_counter()
+        self.cache = self.manager._compact(policy, self.cache, self._system_tokens())
+        return {
             "rows_before": before, "rows_after": self.cache.physical_length,
             "logical_tokens": self.cache.logical_length, "seconds": round(time.perf_counter() - began, 4),
             "method": policy.method,
-        })
+        }
 
     def _system_tokens(self) -> int:
         """Tokens of the leading system prompt (protected from compaction when the policy says so)."""
@@ -442,8 +454,7 @@ class SessionManager:
         self.metrics.add("turns")
         self._enforce_device_budget(keep=session)
 
-    def _compact(self, tenant: str, cache: SessionCache, protect: int) -> SessionCache:
-        policy = self.policy_for(tenant)
+    def _compact(self, policy: BudgetPolicy, cache: SessionCache, protect: int) -> SessionCache:
         target = {"ratio": policy.target_ratio} if policy.target_ratio is not None else {
             "target_tokens": policy.target_tokens}
         self.metrics.add("compactions")
@@ -472,7 +483,7 @@ class SessionManager:
             try:
                 policy = self.policy_for(victim.tenant)
                 if policy.on_over_budget == "compact" and victim.cache.physical_length > policy.keep_recent:
-                    victim.cache = self._compact(victim.tenant, victim.cache, victim._system_tokens())
+                    victim.cache = self._compact(policy, victim.cache, victim._system_tokens())
                 self.spill(victim.tenant, victim.session_id)
             finally:
                 victim.lock.release()

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from agentmem.errors import InvalidInput, StoreUnavailable
@@ -30,7 +31,8 @@ __all__ = [
 
 
 def default_url() -> str:
-    return f"sqlite:///{agentmem_home() / 'sessions.db'}"
+    """``$AGENTMEM_STORE`` if set, else SQLite at ``$AGENTMEM_HOME/sessions.db``."""
+    return os.environ.get("AGENTMEM_STORE") or f"sqlite:///{agentmem_home() / 'sessions.db'}"
 
 
 def open_store(url: str | None = None) -> CacheStore:
