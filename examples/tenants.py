@@ -1,0 +1,58 @@
+"""Two tenants on one manager and one store, each under its own budget policy.
+
+``acme`` keeps long raw tails and compacts with Attention Matching; ``budget-co`` is held to a
+small budget and compacts by the recent window. The same session ID in both tenants names two
+different sessions, and neither tenant can list, read or delete the other's.
+
+    python examples/tenants.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.errors import SessionNotFound
+
+POLICIES = {
+    "acme": BudgetPolicy(name="acme", max_live_tokens=1024, keep_recent=256, target_ratio=4, method="am-fast"),
+    "budget-co": BudgetPolicy(name="budget-co", max_live_tokens=160, keep_recent=32, target_ratio=4, method="window"),
+}
+MESSAGES = [
+    "Hello, I need help with my account settings and my last invoice.",
+    "The invoice lists two monthly plans, but I only signed up for one of them.",
+    "Can you explain how to remove the second plan and get the difference refunded?",
+]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", default="sqlite:///tenants.db")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    engine = Engine.load("embedded")
+    result = {}
+    with SessionManager(engine, args.store, policies=POLICIES) as manager:
+        for tenant in POLICIES:
+            manager.delete(tenant, "support-1")
+            session = manager.session("support-1", tenant=tenant)
+            compactions = sum(session.chat(m, max_new_tokens=args.max_new_tokens).usage.compactions for m in MESSAGES)
+            result[tenant] = {"live_rows": session.cache.physical_length, "tokens": session.cache.logical_length,
+                              "compactions": compactions}
+            print(f"{tenant:10} policy {POLICIES[tenant].method:8} budget {POLICIES[tenant].max_live_tokens:5}: "
+                  f"{session.cache.logical_length} tokens read, {session.cache.physical_length} rows live, "
+                  f"{compactions} compactions")
+        manager.spill_all()
+        for tenant in POLICIES:
+            print(f"{tenant} sees: {[s['session_id'] for s in manager.list(tenant)]}")
+        try:
+            manager.store.get("acme", "budget-co:support-1")  # a forged key is not another tenant's session
+        except (SessionNotFound, ValueError) as exc:
+            print(f"acme asking for budget-co's session: {type(exc).__name__}")
+            result["forged_read"] = type(exc).__name__
+    return result
+
+
+if __name__ == "__main__":
+    main()
