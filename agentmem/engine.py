@@ -68,6 +68,9 @@ class Engine:
         self.vocab_size: int = cfg.vocab_size
         self.max_context: int = cfg.max_position_embeddings
         self.eos_token_ids: frozenset[int] = _eos_ids(model, tokenizer)
+        # Bytes one raw token adds to a cache: keys and values of every layer and KV head.
+        self.bytes_per_token: int = 2 * self.num_layers * self.num_kv_heads * self.head_dim * (
+            torch.finfo(model.dtype).bits // 8)
 
     @classmethod
     def load(

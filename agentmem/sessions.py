@@ -9,26 +9,38 @@ session is live in one process at a time: loading it takes a lease in the store.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agentmem.cache import SessionCache
 from agentmem.compaction import compact
 from agentmem.engine import Engine
-from agentmem.errors import BudgetExceeded, HistoryDivergence, InvalidInput, SessionBusy, SessionNotFound
+from agentmem.errors import (
+    AgentMemError,
+    BudgetExceeded,
+    HistoryDivergence,
+    InvalidInput,
+    SessionBusy,
+    SessionNotFound,
+    StoreUnavailable,
+)
 from agentmem.metrics import Metrics, prometheus_text
 from agentmem.policy import BudgetPolicy
 from agentmem.record import CacheStore, SessionRecord, check_session_id, check_tenant
 from agentmem.storage import decode_cache, encode_cache, open_store
 
 DEFAULT_MAX_NEW_TOKENS = 256
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,6 +111,7 @@ class Session:
         as part of the prompt, yielded first, and part of the stored reply).
         """
         with self.lock:
+            self.manager._revive(self)
             self.manager._touch(self)
             usage = Usage()
             conversation = self._conversation(message_or_messages)
@@ -115,13 +128,15 @@ class Session:
             shown = ""
             if reply_prefix:
                 yield reply_prefix
-            for token in self._generate(delta, usage, max_new_tokens, temperature=temperature, top_p=top_p,
-                                        top_k=top_k, stop=stop, seed=seed):
-                generated.append(token)
-                text = _visible(self.manager.engine, generated, stop)
-                if len(text) > len(shown) and not text.endswith("\ufffd"):
-                    yield text[len(shown):]
-                    shown = text
+            growth = (len(delta) + max_new_tokens) * self.manager.engine.bytes_per_token
+            with self.manager._room(growth, keep=self):
+                for token in self._generate(delta, usage, max_new_tokens, temperature=temperature, top_p=top_p,
+                                            top_k=top_k, stop=stop, seed=seed):
+                    generated.append(token)
+                    text = _visible(self.manager.engine, generated, stop)
+                    if len(text) > len(shown) and not text.endswith("\ufffd"):
+                        yield text[len(shown):]
+                        shown = text
             text = _visible(self.manager.engine, generated, stop, final=True)
             if len(text) > len(shown):
                 yield text[len(shown):]
@@ -291,7 +306,12 @@ class SessionManager:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.metrics = Metrics()
         self._live: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        # Spilled sessions whose handles callers may still hold: resuming one revives that object.
+        self._dormant: weakref.WeakValueDictionary[tuple[str, str], Session] = weakref.WeakValueDictionary()
         self._lock = threading.RLock()
+        self._budget = threading.Condition(self._lock)
+        self._reserved: dict[object, int] = {}  # device-budget bytes held by running turns and loads
+        self._tenant_writes: dict[str, threading.Lock] = {}
 
     def policy_for(self, tenant: str) -> BudgetPolicy:
         return self.policies.get(tenant, self.default_policy)
@@ -323,9 +343,17 @@ class SessionManager:
                 self.store.release_lease(tenant, session_id, self.owner)
                 raise
             self.metrics.add("resumes")
-            session = Session(self, tenant, session_id, cache, list(record.messages), record.version, record.created_at)
+            session = self._dormant.pop(key, None)
+            if session is None:
+                session = Session(self, tenant, session_id, cache, list(record.messages), record.version,
+                                  record.created_at)
+            else:
+                session.cache, session._messages, session.version = cache, list(record.messages), record.version
             session.stored_bytes = len(record.blob)
-            self._register(session)
+            with self._room(cache.nbytes, keep=session):
+                if key in self._live:  # loaded by another thread while this one waited for room
+                    return self._live[key]
+                self._register(session)
         self._enforce_device_budget(keep=session)
         return session
 
@@ -338,23 +366,34 @@ class SessionManager:
             raise SessionNotFound(f"session {session_id!r} of tenant {tenant!r} is not live here")
         with session.lock:
             version = self._write(session)
-            with self._lock:
+            with self._budget:
                 self._live.pop(key, None)
-            self.store.release_lease(tenant, session_id, self.owner)
+                self._dormant[key] = session
+                self._budget.notify_all()
             self.metrics.add("spills")
+            self._release_lease(tenant, session_id)
             return version
 
     def spill_all(self) -> None:
+        """Spill every live session; sessions that fail stay live, and the first failure is raised after the rest."""
         with self._lock:
             keys = list(self._live)
+        failures = []
         for tenant, session_id in keys:
-            self.spill(tenant, session_id)
+            try:
+                self.spill(tenant, session_id)
+            except AgentMemError as exc:
+                log.error("could not spill %s/%s: %s", tenant, session_id, exc)
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def delete(self, tenant: str, session_id: str) -> bool:
         """Forget a session, live and stored."""
         key = (check_tenant(tenant), check_session_id(session_id))
         with self._lock:
             live = self._live.pop(key, None)
+            self._dormant.pop(key, None)
         removed = self.store.delete(tenant, session_id)
         self.store.release_lease(tenant, session_id, self.owner)
         return removed or live is not None
@@ -442,11 +481,68 @@ class SessionManager:
         self._live[(session.tenant, session.session_id)] = session
         return session
 
+    def _revive(self, session: Session) -> None:
+        """Make a handle whose session was spilled (by the device budget, say) live again, in place."""
+        with self._lock:
+            if self._live.get((session.tenant, session.session_id)) is session:
+                return
+        if self.session(session.session_id, tenant=session.tenant) is not session:
+            raise InvalidInput(f"session {session.tenant}/{session.session_id} was deleted or replaced; "
+                               "get it again from manager.session()")
+
     def _touch(self, session: Session) -> None:
+        """Mark ``session`` used and renew its lease; a store outage must not stop a live session."""
         session.last_used = time.monotonic()
         with self._lock:
             self._live.move_to_end((session.tenant, session.session_id))
-        self.store.acquire_lease(session.tenant, session.session_id, self.owner, self.lease_seconds)
+        try:
+            self.store.acquire_lease(session.tenant, session.session_id, self.owner, self.lease_seconds)
+        except StoreUnavailable as exc:
+            self.metrics.add("store_errors")
+            log.warning("lease renewal for %s/%s failed; serving the live copy: %s", session.tenant,
+                        session.session_id, exc)
+
+    def _release_lease(self, tenant: str, session_id: str) -> None:
+        try:
+            self.store.release_lease(tenant, session_id, self.owner)
+        except StoreUnavailable as exc:  # the lease expires on its own
+            self.metrics.add("store_errors")
+            log.warning("could not release the lease of %s/%s: %s", tenant, session_id, exc)
+
+    def _live_bytes(self) -> int:
+        with self._lock:
+            return sum(s.cache.nbytes for s in self._live.values())
+
+    @contextmanager
+    def _room(self, need: int, keep: Session | None) -> Iterator[None]:
+        """Hold ``need`` bytes of the device budget while live caches grow by up to that much.
+
+        Granted when live bytes, the other holders' bytes and ``need`` fit the budget (idle
+        sessions are spilled to make room), or when nobody else holds any: so live bytes exceed
+        the budget by at most one holder's ``need`` — one session's worth — however many
+        threads run turns at once.
+        """
+        if self.device_budget_bytes is None:
+            yield
+            return
+        token = object()
+        with self._budget:
+            while True:
+                held = sum(self._reserved.values())
+                if self._live_bytes() + held + need <= self.device_budget_bytes:
+                    break
+                if self._evict(lambda s: True, keep=keep, room=held + need):
+                    continue
+                if not self._reserved:
+                    break
+                self._budget.wait(0.25)
+            self._reserved[token] = need
+        try:
+            yield
+        finally:
+            with self._budget:
+                del self._reserved[token]
+                self._budget.notify_all()
 
     def _record_turn(self, session: Session, usage: Usage) -> None:
         for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "reprefilled_tokens"):
@@ -472,11 +568,14 @@ class SessionManager:
             return  # nothing else to spill; the session's own budget is its policy's business
         self._evict(lambda s: True, keep=keep)
 
-    def _evict(self, eligible, keep: Session) -> None:
+    def _evict(self, eligible: Callable[[Session], bool], keep: Session | None, room: int = 0) -> bool:
         """Spill least-recently-used idle sessions (compacting first where the policy says so) until
-        the device budget holds, or, for ``max_sessions``, one session of the tenant."""
+        live bytes plus ``room`` fit the device budget, or, for ``max_sessions``, one session of the
+        tenant. Returns whether anything was spilled. A store outage stops eviction (the sessions
+        stay live, over budget) rather than failing the turn that triggered it."""
         with self._lock:
             candidates = [s for s in self._live.values() if s is not keep and eligible(s)]
+        evicted = False
         for victim in candidates:  # OrderedDict order: least recently used first
             if not victim.lock.acquire(blocking=False):
                 continue  # busy in another thread: not idle
@@ -485,23 +584,37 @@ class SessionManager:
                 if policy.on_over_budget == "compact" and victim.cache.physical_length > policy.keep_recent:
                     victim.cache = self._compact(policy, victim.cache, victim._system_tokens())
                 self.spill(victim.tenant, victim.session_id)
+                evicted = True
+            except BudgetExceeded as exc:  # its tenant's store quota is full: it stays live
+                log.warning("cannot spill %s/%s: %s", victim.tenant, victim.session_id, exc)
+                continue
+            except StoreUnavailable as exc:
+                self.metrics.add("store_errors")
+                log.error("cannot spill while the store is unavailable: %s", exc)
+                return evicted
             finally:
                 victim.lock.release()
-            with self._lock:
-                total = sum(s.cache.nbytes for s in self._live.values())
-            if self.device_budget_bytes is None or total <= self.device_budget_bytes:
-                return
+            if self.device_budget_bytes is None or self._live_bytes() + room <= self.device_budget_bytes:
+                return evicted
+        return evicted
 
     def _write(self, session: Session) -> int:
         policy = self.policy_for(session.tenant)
         blob = encode_cache(session.cache, dtype=policy.storage_dtype)
-        if policy.max_stored_bytes is not None:
+        if policy.max_stored_bytes is None:
+            return self._put(session, policy, blob)
+        with self._lock:
+            quota_lock = self._tenant_writes.setdefault(session.tenant, threading.Lock())
+        with quota_lock:  # check and write as one step, so concurrent spills cannot both squeeze in
             used = self.store.usage(session.tenant).bytes
             if used - session.stored_bytes + len(blob) > policy.max_stored_bytes:
                 raise BudgetExceeded(
                     f"tenant {session.tenant!r} stores {used} bytes; this session's {len(blob)} would exceed "
                     f"max_stored_bytes={policy.max_stored_bytes}"
                 )
+            return self._put(session, policy, blob)
+
+    def _put(self, session: Session, policy: BudgetPolicy, blob: bytes) -> int:
         record = SessionRecord(
             tenant=session.tenant, session_id=session.session_id, model_fingerprint=self.engine.fingerprint,
             logical_length=session.cache.logical_length, token_ids=session.cache.token_ids, messages=session.messages,
