@@ -14,6 +14,7 @@ COUNTERS = {
     "spills": "sessions written to the store and dropped from memory",
     "resumes": "sessions loaded from the store",
     "turns": "chat turns served",
+    "store_errors": "store calls that failed while live sessions kept serving (lease renewals, spills)",
 }
 
 

@@ -362,9 +362,13 @@ class SessionManager:
         key = (check_tenant(tenant), check_session_id(session_id))
         with self._lock:
             session = self._live.get(key)
+            if session is None and key in self._dormant:
+                return self._dormant[key].version  # already spilled (by the device budget, say)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} of tenant {tenant!r} is not live here")
         with session.lock:
+            if self._live.get(key) is not session:  # spilled by another thread meanwhile
+                return session.version
             version = self._write(session)
             with self._budget:
                 self._live.pop(key, None)

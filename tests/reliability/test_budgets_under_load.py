@@ -1,0 +1,98 @@
+"""Many threads push sessions over their budgets at once; the device and store budgets hold.
+
+Live bytes may exceed ``device_budget_bytes`` by at most one session's worth (the one turn
+allowed to run over budget when nothing is idle to spill), and a tenant's stored bytes never
+exceed its ``max_stored_bytes``.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from agentmem import BudgetPolicy, SessionManager
+from agentmem.errors import BudgetExceeded
+
+THREADS, SESSIONS_PER_THREAD, TURNS, MAX_NEW = 8, 2, 5, 12
+MESSAGES = ["Where is my parcel?", "It was due on Tuesday and has not come.", "Can I get a refund for it?",
+            "The tracking page shows nothing new.", "Please check the address on the label."]
+
+
+def _drive(manager: SessionManager, tenants: list[str], errors: list[BaseException]) -> None:
+    def worker(index: int) -> None:
+        rng = random.Random(index)
+        try:
+            for turn in range(TURNS):
+                for k in range(SESSIONS_PER_THREAD):
+                    tenant = tenants[(index + k) % len(tenants)]
+                    session = manager.session(f"s-{index}-{k}", tenant=tenant)
+                    session.chat(rng.choice(MESSAGES), max_new_tokens=MAX_NEW)
+                    if turn % 2 and rng.random() < 0.5:
+                        try:
+                            manager.spill(tenant, f"s-{index}-{k}")
+                        except BudgetExceeded:
+                            pass  # the tenant's store quota is full: the session stays live
+        except BaseException as exc:  # reported to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+
+
+def test_device_budget_holds_within_one_session_under_concurrent_turns(small_engine, tmp_path):
+    policy = BudgetPolicy(max_live_tokens=96, keep_recent=16, target_ratio=4, method="window", storage_dtype="fp32")
+    per_token = small_engine.bytes_per_token
+    one_session = (policy.max_live_tokens + 64 + MAX_NEW) * per_token  # budget rows + longest message + reply
+    budget = 3 * policy.max_live_tokens * per_token
+    manager = SessionManager(small_engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy,
+                             device_budget_bytes=budget)
+    peak, done, errors = [0], threading.Event(), []
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], manager.stats()["live_bytes"])
+            time.sleep(0.0005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    _drive(manager, ["acme"], errors)
+    done.set()
+    sampler.join()
+    assert not errors, errors
+    stats = manager.stats()
+    assert stats["turns"] == THREADS * SESSIONS_PER_THREAD * TURNS
+    assert stats["spills"] > THREADS  # the budget forced spills
+    assert peak[0] <= budget + one_session, (peak[0], budget, one_session)
+    manager.close()
+
+
+def test_tenant_store_quota_holds_under_concurrent_spills(small_engine, tmp_path):
+    quota = 200_000
+    limited = BudgetPolicy(name="limited", max_live_tokens=96, keep_recent=16, method="window",
+                           storage_dtype="fp32", max_stored_bytes=quota)
+    free = BudgetPolicy(name="free", max_live_tokens=96, keep_recent=16, method="window", storage_dtype="fp32")
+    manager = SessionManager(small_engine, f"sqlite:///{tmp_path / 's.db'}", policies={"limited": limited},
+                             default_policy=free, device_budget_bytes=2 * 96 * small_engine.bytes_per_token)
+    peak, done, errors = [0], threading.Event(), []
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], manager.store.usage("limited").bytes)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    _drive(manager, ["limited", "free"], errors)
+    done.set()
+    sampler.join()
+    assert not errors, errors
+    assert 0 < peak[0] <= quota
+    for entry in [e for e in manager.list("free") if e.get("live")]:  # no quota holds this tenant back
+        manager.spill("free", entry["session_id"])
+    assert manager.store.usage("free").sessions == THREADS * SESSIONS_PER_THREAD // 2
+    live_limited = [s for s in manager.list("limited") if s.get("live")]
+    assert live_limited  # sessions that did not fit the quota stayed live rather than being lost

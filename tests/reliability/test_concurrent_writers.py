@@ -1,0 +1,48 @@
+"""Two managers (processes, in effect) writing one session: one wins, the other is told; no lost update."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from agentmem import BudgetPolicy, SessionManager
+from agentmem.errors import SessionBusy, VersionConflict
+
+POLICY = BudgetPolicy(max_live_tokens=512, keep_recent=32, storage_dtype="fp32")
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def url(request, tmp_path, local_redis):
+    return f"sqlite:///{tmp_path / 's.db'}" if request.param == "sqlite" else local_redis.url
+
+
+def test_second_manager_gets_session_busy_while_the_first_holds_it(small_engine, url):
+    with SessionManager(small_engine, url, default_policy=POLICY) as first, \
+            SessionManager(small_engine, url, default_policy=POLICY) as second:
+        first.session("t-1", tenant="acme").chat("hello", max_new_tokens=4)
+        with pytest.raises(SessionBusy):
+            second.session("t-1", tenant="acme")
+        first.spill("acme", "t-1")
+        assert second.session("t-1", tenant="acme").cache.logical_length > 0  # released: now it moves
+
+
+def test_a_stale_writer_after_lease_expiry_gets_version_conflict_not_a_lost_update(small_engine, url):
+    first = SessionManager(small_engine, url, default_policy=POLICY, lease_seconds=0.3)
+    second = SessionManager(small_engine, url, default_policy=POLICY)
+    stale = first.session("t-1", tenant="acme")
+    stale.chat("hello", max_new_tokens=4)
+    first.spill("acme", "t-1")
+    stale = first.session("t-1", tenant="acme")  # first holds it again, then stalls past its lease
+    time.sleep(0.5)
+    winner = second.session("t-1", tenant="acme")
+    winner.chat("the winner's turn", max_new_tokens=4)
+    won = second.spill("acme", "t-1")
+    stale.chat("the stale copy's turn", max_new_tokens=4)
+    with pytest.raises(VersionConflict):
+        first.spill("acme", "t-1")
+    record = second.store.get("acme", "t-1")
+    assert record.version == won and "the winner's turn" in str(record.messages)
+    assert "the stale copy's turn" not in str(record.messages)
+    second.close()
+    first.store.close()
