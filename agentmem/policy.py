@@ -91,9 +91,14 @@ class BudgetPolicy(BaseModel):
             data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
         except (OSError, ValueError, yaml.YAMLError) as exc:
             raise InvalidInput(f"cannot read policies from {path}: {exc}") from exc
-        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        if not isinstance(data, dict) or not all(
+            isinstance(fields, dict) and all(isinstance(k, str) for k in fields) for fields in data.values()
+        ):
             raise InvalidInput(f"{path} must map tenant names to policy fields")
-        return {tenant: cls.create(name=tenant, **fields) for tenant, fields in data.items()}
+        from agentmem.record import check_tenant
+
+        return {check_tenant(tenant) if isinstance(tenant, str) else _not_a_tenant(path, tenant):
+                cls.create(**{"name": tenant, **fields}) for tenant, fields in data.items()}
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> BudgetPolicy:
@@ -107,6 +112,10 @@ class BudgetPolicy(BaseModel):
         if "target_tokens" in fields and "target_ratio" not in fields:
             fields["target_ratio"] = None
         return cls.create(**{**fields, **overrides})
+
+
+def _not_a_tenant(path: str | os.PathLike[str], key: object) -> str:
+    raise InvalidInput(f"{path}: tenant names are strings, got {key!r}")
 
 
 def _explain(exc: ValidationError) -> str:
