@@ -1,8 +1,11 @@
 """Spill stores for session caches, chosen by URL.
 
 - ``sqlite:///path/to/file.db`` — the embedded default (:func:`default_url`);
-- any other SQLAlchemy URL (``postgresql://…``) — the same SQL store;
-- ``redis://host:port/db`` or ``rediss://…`` — the Redis store (core commands only).
+- any other SQLAlchemy URL — the same SQL store; ``postgresql://user@host:port/db`` uses
+  psycopg 3 (``pip install 'agentmem[postgres]'``) unless the URL names another driver;
+- ``redis://host:port/db``, ``rediss://…`` or ``unix://…`` — the Redis store on one server;
+- ``redis+cluster://host:port[,host:port…]`` or ``rediss+cluster://…`` — the same store on a
+  Redis Cluster (see :mod:`agentmem.storage.redis_client`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from agentmem.errors import InvalidInput, StoreUnavailable
 from agentmem.home import agentmem_home
 from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
 from agentmem.storage.codec import STORAGE_DTYPES, decode_cache, encode_cache, read_header
+from agentmem.storage.redis_client import is_redis_url
 
 __all__ = [
     "STORAGE_DTYPES",
@@ -40,7 +44,7 @@ def open_store(url: str | None = None) -> CacheStore:
     url = url or default_url()
     if not isinstance(url, str) or "://" not in url and not url.startswith("sqlite:"):
         raise InvalidInput(f"store URL {url!r} is not a URL; try sqlite:///path/sessions.db or redis://host:6379/0")
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if is_redis_url(url):
         from agentmem.storage.redis import RedisStore
 
         return RedisStore(url)

@@ -1,18 +1,42 @@
-"""Redis store: core commands only (any Redis >= 6, Cluster included, no modules).
+"""Redis store: core commands only (any Redis >= 6, no modules), on one server or a Redis Cluster.
 
-Keys of one session share the hash tag ``{tenant:session}`` so they sit in one Cluster slot:
+The URL picks the client (see :mod:`agentmem.storage.redis_client`): ``redis://host:port/db``,
+``rediss://…`` or ``unix://…`` for one server; ``redis+cluster://host:port[,host:port…]`` or
+``rediss+cluster://…`` for a cluster. The same code serves both, because it never needs more
+than one hash slot at a time. Keys of one session share the hash tag ``{tenant:session}``:
 
 - ``am:{t:s}:meta`` — a hash: ``version``, ``write_id``, ``chunks``, ``nbytes``, ``record``
-  (metadata JSON), ``updated_at``, ``expires_at``;
-- ``am:{t:s}:blob:<write_id>:<i>`` — the blob in chunks of ``CHUNK_BYTES``.
+  (metadata JSON), ``logical_length``, ``updated_at``, ``expires_at``;
+- ``am:{t:s}:blob:<write_id>:<i>`` — the blob in chunks of ``CHUNK_BYTES``;
+- ``am:{t:s}:writes`` — ids of puts under way (a set that expires after ``ORPHAN_TTL_MS``);
+- ``am:{t:s}:lease`` — the owner holding the session's lease (SET NX PX).
 
-A write stores its chunks under a fresh ``write_id`` first (with a safety expiry, so a writer
-that dies leaves nothing behind for long), then swaps the meta hash in a WATCH/MULTI
-transaction that checks the version (compare-and-set) and makes the chunks permanent. A
-reader therefore sees the old version or the new one, never a mix; chunks of replaced
-versions are deleted after the swap, and a reader that loses that race simply reads again.
-Tenants list their sessions through ``am:tenant:<t>``, a sorted set (another slot), which is
-only an index: entries whose meta is gone are skipped and cleaned up.
+Tenants list their sessions through the index ``am:tenant:<t>``, a sorted set in another slot.
+Every multi-key command and every MULTI/EXEC touches one slot; work on both a session and
+the index is done in separate steps, ordered so that a process dying between any two of them
+leaves nothing worse than an index entry naming a missing session.
+
+A put takes three steps: (1, session slot) register its ``write_id`` in ``writes`` and store
+the chunks, both expiring after ``ORPHAN_TTL_MS`` so a writer that dies leaves nothing behind
+for long; (2, index slot) add the session to the index; (3, session slot) WATCH the meta
+hash, check the version (compare-and-set), and in one MULTI/EXEC replace the meta, make the
+chunks permanent (or give them the session's TTL), delete the replaced version's chunks and
+unregister the write. A reader therefore sees the old version or the new one, never a mix (a
+reader that loses the race with the chunk deletion simply reads again). A delete removes the
+meta and chunks in one MULTI/EXEC, then the index entry.
+
+**What the index guarantees: every stored session is in its tenant's index**, whatever process
+dies between steps and whatever runs concurrently. The reverse does not hold: the index may
+name a session that is gone (a put that died or lost its compare-and-set, a delete that died
+before its second step, a Redis TTL expiry). Reads skip such entries, and ``list``, ``prune``
+and ``delete`` remove them, but only through a guarded step: WATCH the index, check in one
+``EXISTS`` that the session has neither meta nor a put under way, then ZREM in a MULTI/EXEC.
+That check cannot race a put: one that registered its write first is seen; one that registers
+later adds its index entry in step 2 afterwards, and that step always modifies the index key
+(ZREM and ZADD in one MULTI/EXEC, since a ZADD that changes nothing would not disturb a WATCH),
+so the guarded ZREM either fails its EXEC or is undone. An entry left by a put that died
+disappears at the first listing after its ``writes`` set expires (``ORPHAN_TTL_MS``); a put
+that takes longer than that fails with :class:`~agentmem.errors.StoreUnavailable`.
 
 Durability is Redis's: with RDB snapshots alone a restart loses recent writes; use AOF
 (``appendonly yes``, ``appendfsync everysec`` loses at most ~1 s, ``always`` nothing).
@@ -22,10 +46,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, TimeoutError as RedisTimeoutError, WatchError
+from redis.exceptions import RedisClusterException, RedisError, WatchError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from agentmem.errors import CorruptSessionError, InvalidInput, SessionNotFound, StoreUnavailable, VersionConflict
 from agentmem.record import (
@@ -37,40 +63,54 @@ from agentmem.record import (
     check_session_id,
     check_tenant,
 )
+from agentmem.storage.redis_client import Client, connect, redact
 
 CHUNK_BYTES = 8 * 2**20
-ORPHAN_TTL_MS = 3_600_000  # chunks of a write that never committed vanish after an hour
-_READ_RETRIES = 5
+ORPHAN_TTL_MS = 3_600_000  # chunks and registration of a put that never committed vanish after an hour
+_RETRIES = 5
+
+T = TypeVar("T")
 
 
 class RedisStore:
-    """A :class:`~agentmem.record.CacheStore` on ``redis://`` or ``rediss://`` URLs."""
+    """A :class:`~agentmem.record.CacheStore` on one Redis server or a Redis Cluster."""
 
-    def __init__(self, url: str, *, client: redis.Redis | None = None) -> None:
+    def __init__(self, url: str, *, client: Client | None = None) -> None:
         self.url = url
-        self._redis = client or redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
-        self._call(self._redis.ping)
+        try:
+            self._redis: Client = client or connect(url)
+            self._redis.ping()
+        except (RedisError, RedisClusterException) as exc:
+            raise StoreUnavailable(f"Redis at {redact(url)} unavailable: {exc}") from exc
 
     # --------------------------------------------------------------------------- protocol
 
     def put(self, tenant: str, session_id: str, record: SessionRecord, *, expected_version: int | None = None) -> int:
         check_record_key(tenant, session_id, record)
-        meta_key = _meta_key(tenant, session_id)
+        meta_key, writes_key = _meta_key(tenant, session_id), _writes_key(tenant, session_id)
         write_id = uuid.uuid4().hex
         blob = record.blob
-        chunk_keys = [_chunk_key(tenant, session_id, write_id, i) for i in range(_chunk_count(len(blob)))]
+        chunk_keys = _chunk_keys(tenant, session_id, write_id, _chunk_count(len(blob)))
         ttl_ms = None if record.ttl_seconds is None else max(1, int(record.ttl_seconds * 1000))
 
-        def write() -> int:
+        def register_and_store() -> None:
             with self._redis.pipeline(transaction=False) as pipe:
+                pipe.sadd(writes_key, write_id)
+                pipe.pexpire(writes_key, ORPHAN_TTL_MS)
                 for i, key in enumerate(chunk_keys):
                     pipe.set(key, blob[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES], px=ORPHAN_TTL_MS)
-                pipe.zadd(_index_key(tenant), {session_id: 0})
                 pipe.execute()
+
+        def commit() -> int:
             with self._redis.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(meta_key)
                     old = pipe.hmget(meta_key, "version", "write_id", "chunks")
+                    if not pipe.sismember(writes_key, write_id):
+                        raise StoreUnavailable(
+                            f"session {tenant}/{session_id}: the write took longer than {ORPHAN_TTL_MS // 1000} s"
+                            " and its stored chunks expired; write again"
+                        )
                     current = int(old[0]) if old[0] is not None else 0
                     if expected_version is not None and expected_version != current:
                         raise VersionConflict(
@@ -93,30 +133,37 @@ class RedisStore:
                             pipe.persist(key)
                         else:
                             pipe.pexpire(key, ttl_ms)
+                    if old[1] is not None:
+                        pipe.delete(*_chunk_keys(tenant, session_id, old[1].decode(), int(old[2])))
+                    pipe.srem(writes_key, write_id)
                     pipe.execute()
                 except WatchError as exc:
                     raise VersionConflict(f"session {tenant}/{session_id} changed during the write") from exc
-            if old[1] is not None:
-                old_id = old[1].decode()
-                self._redis.delete(*(_chunk_key(tenant, session_id, old_id, i) for i in range(int(old[2]))))
             return current + 1
 
+        def abandon() -> None:
+            with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(*chunk_keys)
+                pipe.srem(writes_key, write_id)
+                pipe.execute()
+
+        self._call(register_and_store)
+        self._call(self._touch_index, tenant, session_id)
         try:
-            return self._call(write)
+            return self._call(commit)
         except VersionConflict:
-            self._call(lambda: self._redis.delete(*chunk_keys) if chunk_keys else 0)
+            self._call(abandon)
             raise
 
     def get(self, tenant: str, session_id: str) -> SessionRecord:
         check_tenant(tenant)
         check_session_id(session_id)
-        for _ in range(_READ_RETRIES):
-            meta = self._call(lambda: self._redis.hgetall(_meta_key(tenant, session_id)))
+        for _ in range(_RETRIES):
+            meta = self._call(self._redis.hgetall, _meta_key(tenant, session_id))
             if not meta or not _alive(meta, time.time()):
                 raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
-            write_id, chunks = meta[b"write_id"].decode(), int(meta[b"chunks"])
-            keys = [_chunk_key(tenant, session_id, write_id, i) for i in range(chunks)]
-            parts = self._call(lambda: self._redis.mget(keys)) if keys else []
+            keys = _chunk_keys(tenant, session_id, meta[b"write_id"].decode(), int(meta[b"chunks"]))
+            parts = self._call(self._redis.mget, keys)
             if any(p is None for p in parts):
                 continue  # a newer write replaced this version between our two reads
             blob = b"".join(parts)
@@ -131,17 +178,26 @@ class RedisStore:
         check_session_id(session_id)
         meta_key = _meta_key(tenant, session_id)
 
-        def remove() -> bool:
-            meta = self._redis.hmget(meta_key, "write_id", "chunks")
-            removed = self._redis.delete(meta_key) > 0
-            if meta[0] is not None:
-                chunk_keys = [_chunk_key(tenant, session_id, meta[0].decode(), i) for i in range(int(meta[1]))]
-                if chunk_keys:
-                    self._redis.delete(*chunk_keys)
-            self._redis.zrem(_index_key(tenant), session_id)
-            return removed
+        def remove() -> bool | None:
+            with self._redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(meta_key)
+                    write_id, chunks = pipe.hmget(meta_key, "write_id", "chunks")
+                    if write_id is None:
+                        return False
+                    pipe.multi()
+                    pipe.delete(meta_key, *_chunk_keys(tenant, session_id, write_id.decode(), int(chunks)))
+                    pipe.execute()
+                    return True
+                except WatchError:
+                    return None  # rewritten meanwhile: delete the newer version
 
-        return self._call(remove)
+        for _ in range(_RETRIES):
+            removed = self._call(remove)
+            if removed is not None:
+                self._call(self._unindex_if_absent, tenant, session_id)
+                return removed
+        raise StoreUnavailable(f"session {tenant}/{session_id} is being rewritten too often to delete")
 
     def list(self, tenant: str, *, limit: int = 100, cursor: str | None = None) -> SessionPage:
         check_tenant(tenant)
@@ -151,25 +207,23 @@ class RedisStore:
         items: list[SessionSummary] = []
         now = time.time()
         while len(items) <= limit:
-            ids = self._call(lambda: self._redis.zrangebylex(_index_key(tenant), low, b"+", start=0, num=limit + 1))
+            ids = self._call(self._redis.zrangebylex, _index_key(tenant), low, b"+", 0, limit + 1)
             if not ids:
                 break
-            metas = self._call(lambda: self._pipeline_hgetall([_meta_key(tenant, i.decode()) for i in ids]))
+            metas = self._call(self._pipeline_hgetall, [_meta_key(tenant, i.decode()) for i in ids])
             for sid, meta in zip(ids, metas):
                 if meta and _alive(meta, now):
                     items.append(_summary(tenant, sid.decode(), meta))
                 elif not meta:
-                    self._call(lambda: self._redis.zrem(_index_key(tenant), sid))
+                    self._call(self._unindex_if_absent, tenant, sid.decode())
             low = b"(" + ids[-1]
         page = items[:limit]
         return SessionPage(items=page, next_cursor=page[-1].session_id if len(items) > limit else None)
 
     def delete_tenant(self, tenant: str) -> int:
         check_tenant(tenant)
-        ids = self._call(lambda: self._redis.zrange(_index_key(tenant), 0, -1))
-        removed = sum(self.delete(tenant, sid.decode()) for sid in ids)
-        self._call(lambda: self._redis.delete(_index_key(tenant)))
-        return removed
+        ids = self._call(self._redis.zrange, _index_key(tenant), 0, -1)
+        return sum(self.delete(tenant, sid.decode()) for sid in ids)
 
     def usage(self, tenant: str) -> StoreUsage:
         sessions = nbytes = 0
@@ -188,11 +242,12 @@ class RedisStore:
         removed = 0
         for index in self._call(lambda: list(self._redis.scan_iter(match="am:tenant:*", count=1000))):
             tenant = index.decode().removeprefix("am:tenant:")
-            for sid in self._call(lambda: self._redis.zrange(index, 0, -1)):
-                meta = self._call(lambda: self._redis.hgetall(_meta_key(tenant, sid.decode())))
-                if not meta or not _alive(meta, now):
-                    removed += bool(meta) and self.delete(tenant, sid.decode())
-                    self._call(lambda: self._redis.zrem(index, sid))
+            for sid in self._call(self._redis.zrange, index, 0, -1):
+                meta = self._call(self._redis.hgetall, _meta_key(tenant, sid.decode()))
+                if meta and not _alive(meta, now):
+                    removed += self.delete(tenant, sid.decode())
+                elif not meta:
+                    self._call(self._unindex_if_absent, tenant, sid.decode())
         return removed
 
     def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
@@ -239,21 +294,44 @@ class RedisStore:
 
     # -------------------------------------------------------------------------- internals
 
+    def _touch_index(self, tenant: str, session_id: str) -> None:
+        """Put the session in the index so that the index key always counts as modified (see the module doc)."""
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.zrem(_index_key(tenant), session_id)
+            pipe.zadd(_index_key(tenant), {session_id: 0})
+            pipe.execute()
+
+    def _unindex_if_absent(self, tenant: str, session_id: str) -> None:
+        """Drop the session's index entry if it has neither meta nor a put under way (see the module doc)."""
+        index = _index_key(tenant)
+        with self._redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(index)
+                if self._redis.exists(_meta_key(tenant, session_id), _writes_key(tenant, session_id)):
+                    return
+                pipe.multi()
+                pipe.zrem(index, session_id)
+                pipe.execute()
+            except WatchError:
+                pass  # a put touched the index meanwhile: keep the entry, a later pass decides
+
     def _pipeline_hgetall(self, keys: list[str]) -> list[dict[bytes, bytes]]:
+        """One round trip per node for many single-key reads (no transaction: they span slots)."""
         with self._redis.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.hgetall(key)
             return pipe.execute()
 
-    def _call(self, fn):
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, turning client failures into :class:`StoreUnavailable` (cluster ones included)."""
         try:
-            return fn()
+            return fn(*args)
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise StoreUnavailable(f"Redis at {_redact(self.url)} unavailable: {exc}") from exc
+            raise StoreUnavailable(f"Redis at {redact(self.url)} unavailable: {exc}") from exc
         except WatchError:
             raise
-        except RedisError as exc:
-            raise StoreUnavailable(f"Redis at {_redact(self.url)} refused the command: {exc}") from exc
+        except (RedisError, RedisClusterException) as exc:
+            raise StoreUnavailable(f"Redis at {redact(self.url)} refused the command: {exc}") from exc
 
 
 def _tag(tenant: str, session_id: str) -> str:
@@ -266,6 +344,14 @@ def _meta_key(tenant: str, session_id: str) -> str:
 
 def _chunk_key(tenant: str, session_id: str, write_id: str, index: int) -> str:
     return f"am:{_tag(tenant, session_id)}:blob:{write_id}:{index}"
+
+
+def _chunk_keys(tenant: str, session_id: str, write_id: str, count: int) -> list[str]:
+    return [_chunk_key(tenant, session_id, write_id, i) for i in range(count)]
+
+
+def _writes_key(tenant: str, session_id: str) -> str:
+    return f"am:{_tag(tenant, session_id)}:writes"
 
 
 def _lease_key(tenant: str, session_id: str) -> str:
@@ -296,8 +382,3 @@ def _summary(tenant: str, session_id: str, meta: dict[bytes, bytes]) -> SessionS
         updated_at=float(meta[b"updated_at"]),
         expires_at=float(expires) if expires else None,
     )
-
-
-def _redact(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}"

@@ -2,8 +2,17 @@
 
 One row per (tenant, session): metadata JSON, the blob, and a version used for
 compare-and-set (``UPDATE … WHERE version = :expected``), each write one transaction.
-SQLite runs in WAL mode with a busy timeout, and write transactions start with
-``BEGIN IMMEDIATE`` so two writers queue on the lock instead of failing mid-way.
+One code path serves every dialect; the few differences are kept small and local:
+
+- SQLite runs in WAL mode with a busy timeout, and write transactions start with
+  ``BEGIN IMMEDIATE`` so two writers queue on the lock instead of failing mid-way.
+- PostgreSQL runs at READ COMMITTED, where two writers can both read a row before either
+  writes it: the rows a write decides on are read ``FOR UPDATE`` (SQLite ignores that, its
+  lock is already held), a row created concurrently surfaces as an ``IntegrityError``, and
+  schema migrations take a transaction-scoped advisory lock so two first opens don't race.
+  Session ids compare with the ``"C"`` collation, so listings page in byte order as on
+  SQLite and Redis, whatever the database's locale. ``postgresql://`` URLs without a driver
+  use psycopg 3 (the ``postgres`` extra).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from agentmem.record import (
 
 BUSY_TIMEOUT_MS = 10_000
 _WRITE = "agentmem_write"  # execution option marking a write transaction
+_MIGRATION_LOCK = 0x61676D656D  # PostgreSQL advisory lock key ("agmem") held while migrating
 
 metadata = MetaData()
 schema_table = Table("agentmem_schema", metadata, Column("version", Integer, nullable=False))
@@ -52,7 +62,8 @@ sessions_table = Table(
     "agentmem_sessions",
     metadata,
     Column("tenant", String(128), primary_key=True),
-    Column("session_id", String(256), primary_key=True),
+    # Byte order on PostgreSQL too, so pagination agrees with the other stores.
+    Column("session_id", String(256).with_variant(String(256, collation="C"), "postgresql"), primary_key=True),
     Column("version", Integer, nullable=False),
     Column("record", Text, nullable=False),
     Column("blob", LargeBinary, nullable=False),
@@ -94,13 +105,18 @@ class SqlStore:
             self._engine = self._make_engine(url)
             self._writer = self._engine.execution_options(**{_WRITE: True})
             self._migrate()
+        except ImportError as exc:
+            raise StoreUnavailable(
+                f"cannot open SQL store {_redact(url)}: its database driver {exc.name!r} is not installed"
+                " (PostgreSQL: pip install 'agentmem[postgres]')"
+            ) from exc
         except SQLAlchemyError as exc:
             raise StoreUnavailable(f"cannot open SQL store {_redact(url)}: {exc.__class__.__name__}: {exc}") from exc
 
     @staticmethod
     def _make_engine(url: str) -> Engine:
         if not url.startswith("sqlite"):
-            return create_engine(url, pool_pre_ping=True)
+            return create_engine(engine_url(url), pool_pre_ping=True)
         engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
 
         @event.listens_for(engine, "connect")
@@ -122,6 +138,8 @@ class SqlStore:
 
     def _migrate(self) -> None:
         with self._writer.begin() as conn:
+            if conn.dialect.name == "postgresql":  # SQLite's BEGIN IMMEDIATE already serialises this
+                conn.execute(select(func.pg_advisory_xact_lock(_MIGRATION_LOCK)))
             metadata.create_all(conn, tables=[schema_table])
             current = conn.execute(select(func.max(schema_table.c.version))).scalar() or 0
             if current > len(MIGRATIONS):
@@ -144,7 +162,7 @@ class SqlStore:
             "expires_at": record.expires_at,
         }
         with self._transaction() as conn:
-            current = conn.execute(select(sessions_table.c.version).where(*key)).scalar()
+            current = conn.execute(select(sessions_table.c.version).where(*key).with_for_update()).scalar()
             found = current or 0
             if expected_version is not None and expected_version != found:
                 raise VersionConflict(
@@ -221,16 +239,21 @@ class SqlStore:
         check_session_id(session_id)
         now = time.time()
         key = leases_table.c.tenant == tenant, leases_table.c.session_id == session_id
-        with self._transaction() as conn:
-            row = conn.execute(select(leases_table.c.owner, leases_table.c.expires_at).where(*key)).first()
-            if row is None:
-                conn.execute(insert(leases_table).values(tenant=tenant, session_id=session_id, owner=owner,
-                                                         expires_at=now + ttl_seconds))
+        try:
+            with self._transaction() as conn:
+                row = conn.execute(
+                    select(leases_table.c.owner, leases_table.c.expires_at).where(*key).with_for_update()
+                ).first()
+                if row is None:
+                    conn.execute(insert(leases_table).values(tenant=tenant, session_id=session_id, owner=owner,
+                                                             expires_at=now + ttl_seconds))
+                    return True
+                if row.owner != owner and row.expires_at > now:
+                    return False
+                conn.execute(update(leases_table).where(*key).values(owner=owner, expires_at=now + ttl_seconds))
                 return True
-            if row.owner != owner and row.expires_at > now:
-                return False
-            conn.execute(update(leases_table).where(*key).values(owner=owner, expires_at=now + ttl_seconds))
-            return True
+        except IntegrityError:
+            return False  # another owner created the lease row between our read and our insert
 
     def release_lease(self, tenant: str, session_id: str, owner: str) -> None:
         t = leases_table.c
@@ -270,6 +293,16 @@ class _Guard:
         if isinstance(exc, SQLAlchemyError) and not isinstance(exc, IntegrityError):
             raise StoreUnavailable(f"SQL store {_redact(self._url)} unavailable: {exc}") from exc
         return False
+
+
+def engine_url(url: str) -> str:
+    """The URL SQLAlchemy should open: ``postgresql://``/``postgres://`` without a driver use psycopg 3.
+
+    SQLAlchemy's own default for ``postgresql://`` is psycopg2, which agentmem does not
+    install; an explicit driver (``postgresql+psycopg2://``) is kept as given.
+    """
+    scheme, sep, rest = url.partition("://")
+    return f"postgresql+psycopg{sep}{rest}" if scheme in ("postgresql", "postgres") else url
 
 
 def _key(tenant: str, session_id: str):

@@ -1,22 +1,18 @@
-"""One contract, every store: SQLite on disk and a real redis-server."""
+"""One contract, every store: SQLite on disk, PostgreSQL, a redis-server and a Redis Cluster (all real)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from agentmem.errors import InvalidInput, SessionNotFound, VersionConflict
-from agentmem.record import CacheStore, SessionRecord
+from agentmem.record import CacheStore
 from agentmem.storage import open_store
 
-
-def record(tenant: str, session_id: str, blob: bytes = b"blob", **fields) -> SessionRecord:
-    return SessionRecord(
-        tenant=tenant, session_id=session_id, model_fingerprint="llama-test", logical_length=len(blob),
-        token_ids=list(range(len(blob))), messages=[{"role": "user", "content": "hi"}], policy="default",
-        blob=blob, **fields,
-    )
+from records import record
 
 
 @pytest.fixture
@@ -96,6 +92,15 @@ def test_listing_paginates_in_order(store):
     assert seen == ids
 
 
+def test_listing_is_in_byte_order_whatever_the_locale(store):
+    ids = ["B", "a", "a-b", "a.b", "ab", "a_b", "b", "A", "a/b", "Ab"]
+    for sid in ids:
+        store.put("acme", sid, record("acme", sid))
+    first = store.list("acme", limit=4)
+    rest = store.list("acme", limit=100, cursor=first.next_cursor)
+    assert [i.session_id for i in first.items + rest.items] == sorted(ids, key=str.encode)
+
+
 def test_delete_tenant_and_usage(store):
     for sid in ("a", "b", "c"):
         store.put("acme", sid, record("acme", sid, b"x" * 100))
@@ -141,12 +146,46 @@ def test_leases_exclude_other_owners_until_released_or_expired(store):
     assert store.acquire_lease("acme", "s1", "worker-a", 30)  # expired: free again
 
 
+def test_racing_writers_and_lease_takers_have_one_winner(store_url):
+    stores = [open_store(store_url) for _ in range(4)]
+    barrier = threading.Barrier(len(stores))
+
+    def race(attempt) -> list[bool]:
+        def run(i: int) -> bool:
+            barrier.wait()
+            return attempt(stores[i], i)
+
+        with ThreadPoolExecutor(len(stores)) as pool:
+            return list(pool.map(run, range(len(stores))))
+
+    def put(expected: int):
+        def attempt(store, i: int) -> bool:
+            try:
+                store.put("acme", "race", record("acme", "race", f"writer {i}".encode()), expected_version=expected)
+                return True
+            except VersionConflict:
+                return False
+
+        return attempt
+
+    assert race(put(0)).count(True) == 1  # creating
+    assert race(put(1)).count(True) == 1  # updating
+    assert stores[0].get("acme", "race").version == 2
+    assert race(lambda store, i: store.acquire_lease("acme", "race", f"worker-{i}", 30)).count(True) == 1
+    for store in stores:
+        store.close()
+
+
 def test_unreachable_stores_raise_store_unavailable(tmp_path):
     from agentmem.errors import StoreUnavailable
     from agentmem.storage.local_redis import free_port
 
     with pytest.raises(StoreUnavailable, match="unavailable"):
         open_store(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    with pytest.raises(StoreUnavailable, match="unavailable"):
+        open_store(f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}")
+    with pytest.raises(StoreUnavailable, match="cannot open SQL store"):
+        open_store(f"postgresql://postgres@127.0.0.1:{free_port()}/agentmem")
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     with pytest.raises(StoreUnavailable, match="cannot open SQL store"):

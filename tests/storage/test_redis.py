@@ -1,0 +1,147 @@
+"""Redis beyond the shared contract: the tenant index across process deaths and races, and a
+Redis Cluster's slot discipline (keys spread over every node, no command ever CROSSSLOT)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import agentmem.storage.redis as redis_store
+from agentmem.errors import SessionNotFound
+from agentmem.storage import open_store
+from agentmem.storage.redis import RedisStore, _index_key, _writes_key
+from agentmem.storage.redis_client import Client, connect
+
+from records import record
+
+
+class Crash(Exception):
+    """Stands for the process dying at that point."""
+
+
+def die_at(monkeypatch, store: RedisStore, step: str, *, after_running_it: bool) -> None:
+    """Make ``store`` die at its internal ``step``, before or after that step did its work."""
+    original = getattr(store, step)
+
+    def die(*args, **kwargs):
+        if after_running_it:
+            original(*args, **kwargs)
+        raise Crash(step)
+
+    monkeypatch.setattr(store, step, die)
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def redis_url(request) -> str:
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        with server.client() as client:
+            client.flushdb()
+        return server.url
+    cluster = request.getfixturevalue("redis_cluster")
+    cluster.flush()
+    return cluster.url
+
+
+@pytest.fixture
+def raw(redis_url) -> Iterator[Client]:
+    client = connect(redis_url)
+    yield client
+    client.close()
+
+
+def test_a_put_that_dies_before_committing_leaves_only_an_index_entry(redis_url, raw, monkeypatch):
+    store = open_store(redis_url)
+    die_at(monkeypatch, store, "_touch_index", after_running_it=True)
+    with pytest.raises(Crash):
+        store.put("acme", "s1", record("acme", "s1"))
+    monkeypatch.undo()
+    assert raw.zrange(_index_key("acme"), 0, -1) == [b"s1"]
+    with pytest.raises(SessionNotFound):
+        store.get("acme", "s1")
+    assert store.list("acme").items == []
+    assert raw.zrange(_index_key("acme"), 0, -1) == [b"s1"]  # kept while that write might still commit
+    raw.delete(_writes_key("acme", "s1"))  # what ORPHAN_TTL_MS does to a dead writer's registration
+    assert store.list("acme").items == []
+    assert raw.zrange(_index_key("acme"), 0, -1) == []
+    store.close()
+
+
+def test_a_delete_that_dies_before_unindexing_is_finished_by_listing(redis_url, raw, monkeypatch):
+    store = open_store(redis_url)
+    store.put("acme", "s1", record("acme", "s1"))
+    die_at(monkeypatch, store, "_unindex_if_absent", after_running_it=False)
+    with pytest.raises(Crash):
+        store.delete("acme", "s1")
+    monkeypatch.undo()
+    with pytest.raises(SessionNotFound):
+        store.get("acme", "s1")
+    assert store.list("acme").items == []
+    assert raw.zrange(_index_key("acme"), 0, -1) == []
+    store.close()
+
+
+def test_cleaning_a_stale_entry_never_unindexes_a_put_that_commits_meanwhile(redis_url, raw, monkeypatch):
+    """The cleaner reads "absent", then a whole put runs before its ZREM: the put must stay listed."""
+    cleaner, writer = open_store(redis_url), open_store(redis_url)
+    die_at(monkeypatch, writer, "_touch_index", after_running_it=True)
+    with pytest.raises(Crash):
+        writer.put("acme", "s1", record("acme", "s1"))  # leaves a stale entry for s1
+    monkeypatch.undo()
+    raw.delete(_writes_key("acme", "s1"))
+    read_absent = cleaner._redis.exists
+
+    def absent_then_a_put_commits(*keys):
+        found = read_absent(*keys)
+        writer.put("acme", "s1", record("acme", "s1", b"committed"))
+        return found
+
+    monkeypatch.setattr(cleaner._redis, "exists", absent_then_a_put_commits)
+    cleaner.list("acme")
+    monkeypatch.undo()
+    assert [item.session_id for item in writer.list("acme").items] == ["s1"]
+    assert writer.get("acme", "s1").blob == b"committed"
+    cleaner.close()
+    writer.close()
+
+
+def test_cluster_spreads_sessions_over_every_node_and_never_crosses_slots(redis_cluster, monkeypatch):
+    monkeypatch.setattr(redis_store, "CHUNK_BYTES", 64)  # several chunks per session: multi-key MGET and DEL
+    redis_cluster.flush()
+    for node in redis_cluster.nodes:
+        with node.client() as client:
+            client.config_resetstat()
+    store = open_store(redis_cluster.url)
+    tenants, ids = ["acme", "globex", "initech"], [f"s{i:02d}" for i in range(20)]
+    for tenant in tenants:
+        for sid in ids:
+            store.put(tenant, sid, record(tenant, sid, bytes(range(200))), expected_version=0)
+
+    tags_per_node = []
+    for node in redis_cluster.nodes:
+        with node.client() as client:
+            tags_per_node.append({key.split(b"}")[0] for key in client.scan_iter(match="am:{*", count=1000)})
+    assert all(len(tags) > 0 for tags in tags_per_node), "every node holds some sessions"
+    assert sum(len(tags) for tags in tags_per_node) == len(tenants) * len(ids), "each session's keys on one node"
+
+    for tenant in tenants:
+        for sid in ids[:5]:
+            assert store.put(tenant, sid, record(tenant, sid, bytes(300)), expected_version=1) == 2
+            assert store.get(tenant, sid).blob == bytes(300)
+            assert store.acquire_lease(tenant, sid, "worker", 30)
+            store.release_lease(tenant, sid, "worker")
+        pages = [store.list(tenant, limit=7)]
+        while pages[-1].next_cursor:
+            pages.append(store.list(tenant, limit=7, cursor=pages[-1].next_cursor))
+        assert [item.session_id for page in pages for item in page.items] == ids
+        assert store.usage(tenant).sessions == len(ids)
+        assert store.delete(tenant, ids[-1])
+    store.prune()
+    assert store.delete_tenant("acme") == len(ids) - 1
+    store.close()
+
+    for node in redis_cluster.nodes:
+        with node.client() as client:
+            errors = client.info("errorstats")
+        assert not any("CROSSSLOT" in name for name in errors), errors
