@@ -51,7 +51,9 @@ def arm_redis(point: str) -> None:
     when, step = point.removeprefix("redis-").split("-")  # before|after, chunks|swap
 
     def step_of(pipe) -> str | None:
-        commands = [_args(entry) for entry in pipe.command_stack]
+        strategy = getattr(pipe, "_execution_strategy", None)  # a cluster pipeline queues here
+        queued = strategy.command_queue if strategy is not None else pipe.command_stack
+        commands = [_args(entry) for entry in queued]
         if any(str(a[0]).upper() == "HSET" and b":meta" in _bytes(a[1]) for a in commands):
             return "swap"
         if any(str(a[0]).upper() == "SET" and b":blob:" in _bytes(a[1]) for a in commands):

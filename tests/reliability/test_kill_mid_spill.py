@@ -1,4 +1,4 @@
-"""kill -9 in the middle of a spill, at each point of the write path, on SQLite and Redis.
+"""kill -9 in the middle of a spill, at each point of the write path, on SQLite, Redis and a Redis Cluster.
 
 Afterwards the store must hold, for every session, exactly one committed version — the old
 one if the process died before the commit point, the new one after — decodable and bit-equal
@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import redis
 
 from agentmem.record import SessionRecord
 from agentmem.storage import decode_cache, encode_cache, open_store
+from agentmem.storage.redis_client import connect
 
 CHILD = Path(__file__).with_name("spill_child.py")
 SQL_POINTS = {"sql-before-write": 1, "sql-after-write": 1, "sql-before-commit": 1, "after-put": 2}
@@ -84,9 +84,9 @@ def test_sqlite_kill_mid_spill_keeps_the_last_committed_version(point, small_eng
 
 
 @pytest.mark.parametrize("point", sorted(REDIS_POINTS))
-def test_redis_kill_mid_spill_keeps_the_last_committed_version(point, small_engine, local_redis, tmp_path):
-    _scenario(local_redis.url, point, REDIS_POINTS[point], small_engine, tmp_path)
-    client = redis.Redis.from_url(local_redis.url)
+def test_redis_kill_mid_spill_keeps_the_last_committed_version(point, small_engine, redis_url, tmp_path):
+    _scenario(redis_url, point, REDIS_POINTS[point], small_engine, tmp_path)
+    client = connect(redis_url)
     # Chunks of the dead writer (or of the replaced version) are orphans: they must expire.
     meta = {key: client.hgetall(key) for key in client.scan_iter("am:*:meta")}
     live_ids = {m[b"write_id"].decode() for m in meta.values()}
