@@ -21,7 +21,7 @@ from agentmem.errors import AgentMemError, InvalidInput
 
 # Calibration text: standard-library sources the fidelity benchmark does not use.
 CALIBRATION_SOURCES = ("argparse.py", "fractions.py", "shlex.py", "calendar.py")
-BENCHMARKS = ("engine", "fidelity", "resume", "sessions")
+BENCHMARKS = ("engine", "fidelity", "resume", "sessions", "scale")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="agentmem: resumable KV memory for agents")
 sessions_app = typer.Typer(no_args_is_help=True, help="Stored sessions of one tenant: list, show, export, delete.")
