@@ -81,6 +81,15 @@ class BudgetPolicy(BaseModel):
         except ValidationError as exc:
             raise InvalidInput(_explain(exc)) from exc
 
+    def with_overrides(self, **fields) -> BudgetPolicy:
+        """This policy with ``fields`` replaced (validated); giving one of ``target_ratio`` /
+        ``target_tokens`` clears the other."""
+        merged = {**self.model_dump(), **fields}
+        for given, other in (("target_ratio", "target_tokens"), ("target_tokens", "target_ratio")):
+            if fields.get(given) is not None and other not in fields:
+                merged[other] = None
+        return type(self).create(**merged)
+
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> dict[str, BudgetPolicy]:
         """Policies per tenant from YAML or JSON: ``{tenant: {field: value}}``; the key ``default`` is the fallback."""

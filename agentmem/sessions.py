@@ -33,6 +33,7 @@ from agentmem.errors import (
     SessionBusy,
     SessionNotFound,
     StoreUnavailable,
+    VersionConflict,
 )
 from agentmem.metrics import Metrics, prometheus_text
 from agentmem.policy import BudgetPolicy
@@ -155,7 +156,10 @@ class Session:
     def fork(self, new_id: str) -> Session:
         """A new session of the same tenant starting from this one's cache and messages."""
         with self.lock:
-            return self.manager._adopt(self.tenant, new_id, self.cache.clone(), self.messages)
+            self.manager._revive(self)
+            forked = self.manager._adopt(self.tenant, new_id, self.cache.clone(), self.messages)
+        self.manager._enforce_device_budget(keep=forked)
+        return forked
 
     # ------------------------------------------------------------------------ internals
 
@@ -214,10 +218,8 @@ class Session:
         """Compact now, with the tenant's policy or these fields of it overridden
         (``target_ratio``, ``target_tokens``, ``method``, ``keep_recent`` …); returns the event."""
         with self.lock:
-            fields = self.policy.model_dump()
-            if "target_tokens" in overrides and "target_ratio" not in overrides:
-                fields["target_ratio"] = None
-            return self._compact_with(BudgetPolicy.create(**{**fields, **overrides}))
+            self.manager._revive(self)
+            return self._compact_with(self.policy.with_overrides(**overrides))
 
     def _compact_with(self, policy: BudgetPolicy) -> dict[str, Any]:
         before, began = self.cache.physical_length, time.perf_counter()
@@ -342,18 +344,22 @@ class SessionManager:
             except BaseException:
                 self.store.release_lease(tenant, session_id, self.owner)
                 raise
-            self.metrics.add("resumes")
-            session = self._dormant.pop(key, None)
+            session = self._dormant.get(key)
             if session is None:
                 session = Session(self, tenant, session_id, cache, list(record.messages), record.version,
                                   record.created_at)
-            else:
-                session.cache, session._messages, session.version = cache, list(record.messages), record.version
-            session.stored_bytes = len(record.blob)
-            with self._room(cache.nbytes, keep=session):
-                if key in self._live:  # loaded by another thread while this one waited for room
-                    return self._live[key]
-                self._register(session)
+            try:
+                with self._room(cache.nbytes, keep=session):
+                    if key in self._live:  # loaded by another thread while this one waited for room
+                        return self._live[key]
+                    session.cache, session._messages, session.version = cache, list(record.messages), record.version
+                    session.stored_bytes = len(record.blob)
+                    self._register(session)
+            except BaseException:
+                self._release_lease(tenant, session_id)
+                raise
+            self._dormant.pop(key, None)
+            self.metrics.add("resumes")
         self._enforce_device_budget(keep=session)
         return session
 
@@ -373,6 +379,7 @@ class SessionManager:
             with self._budget:
                 self._live.pop(key, None)
                 self._dormant[key] = session
+                session.cache = self.engine.new_cache()  # free the device memory; a revive reloads it
                 self._budget.notify_all()
             self.metrics.add("spills")
             self._release_lease(tenant, session_id)
@@ -490,8 +497,8 @@ class SessionManager:
         with self._lock:
             if self._live.get((session.tenant, session.session_id)) is session:
                 return
-        if self.session(session.session_id, tenant=session.tenant) is not session:
-            raise InvalidInput(f"session {session.tenant}/{session.session_id} was deleted or replaced; "
+        if self.session(session.session_id, tenant=session.tenant, create=False) is not session:
+            raise InvalidInput(f"session {session.tenant}/{session.session_id} was replaced by another handle; "
                                "get it again from manager.session()")
 
     def _touch(self, session: Session) -> None:
@@ -512,6 +519,15 @@ class SessionManager:
         except StoreUnavailable as exc:  # the lease expires on its own
             self.metrics.add("store_errors")
             log.warning("could not release the lease of %s/%s: %s", tenant, session_id, exc)
+
+    def _drop(self, session: Session) -> None:
+        """Forget a live copy without writing it (it lost to a newer stored version)."""
+        with self._budget:
+            if self._live.get((session.tenant, session.session_id)) is session:
+                del self._live[(session.tenant, session.session_id)]
+            session.cache = self.engine.new_cache()
+            self._budget.notify_all()
+        self._release_lease(session.tenant, session.session_id)
 
     def _live_bytes(self) -> int:
         with self._lock:
@@ -583,19 +599,27 @@ class SessionManager:
         for victim in candidates:  # OrderedDict order: least recently used first
             if not victim.lock.acquire(blocking=False):
                 continue  # busy in another thread: not idle
+            original = victim.cache
             try:
                 policy = self.policy_for(victim.tenant)
                 if policy.on_over_budget == "compact" and victim.cache.physical_length > policy.keep_recent:
                     victim.cache = self._compact(policy, victim.cache, victim._system_tokens())
                 self.spill(victim.tenant, victim.session_id)
                 evicted = True
-            except BudgetExceeded as exc:  # its tenant's store quota is full: it stays live
-                log.warning("cannot spill %s/%s: %s", victim.tenant, victim.session_id, exc)
-                continue
             except StoreUnavailable as exc:
+                victim.cache = original  # compacted only to be spilled: keep it whole while it stays live
                 self.metrics.add("store_errors")
                 log.error("cannot spill while the store is unavailable: %s", exc)
                 return evicted
+            except (VersionConflict, SessionNotFound) as exc:
+                # Another worker wrote or deleted it since this copy was loaded: this copy is stale.
+                log.error("dropping the stale live copy of %s/%s: %s", victim.tenant, victim.session_id, exc)
+                self._drop(victim)
+                evicted = True
+            except AgentMemError as exc:  # e.g. its tenant's store quota is full: it stays live, whole
+                victim.cache = original
+                log.warning("cannot spill %s/%s: %s", victim.tenant, victim.session_id, exc)
+                continue
             finally:
                 victim.lock.release()
             if self.device_budget_bytes is None or self._live_bytes() + room <= self.device_budget_bytes:
