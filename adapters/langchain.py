@@ -164,11 +164,13 @@ class ChatAgentMem(BaseChatModel):
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         # One worker thread runs the whole turn: the session's lock belongs to the thread that took it.
+        kwargs["session_id"] = _session_id(kwargs.get("session_id"), run_manager, self.session_id)
         return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        kwargs["session_id"] = _session_id(kwargs.get("session_id"), run_manager, self.session_id)
         async for chunk in _iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
             if run_manager and isinstance(chunk.message.content, str) and chunk.message.content:
                 await run_manager.on_llm_new_token(chunk.message.content, chunk=chunk)
@@ -231,10 +233,10 @@ class _Turn:
         content, tool_calls, invalid = self._split() if self.tools else ("", [], [])
         chunks = [{"name": c["name"], "args": _json(c["args"]), "id": c["id"], "index": i, "type": "tool_call_chunk"}
                   for i, c in enumerate(tool_calls)]
-        chunks += [{"name": c["name"], "args": c["args"], "id": c["id"], "index": len(chunks) + i,
-                    "type": "tool_call_chunk"} for i, c in enumerate(invalid)]
-        return AIMessageChunk(content=content, tool_call_chunks=chunks, usage_metadata=self._usage_metadata(),
-                              response_metadata=self._response_metadata(), chunk_position="last")
+        chunk = AIMessageChunk(content=content, tool_call_chunks=chunks, usage_metadata=self._usage_metadata(),
+                               response_metadata=self._response_metadata(), chunk_position="last")
+        chunk.invalid_tool_calls = invalid  # as parsed: a chunk would re-parse them into calls named ""
+        return chunk
 
     def _split(self) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
         if not self.tools:
@@ -300,13 +302,15 @@ def _text_of(message: BaseMessage) -> str:
 
 
 def _with_config_session(config: RunnableConfig | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Move ``configurable.session_id`` (else ``thread_id``) into the call kwargs, unless one was given."""
+    """Move the config's session ID into the call kwargs, unless one was given: ``configurable``
+    ``session_id``, then ``thread_id``, then ``metadata["thread_id"]`` (LangGraph)."""
     if kwargs.get("session_id") is not None:
         return kwargs
-    configurable = ensure_config(config).get("configurable") or {}
-    for key in ("session_id", "thread_id"):
-        if configurable.get(key) is not None:
-            return {**kwargs, "session_id": str(configurable[key])}
+    config = ensure_config(config)
+    configurable, metadata = config.get("configurable") or {}, config.get("metadata") or {}
+    for candidate in (configurable.get("session_id"), configurable.get("thread_id"), metadata.get("thread_id")):
+        if candidate is not None:
+            return {**kwargs, "session_id": str(candidate)}
     return kwargs
 
 
@@ -351,9 +355,10 @@ async def _iterate_in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator
         try:
             for item in make():
                 loop.call_soon_threadsafe(queue.put_nowait, (item, None))
-        except Exception as exc:  # handed to the awaiting side
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side, which re-raises it
             loop.call_soon_threadsafe(queue.put_nowait, (None, exc))
-        loop.call_soon_threadsafe(queue.put_nowait, (done, None))
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, (done, None))
 
     threading.Thread(target=run, name="agentmem-astream", daemon=True).start()
     while True:

@@ -10,14 +10,16 @@ live sessions when the process exits normally, so a restarted process resumes th
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 
 from agentmem.engine import Engine
-from agentmem.errors import InvalidInput
+from agentmem.errors import AgentMemError, InvalidInput
 from agentmem.policy import BudgetPolicy
 from agentmem.sessions import SessionManager
 from agentmem.storage import default_url
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
 _managers: dict[tuple[str, str], SessionManager] = {}
@@ -64,8 +66,11 @@ def close_shared() -> None:
     with _lock:
         managers = list(_managers.values())
         _managers.clear()
-    for manager in managers:
-        manager.close()
+    for manager in managers:  # one failing store must not keep the others' sessions from being spilled
+        try:
+            manager.close()
+        except AgentMemError as exc:
+            log.error("closing the session manager on %s failed: %s", manager.store, exc)
 
 
 atexit.register(close_shared)

@@ -8,6 +8,7 @@ recognised; message content is tokenised with special tokens *split*, so a user 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,10 @@ def render_pieces(
     template_kwargs: dict[str, Any] = {}
     if tools:
         tools = check_tools(tools)
+        spelled = json.dumps(tools, ensure_ascii=False)
+        forged = [t for t in tokenizer.all_special_tokens if t and t in spelled]
+        if forged:  # a template renders specs as its own text, where these would become control tokens
+            raise InvalidInput(f"tool specs contain special tokens {forged}; they could forge chat turns")
         if template_supports_tools(tokenizer.chat_template):
             template_kwargs["tools"] = tools
         elif checked[0]["role"] == "system":

@@ -113,8 +113,9 @@ def chat(
     from agentmem.engine import Engine
     from agentmem.sessions import SessionManager, Usage
 
+    loaded, default = _load_policies(policies)
     engine = Engine.load(model)
-    with SessionManager(engine, store, policies=_load_policies(policies)) as manager:
+    with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
         live = manager.session(session, tenant=tenant)
         typer.echo(f"session {tenant}/{session}: {live.cache.logical_length} tokens held "
                    f"({live.cache.physical_length} live rows); /exit to leave")
@@ -272,21 +273,20 @@ def _policies_path(path: Path | None) -> Path:
 
 
 def _load_policies(path: Path | None):
+    """``(per-tenant policies, default policy)``: the file's entries, its ``default`` entry else AGENTMEM_*."""
     from agentmem.policy import BudgetPolicy
 
     file = _policies_path(path)
-    return BudgetPolicy.from_file(file) if file.is_file() else {}
+    loaded = BudgetPolicy.from_file(file) if file.is_file() else {}
+    return loaded, loaded.get("default") or BudgetPolicy.from_env()
 
 
 @policy_app.command("show")
 @clean_errors
 def policy_show(tenant: str = TenantOpt, policies: Optional[Path] = PoliciesOpt, as_json: bool = JsonOpt) -> None:
     """The policy a tenant gets: its entry in the file, else the file's 'default', else AGENTMEM_* variables."""
-    from agentmem.policy import BudgetPolicy
-
-    loaded = _load_policies(policies)
-    policy = loaded.get(tenant) or loaded.get("default") or BudgetPolicy.from_env()
-    emit(policy.model_dump(), as_json)
+    loaded, default = _load_policies(policies)
+    emit(loaded.get(tenant, default).model_dump(), as_json)
 
 
 @policy_app.command("set")
@@ -300,20 +300,31 @@ def policy_set(
     import yaml
 
     from agentmem.policy import BudgetPolicy
+    from agentmem.record import check_tenant
 
+    check_tenant(tenant)
     file = _policies_path(policies)
-    data = yaml.safe_load(file.read_text()) if file.is_file() else {}
-    if not isinstance(data, dict):
+    try:
+        data = (yaml.safe_load(file.read_text()) if file.is_file() else None) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidInput(f"cannot read {file}: {exc}") from exc
+    entry = data.get(tenant) if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(entry or {}, dict):
         raise InvalidInput(f"{file} must map tenant names to policy fields")
-    fields = dict(data.get(tenant) or {})
+    fields, given = dict(entry or {}), {}
     for assignment in assignments:
         key, sep, value = assignment.partition("=")
-        if not sep or not key:
-            raise InvalidInput(f"expected field=value, got {assignment!r}")
-        fields[key] = yaml.safe_load(value) if value else None
-    if "target_tokens" in fields and fields.get("target_tokens") is not None and "target_ratio" not in fields:
-        fields["target_ratio"] = None
-    BudgetPolicy.create(name=tenant, **fields)  # raises InvalidInput naming each bad field
+        if not sep or not key or key == "name":
+            raise InvalidInput(f"expected field=value (any policy field but name), got {assignment!r}")
+        try:
+            given[key] = yaml.safe_load(value) if value else None
+        except yaml.YAMLError as exc:
+            raise InvalidInput(f"cannot read the value of {key}: {exc}") from exc
+    for one, other in (("target_ratio", "target_tokens"), ("target_tokens", "target_ratio")):
+        if given.get(one) is not None and other not in given:
+            fields[other] = None  # the policy takes one of the two
+    fields.update(given)
+    BudgetPolicy.create(**{**fields, "name": tenant})  # raises InvalidInput naming each bad field
     data[tenant] = fields
     file.parent.mkdir(parents=True, exist_ok=True)
     _write_atomically(file, yaml.safe_dump(data, sort_keys=True).encode())
@@ -344,8 +355,9 @@ def compact(
     overrides = {k: v for k, v in {"target_ratio": ratio, "target_tokens": target_tokens, "method": method,
                                                 "keep_recent": keep_recent}.items()
                  if v is not None}
+    loaded, default = _load_policies(policies)
     engine = Engine.load(model)
-    with SessionManager(engine, store, policies=_load_policies(policies)) as manager:
+    with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
         live = manager.session(session, tenant=tenant, create=False)
         stored_before = live.stored_bytes
         typer.echo(f"compacting {tenant}/{session} ({live.cache.physical_length} rows) ...", err=True)

@@ -77,11 +77,19 @@ def test_policy_set_validates_and_show_reads_it_back(tmp_path):
     shown = json.loads(runner.invoke(app, ["policy", "show", "--tenant", "acme", "--policies", str(file),
                                            "--json"]).output)
     assert (shown["max_live_tokens"], shown["keep_recent"], shown["method"]) == (2048, 64, "am")
+    switched = runner.invoke(app, ["policy", "set", "--tenant", "acme", "--policies", str(file), "target_tokens=100"])
+    assert switched.exit_code == 0, switched.output  # replaces target_ratio instead of clashing with it
     before = file.read_text()
-    for bad in ("max_live_tokens=-1", "method=nonsense", "keep_recent=4096", "colour=blue", "novalue"):
+    for bad in ("max_live_tokens=-1", "method=nonsense", "keep_recent=4096", "colour=blue", "novalue",
+                "name=x", "method=[", "target_ratio=0.5"):
         refused = runner.invoke(app, ["policy", "set", "--tenant", "acme", "--policies", str(file), bad])
         assert refused.exit_code == 1 and "error:" in refused.output, bad
     assert file.read_text() == before  # nothing written on a rejected change
+    refused = runner.invoke(app, ["policy", "set", "--tenant", "bad tenant!", "--policies", str(file), "method=am"])
+    assert refused.exit_code == 1 and file.read_text() == before
+    file.write_text("default: 5\n")
+    broken = runner.invoke(app, ["policy", "set", "--tenant", "default", "--policies", str(file), "method=am"])
+    assert broken.exit_code == 1 and broken.output.startswith("error:")
 
 
 def test_compact_command_stores_a_smaller_new_version(engine, tmp_path, monkeypatch):
