@@ -507,11 +507,16 @@ class SessionManager:
         with self._lock:
             self._live.move_to_end((session.tenant, session.session_id))
         try:
-            self.store.acquire_lease(session.tenant, session.session_id, self.owner, self.lease_seconds)
+            renewed = self.store.acquire_lease(session.tenant, session.session_id, self.owner, self.lease_seconds)
         except StoreUnavailable as exc:
             self.metrics.add("store_errors")
             log.warning("lease renewal for %s/%s failed; serving the live copy: %s", session.tenant,
                         session.session_id, exc)
+            return
+        if not renewed:  # our lease expired and another worker took the session: this copy is stale
+            self._drop(session)
+            raise SessionBusy(f"session {session.session_id!r} of tenant {session.tenant!r} moved to another "
+                              "worker after this one's lease expired; its live copy here was dropped")
 
     def _release_lease(self, tenant: str, session_id: str) -> None:
         try:

@@ -46,3 +46,17 @@ def test_a_stale_writer_after_lease_expiry_gets_version_conflict_not_a_lost_upda
     assert "the stale copy's turn" not in str(record.messages)
     second.close()
     first.store.close()
+
+
+def test_a_stale_copy_whose_lease_was_taken_refuses_the_turn(small_engine, url):
+    first = SessionManager(small_engine, url, default_policy=POLICY, lease_seconds=0.3)
+    second = SessionManager(small_engine, url, default_policy=POLICY)
+    stale = first.session("t-1", tenant="acme")
+    stale.chat("hello", max_new_tokens=4)
+    time.sleep(0.5)
+    second.session("t-1", tenant="acme").chat("the new owner's turn", max_new_tokens=4)  # lease taken
+    with pytest.raises(SessionBusy, match="moved to another worker"):
+        stale.chat("the stale copy's turn", max_new_tokens=4)
+    assert first.stats()["live_sessions"] == 0  # the stale copy was dropped, not kept to conflict later
+    second.close()
+    first.close()
