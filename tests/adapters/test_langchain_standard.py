@@ -21,7 +21,9 @@ STORE = f"sqlite:///{Path(tempfile.mkdtemp(prefix='agentmem-lc-')) / 'sessions.d
 PARAMS = {"store": STORE, "session_id": "standard-suite"}
 
 
-class TestChatAgentMemUnit(ChatModelUnitTests):
+class _ChatAgentMemSuite:
+    """What both suites construct: ChatAgentMem on a private SQLite store, one default session."""
+
     @property
     def chat_model_class(self) -> type[ChatAgentMem]:
         return ChatAgentMem
@@ -30,20 +32,14 @@ class TestChatAgentMemUnit(ChatModelUnitTests):
     def chat_model_params(self) -> dict:
         return PARAMS
 
+
+class TestChatAgentMemUnit(_ChatAgentMemSuite, ChatModelUnitTests):
     @property
     def init_from_env_params(self) -> tuple[dict, dict, dict]:
         return {"AGENTMEM_STORE": STORE, "AGENTMEM_MODEL": "embedded"}, {}, {"store": STORE, "model": "embedded"}
 
 
-class TestChatAgentMemIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatAgentMem]:
-        return ChatAgentMem
-
-    @property
-    def chat_model_params(self) -> dict:
-        return PARAMS
-
+class TestChatAgentMemIntegration(_ChatAgentMemSuite, ChatModelIntegrationTests):
     @property
     def standard_chat_model_params(self) -> dict:
         return {**super().standard_chat_model_params, "max_tokens": 32}
