@@ -200,15 +200,15 @@ class ChatAgentMem(BaseChatModel):
         prefix = forced_call_prefix(tool_choice if tool_choice != "any" else None) if tools and tool_choice else ""
         session = self.session(session_id)
         conversation = [to_message_dict(m) for m in messages]
-        return _Turn(self, session, conversation, generation, tools, prefix)
+        return _Turn(session, conversation, generation, tools, prefix)
 
 
 class _Turn:
     """One call: runs the session turn and shapes its text and usage into LangChain messages."""
 
-    def __init__(self, model: ChatAgentMem, session: Session, conversation: list[dict[str, Any]],
-                 generation: dict[str, Any], tools: list[dict[str, Any]] | None, prefix: str) -> None:
-        self.model, self.session, self.conversation = model, session, conversation
+    def __init__(self, session: Session, conversation: list[dict[str, Any]], generation: dict[str, Any],
+                 tools: list[dict[str, Any]] | None, prefix: str) -> None:
+        self.session, self.conversation = session, conversation
         self.generation, self.tools, self.prefix = generation, tools, prefix
         self.usage = Usage()
         self.text = ""
