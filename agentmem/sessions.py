@@ -38,7 +38,7 @@ from agentmem.errors import (
 from agentmem.metrics import Metrics, prometheus_text
 from agentmem.policy import BudgetPolicy
 from agentmem.record import CacheStore, SessionRecord, check_session_id, check_tenant
-from agentmem.storage import decode_cache, encode_cache, open_store
+from agentmem.storage import decode_cache, encode_cache, open_store, read_header, stored_rows
 
 DEFAULT_MAX_NEW_TOKENS = 256
 log = logging.getLogger(__name__)
@@ -338,20 +338,19 @@ class SessionManager:
             except BaseException:
                 self.store.release_lease(tenant, session_id, self.owner)
                 raise
+            engine = self.engine
             try:
-                cache = decode_cache(record.blob, fingerprint=self.engine.fingerprint, device=self.engine.device,
-                                     dtype=self.engine.dtype)
-            except BaseException:
-                self.store.release_lease(tenant, session_id, self.owner)
-                raise
-            session = self._dormant.get(key)
-            if session is None:
-                session = Session(self, tenant, session_id, cache, list(record.messages), record.version,
-                                  record.created_at)
-            try:
-                with self._room(cache.nbytes, keep=session):
-                    if key in self._live:  # loaded by another thread while this one waited for room
+                # Room is reserved before the cache is decoded onto the device, so loaders that
+                # wait for room hold no memory the budget does not count.
+                need = stored_rows(read_header(record.blob)) * engine.bytes_per_token // (
+                    engine.num_layers * engine.num_kv_heads)
+                with self._room(need, keep=self._dormant.get(key)):
+                    if key in self._live:  # loaded by another thread (sharing our lease) while this one waited
                         return self._live[key]
+                    cache = decode_cache(record.blob, fingerprint=engine.fingerprint, device=engine.device,
+                                         dtype=engine.dtype)
+                    session = self._dormant.get(key) or Session(self, tenant, session_id, cache, [], 0,
+                                                                record.created_at)
                     session.cache, session._messages, session.version = cache, list(record.messages), record.version
                     session.stored_bytes = len(record.blob)
                     self._register(session)

@@ -97,6 +97,17 @@ def read_header(blob: bytes) -> dict[str, Any]:
     return header
 
 
+def stored_rows(header: dict[str, Any]) -> int:
+    """Rows the blob decodes to, summed over layers and KV heads (sizes a resume before decoding)."""
+    try:
+        layout = header["layout"]
+        heads = int(layout["num_kv_heads"])
+        return sum(sum(sum(seg["head_rows"]) for seg in layer["segments"]) + heads * int(layer["tail_length"])
+                   for layer in layout["layers"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptSessionError(f"session blob layout is damaged: {exc!r}") from exc
+
+
 def decode_cache(
     blob: bytes,
     *,
