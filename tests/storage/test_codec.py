@@ -131,3 +131,13 @@ def test_mutated_real_blobs_only_raise_our_errors(cache, data):
         decode_cache(bytes(blob[:cut]))
     except AgentMemError:
         pass
+
+
+def test_stored_rows_sizes_a_resume_before_decoding(cache, llama):
+    from agentmem.storage import stored_rows
+
+    blob = encode_cache(cache, dtype="fp16")
+    decoded = decode_cache(blob, fingerprint=llama.fingerprint)
+    rows = sum(sum(sum(seg.head_rows) for seg in layer.segments) + layer.num_heads * layer.tail_length
+               for layer in decoded.layers)
+    assert rows > 0 and stored_rows(read_header(blob)) == rows
