@@ -127,10 +127,10 @@ class Session:
             usage.prefilled_tokens += len(delta)
             generated: list[int] = []
             shown = ""
-            if reply_prefix:
-                yield reply_prefix
             growth = (len(delta) + max_new_tokens) * self.manager.engine.bytes_per_token
             with self.manager._room(growth, keep=self):
+                if reply_prefix:
+                    yield reply_prefix
                 for token in self._generate(delta, usage, max_new_tokens, temperature=temperature, top_p=top_p,
                                             top_k=top_k, stop=stop, seed=seed):
                     generated.append(token)
@@ -312,7 +312,8 @@ class SessionManager:
         self._dormant: weakref.WeakValueDictionary[tuple[str, str], Session] = weakref.WeakValueDictionary()
         self._lock = threading.RLock()
         self._budget = threading.Condition(self._lock)
-        self._reserved: dict[object, int] = {}  # device-budget bytes held by running turns and loads
+        # Device-budget bytes held by running turns and loads: token -> (bytes, thread, session).
+        self._reserved: dict[object, tuple[int, int, Session | None]] = {}
         self._tenant_writes: dict[str, threading.Lock] = {}
 
     def policy_for(self, tenant: str) -> BudgetPolicy:
@@ -542,25 +543,26 @@ class SessionManager:
         """Hold ``need`` bytes of the device budget while live caches grow by up to that much.
 
         Granted when live bytes, the other holders' bytes and ``need`` fit the budget (idle
-        sessions are spilled to make room), or when nobody else holds any: so live bytes exceed
-        the budget by at most one holder's ``need`` — one session's worth — however many
-        threads run turns at once.
+        sessions are spilled to make room), or when no other thread holds any: so live bytes
+        exceed the budget by at most one holder's ``need`` — one session's worth — however many
+        threads run turns at once. ``keep`` (the session growing) is never spilled for it, and
+        sessions holding room are never spilled at all, even by their own thread.
         """
         if self.device_budget_bytes is None:
             yield
             return
-        token = object()
+        token, me = object(), threading.get_ident()
         with self._budget:
             while True:
-                held = sum(self._reserved.values())
+                held = sum(need for need, _, _ in self._reserved.values())
                 if self._live_bytes() + held + need <= self.device_budget_bytes:
                     break
                 if self._evict(lambda s: True, keep=keep, room=held + need):
                     continue
-                if not self._reserved:
-                    break
+                if all(thread == me for _, thread, _ in self._reserved.values()):
+                    break  # alone, or interleaving its own streams: waiting would never end
                 self._budget.wait(0.25)
-            self._reserved[token] = need
+            self._reserved[token] = (need, me, keep)
         try:
             yield
         finally:
@@ -598,7 +600,8 @@ class SessionManager:
         tenant. Returns whether anything was spilled. A store outage stops eviction (the sessions
         stay live, over budget) rather than failing the turn that triggered it."""
         with self._lock:
-            candidates = [s for s in self._live.values() if s is not keep and eligible(s)]
+            growing = {id(s) for _, _, s in self._reserved.values()}
+            candidates = [s for s in self._live.values() if s is not keep and id(s) not in growing and eligible(s)]
         evicted = False
         for victim in candidates:  # OrderedDict order: least recently used first
             if not victim.lock.acquire(blocking=False):

@@ -96,3 +96,16 @@ def test_tenant_store_quota_holds_under_concurrent_spills(small_engine, tmp_path
     assert manager.store.usage("free").sessions == THREADS * SESSIONS_PER_THREAD // 2
     live_limited = [s for s in manager.list("limited") if s.get("live")]
     assert live_limited  # sessions that did not fit the quota stayed live rather than being lost
+
+
+def test_one_thread_interleaving_two_streams_neither_waits_forever_nor_spills_the_suspended_one(small_engine, tmp_path):
+    policy = BudgetPolicy(max_live_tokens=96, keep_recent=16, method="window", storage_dtype="fp32")
+    manager = SessionManager(small_engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy,
+                             device_budget_bytes=small_engine.bytes_per_token * 8)  # far too small for either
+    first, second = manager.session("a"), manager.session("b")
+    suspended = first.stream("Tell me about parcels.", max_new_tokens=8)
+    next(suspended)  # mid-generation, holding its room
+    assert second.chat("And refunds?", max_new_tokens=4).usage.generated_tokens > 0  # no deadlock
+    rest = [piece for piece in suspended]
+    assert rest and rest[-1].generated_tokens > 0  # the suspended turn finished on its own cache
+    manager.close()
