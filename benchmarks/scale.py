@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import random
 import signal
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,13 @@ def load_engine(model: str):
     return Engine(AutoModelForCausalLM.from_config(config), AutoTokenizer.from_pretrained(embedded_model_dir()))
 
 
-def worker_main(index: int, model: str, url: str, inbox: mp.Queue, outbox: mp.Queue, lease_seconds: float,
+def worker_main(index: int, model: str, url: str, inbox: mp.Queue, outbox: Connection, lease_seconds: float,
                 max_new_tokens: int, spill: bool) -> None:
-    """Serve turns from ``inbox``: resume (or reuse) the session, reply, spill, report."""
+    """Serve turns from ``inbox``: resume (or reuse) the session, reply, spill, report on ``outbox``.
+
+    Each worker reports on its own pipe: a worker killed while writing to a queue shared with
+    the others would leave that queue's lock held and stall every other worker.
+    """
     import torch
 
     from agentmem import BudgetPolicy, SessionManager
@@ -70,7 +74,7 @@ def worker_main(index: int, model: str, url: str, inbox: mp.Queue, outbox: mp.Qu
     policy = BudgetPolicy(name="scale", max_live_tokens=512, keep_recent=64, target_ratio=4, method="am-fast")
     manager = SessionManager(engine, url, default_policy=policy, lease_seconds=lease_seconds,
                              lease_wait=4 * lease_seconds)
-    outbox.put(("ready", index))
+    outbox.send(("ready", index))
     while (job := inbox.get()) is not None:
         session_id, turn, message = job
         began = time.perf_counter()
@@ -80,9 +84,9 @@ def worker_main(index: int, model: str, url: str, inbox: mp.Queue, outbox: mp.Qu
             reply = session.chat(message, max_new_tokens=max_new_tokens, seed=turn)
             version = manager.spill(TENANT, session_id) if spill else None
         except Exception as exc:  # reported; the driver decides
-            outbox.put(("error", index, session_id, turn, f"{type(exc).__name__}: {exc}"))
+            outbox.send(("error", index, session_id, turn, f"{type(exc).__name__}: {exc}"))
             continue
-        outbox.put(("done", index, session_id, turn, {
+        outbox.send(("done", index, session_id, turn, {
             "version": version, "resume_s": resume_s, "turn_s": time.perf_counter() - began,
             "prefilled": reply.usage.prefilled_tokens, "reused": reply.usage.reused_tokens,
         }))
@@ -125,15 +129,16 @@ def drive(*, label: str, model: str, url: str, store: str, workers: int, session
     """Run ``sessions`` x ``turns`` turns over ``workers`` processes; verify the store afterwards."""
     ctx = mp.get_context("spawn")
     rng = random.Random(seed)
-    outbox = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(workers)]
-    procs = [ctx.Process(target=worker_main, args=(i, model, url, inboxes[i], outbox, lease_seconds, max_new_tokens,
-                                                   spill), daemon=True) for i in range(workers)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]  # (reader, writer) per worker
+    procs = [ctx.Process(target=worker_main, args=(i, model, url, inboxes[i], pipes[i][1], lease_seconds,
+                                                   max_new_tokens, spill), daemon=True) for i in range(workers)]
     for proc in procs:
         proc.start()
-    for _ in procs:
-        kind, _index = outbox.get(timeout=600)
-        assert kind == "ready"
+    for reader, writer in pipes:
+        writer.close()  # the worker holds its end; EOF on ours then means the worker is gone
+        if not reader.poll(600) or reader.recv()[0] != "ready":
+            raise RuntimeError("a worker did not start")
     run = Run(label, workers, store)
     ids = [f"s-{label}-{i:03d}" for i in range(sessions)]
     next_turn = dict.fromkeys(ids, 0)
@@ -155,10 +160,7 @@ def drive(*, label: str, model: str, url: str, store: str, workers: int, session
     while run.turns_done < total:
         while pending and len(inflight) < concurrency:
             dispatch(pending.pop(0))
-        try:
-            message = outbox.get(timeout=0.2)
-        except queue.Empty:
-            message = None
+        message = _receive([pipes[w][0] for w in sorted(alive)], timeout=0.2)
         if message is not None and message[0] == "done":
             _, worker, sid, turn, stats = message
             inflight.pop(sid)
@@ -195,6 +197,16 @@ def drive(*, label: str, model: str, url: str, store: str, workers: int, session
     if spill:
         run.persisted_unacknowledged = _verify(url, acknowledged, turns)
     return run
+
+
+def _receive(readers: list[Connection], timeout: float) -> tuple | None:
+    """The next message from any live worker's pipe, or None (also when a pipe hit EOF: its worker died)."""
+    for reader in wait(readers, timeout=timeout):
+        try:
+            return reader.recv()
+        except EOFError:
+            continue
+    return None
 
 
 def _verify(url: str, acknowledged: dict[str, list[tuple[int, int]]], turns: int) -> int:
