@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -360,11 +361,23 @@ def compact(
     with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
         live = manager.session(session, tenant=tenant, create=False)
         stored_before = live.stored_bytes
-        typer.echo(f"compacting {tenant}/{session} ({live.cache.physical_length} rows) ...", err=True)
-        event = live.compact(**overrides)
+        with _spinner(f"compacting {tenant}/{session} ({live.cache.physical_length} rows)"):
+            event = live.compact(**overrides)
         version = manager.spill(tenant, session)
         emit({**event, "stored_bytes_before": stored_before, "stored_bytes_after": live.stored_bytes,
               "version": version}, as_json)
+
+
+@contextmanager
+def _spinner(description: str) -> Iterator[None]:
+    """An elapsed-time spinner on stderr for one long call (it refreshes from its own thread)."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        progress.add_task(description, total=None)
+        yield
 
 
 # ------------------------------------------------------------------------------ benchmarks, calibration

@@ -196,6 +196,7 @@ def drive(*, label: str, model: str, url: str, store: str, workers: int, session
         procs[worker].join(timeout=120)
     if spill:
         run.persisted_unacknowledged = _verify(url, acknowledged, turns)
+    print(f"{label}: {run.row()}", flush=True)
     return run
 
 
