@@ -24,7 +24,9 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.di
                                                                                           max_size=3), max_leaves=5)
 policy_docs = st.dictionaries(st.text(max_size=12), st.one_of(values, st.dictionaries(st.sampled_from(FIELDS), values,
                                                                                     max_size=6)), max_size=4)
-fuzz = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Derandomized: CI explores the same examples every run, so a failure is reproducible, never flaky.
+fuzz = settings(max_examples=150, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @fuzz
@@ -81,7 +83,7 @@ def test_huge_and_empty_messages_are_typed_errors_and_the_session_survives(small
         assert session.chat("still here?", max_new_tokens=2).usage.reused_tokens >= len(held)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(command=st.sampled_from([["sessions", "show"], ["sessions", "list", "--tenant"], ["sessions", "delete"],
                                 ["sessions", "delete", "--all", "--yes", "--tenant"], ["policy", "set"],
                                 ["policy", "show", "--tenant"]]),
