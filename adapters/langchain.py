@@ -225,7 +225,7 @@ class _Turn:
     def message(self) -> AIMessage:
         content, tool_calls, invalid = self._split()
         return AIMessage(content=content, tool_calls=tool_calls, invalid_tool_calls=invalid,
-                         usage_metadata=self._usage_metadata(), response_metadata=self._response_metadata(),
+                         usage_metadata=self._usage_metadata(), response_metadata=self._response_metadata(tool_calls),
                          id=f"run-{uuid.uuid4()}")
 
     def last_chunk(self) -> AIMessageChunk:
@@ -234,7 +234,7 @@ class _Turn:
         chunks = [{"name": c["name"], "args": _json(c["args"]), "id": c["id"], "index": i, "type": "tool_call_chunk"}
                   for i, c in enumerate(tool_calls)]
         chunk = AIMessageChunk(content=content, tool_call_chunks=chunks, usage_metadata=self._usage_metadata(),
-                               response_metadata=self._response_metadata(), chunk_position="last")
+                               response_metadata=self._response_metadata(tool_calls), chunk_position="last")
         chunk.invalid_tool_calls = invalid  # as parsed: a chunk would re-parse them into calls named ""
         return chunk
 
@@ -256,12 +256,12 @@ class _Turn:
             input_token_details=InputTokenDetails(cache_read=u.reused_tokens, cache_creation=u.prefilled_tokens),
         )
 
-    def _response_metadata(self) -> dict[str, Any]:
+    def _response_metadata(self, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
         u = self.usage
         return {
             "model_name": self.session.manager.engine.name,
             "model_provider": "agentmem",
-            "finish_reason": "tool_calls" if self.tools and parse_tool_calls(self.text).calls else u.finish_reason,
+            "finish_reason": "tool_calls" if tool_calls else u.finish_reason,
             "session_id": self.session.session_id,
             "tenant": self.session.tenant,
             "compactions": u.compaction_events,

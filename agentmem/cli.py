@@ -111,12 +111,9 @@ def chat(
     system: Optional[str] = typer.Option(None, help="system prompt for a new session"),
 ) -> None:
     """Talk to a session interactively; it is spilled on exit and resumes next time. /exit or Ctrl-D ends."""
-    from agentmem.engine import Engine
-    from agentmem.sessions import SessionManager, Usage
+    from agentmem.sessions import Usage
 
-    loaded, default = _load_policies(policies)
-    engine = Engine.load(model)
-    with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
+    with _open_manager(model, store, policies) as manager:
         live = manager.session(session, tenant=tenant)
         typer.echo(f"session {tenant}/{session}: {live.cache.logical_length} tokens held "
                    f"({live.cache.physical_length} live rows); /exit to leave")
@@ -282,6 +279,15 @@ def _load_policies(path: Path | None):
     return loaded, loaded.get("default") or BudgetPolicy.from_env()
 
 
+def _open_manager(model: str, store: str | None, policies: Path | None):
+    """A session manager on ``model`` and ``store`` with the policy file's policies (spills on close)."""
+    from agentmem.engine import Engine
+    from agentmem.sessions import SessionManager
+
+    loaded, default = _load_policies(policies)
+    return SessionManager(Engine.load(model), store, policies=loaded, default_policy=default)
+
+
 @policy_app.command("show")
 @clean_errors
 def policy_show(tenant: str = TenantOpt, policies: Optional[Path] = PoliciesOpt, as_json: bool = JsonOpt) -> None:
@@ -350,15 +356,10 @@ def compact(
     as_json: bool = JsonOpt,
 ) -> None:
     """Compact a stored session now and store the result (a new version)."""
-    from agentmem.engine import Engine
-    from agentmem.sessions import SessionManager
-
     overrides = {k: v for k, v in {"target_ratio": ratio, "target_tokens": target_tokens, "method": method,
                                                 "keep_recent": keep_recent}.items()
                  if v is not None}
-    loaded, default = _load_policies(policies)
-    engine = Engine.load(model)
-    with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
+    with _open_manager(model, store, policies) as manager:
         live = manager.session(session, tenant=tenant, create=False)
         stored_before = live.stored_bytes
         with _spinner(f"compacting {tenant}/{session} ({live.cache.physical_length} rows)"):

@@ -586,9 +586,7 @@ class SessionManager:
     def _enforce_device_budget(self, keep: Session) -> None:
         if self.device_budget_bytes is None:
             return
-        with self._lock:
-            total = sum(s.cache.nbytes for s in self._live.values())
-        if total <= self.device_budget_bytes:
+        if self._live_bytes() <= self.device_budget_bytes:
             return
         if self.policy_for(keep.tenant).on_over_budget == "reject" and len(self._live) == 1:
             return  # nothing else to spill; the session's own budget is its policy's business
