@@ -141,3 +141,11 @@ def test_stored_rows_sizes_a_resume_before_decoding(cache, llama):
     rows = sum(sum(sum(seg.head_rows) for seg in layer.segments) + layer.num_heads * layer.tail_length
                for layer in decoded.layers)
     assert rows > 0 and stored_rows(read_header(blob)) == rows
+
+
+def test_stored_rows_of_a_damaged_layout_is_a_typed_error():
+    from agentmem.storage import stored_rows
+
+    for header in ({}, {"layout": {"num_kv_heads": "x", "layers": []}}, {"layout": {"num_kv_heads": 2, "layers": [{}]}}):
+        with pytest.raises(CorruptSessionError, match="layout is damaged"):
+            stored_rows(header)
