@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from agentmem.cache import SessionCache
+from agentmem.cache import LayerCache, ScratchRows, SessionCache
 from agentmem.errors import AgentMemError
 
 ATTENTION_NAME = "agentmem"
@@ -37,21 +37,26 @@ _FOLD_DIMS = 8  # extra key dimensions; keeps head_dim a multiple of 8 for fused
 
 
 class QueryRecorder(Protocol):
-    """Receives every layer's queries during a forward (compaction's reference queries)."""
+    """Attends reference rows read into scratch over the cache, recording what compaction needs."""
 
-    def record(
-        self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, prefix_bias: torch.Tensor | None,
-        output: torch.Tensor, scale: float,
-    ) -> None: ...
+    def attend(
+        self, layer_idx: int, query: torch.Tensor, layer: LayerCache, scratch: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
 class ForwardPass:
-    """What one model forward attends to; passed to the model as the ``agentmem_pass`` kwarg."""
+    """What one model forward attends to; passed to the model as the ``agentmem_pass`` kwarg.
+
+    With ``scratch`` (and a ``recorder``) the new rows go to the scratch, never the cache,
+    and the recorder computes the attention.
+    """
 
     cache: SessionCache
     beta_mode: BetaMode = "mask"
     recorder: QueryRecorder | None = None
+    scratch: ScratchRows | None = None
 
 
 def session_attention(
@@ -71,11 +76,13 @@ def session_attention(
     if query.shape[0] != 1:
         raise AgentMemError("agentmem attention serves one sequence per forward pass")
     layer = forward_pass.cache.layers[module.layer_idx]
-    keys, values = layer.stage(key[0], value[0])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = biased_attention(query[0], keys, values, layer.bias, scale=scale, mode=forward_pass.beta_mode)
-    if forward_pass.recorder is not None:
-        forward_pass.recorder.record(module.layer_idx, query[0], keys, layer.bias, out, scale)
+    if forward_pass.scratch is not None:
+        scratch = forward_pass.scratch.stage(module.layer_idx, key[0], value[0])
+        out = forward_pass.recorder.attend(module.layer_idx, query[0], layer, scratch, scale)
+    else:
+        keys, values = layer.stage(key[0], value[0])
+        out = biased_attention(query[0], keys, values, layer.bias, scale=scale, mode=forward_pass.beta_mode)
     return out.transpose(0, 1).unsqueeze(0), None
 
 
@@ -107,33 +114,6 @@ def biased_attention(
         q[None], keys[None], values[None], attn_mask=None if mask is None else mask[None], scale=scale
     )
     return out[0, ..., :d].reshape(q_heads, n, d)
-
-
-def attention_logsumexp(
-    query: torch.Tensor, keys: torch.Tensor, prefix_bias: torch.Tensor | None, *, scale: float
-) -> torch.Tensor:
-    """log Σ exp(logits) over every key each new query sees: ``(Hkv, group·n)``, queries folded as above."""
-    q_heads, n, d = query.shape
-    kv_heads, total, _ = keys.shape
-    group = q_heads // kv_heads
-    if query.device.type == "cpu":
-        # PyTorch's fused CPU kernel returns the log-sum-exp it computes anyway: 4x cheaper here.
-        q = query.reshape(kv_heads, group * n, d).float()[None]
-        mask = _attention_mask(n, total, group, prefix_bias, torch.float32, query.device)
-        if mask is not None and mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-        _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, keys.float()[None], keys.float()[None], attn_mask=None if mask is None else mask[None], scale=scale
-        )
-        return lse[0]
-    past = total - n
-    logits = torch.bmm(query.reshape(kv_heads, group * n, d).float(), keys.float().transpose(1, 2))
-    logits.mul_(scale)
-    if prefix_bias is not None:
-        logits[:, :, : prefix_bias.shape[1]] += prefix_bias.float().unsqueeze(1)
-    future = torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1).repeat(group, 1)
-    logits[:, :, past:].masked_fill_(future, float("-inf"))
-    return logits.logsumexp(-1)
 
 
 def _attention_mask(

@@ -137,6 +137,20 @@ class LayerCache:
     def tail_values(self) -> torch.Tensor:
         return self._values[:, self.prefix_length : self.length]
 
+    def slot_view(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Buffer slots ``[start, end)`` as ``(keys, values, prior)``: views plus a float32 ``(H, n)`` bias.
+
+        ``prior`` is β on compacted rows, ``-inf`` on padding slots and 0 on raw rows, so
+        ``isfinite(prior)`` marks the real rows. Keys and values are views of the buffer (no copy).
+        """
+        if not 0 <= start <= end <= self.length:
+            raise InvalidInput(f"slots [{start}, {end}) outside the {self.length} occupied slots")
+        prior = torch.zeros(self.num_heads, end - start, dtype=torch.float32, device=self._keys.device)
+        biased = min(end, self.prefix_length)
+        if start < biased:
+            prior[:, : biased - start] = self.bias[:, start:biased]
+        return self._keys[:, start:end], self._values[:, start:end], prior
+
     @property
     def rows_per_head(self) -> list[int]:
         """Real (unpadded) rows each KV head attends to."""
@@ -182,6 +196,39 @@ class LayerCache:
 
     def clone(self) -> LayerCache:
         return LayerCache(list(self.segments), self.tail_keys.clone(), self.tail_values.clone())
+
+
+class ScratchRows:
+    """Keys and values of tokens read *on top of* a cache without entering it, per layer.
+
+    Compaction reads reference windows this way: the session buffer is neither grown nor
+    written, and the scratch is sized once for the longest window and reused.
+    """
+
+    def __init__(self, cache: SessionCache, capacity: int) -> None:
+        shape = (cache.num_kv_heads, capacity, cache.head_dim)
+        self._keys = [torch.empty(shape, dtype=cache.dtype, device=cache.device) for _ in cache.layers]
+        self._values = [torch.empty_like(k) for k in self._keys]
+        self.length = 0
+
+    def stage(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``(H, n, d)`` new rows after the committed ones; views of every row up to them."""
+        end = self.length + keys.shape[1]
+        if end > self._keys[layer_idx].shape[1]:
+            raise InvalidInput(f"scratch holds {self._keys[layer_idx].shape[1]} rows, {end} asked")
+        self._keys[layer_idx][:, self.length : end] = keys
+        self._values[layer_idx][:, self.length : end] = values
+        return self._keys[layer_idx][:, :end], self._values[layer_idx][:, :end]
+
+    def commit(self, n: int) -> None:
+        self.length += n
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(2 * k.numel() * k.element_size() for k in self._keys)
 
 
 class SessionCache:
@@ -283,7 +330,7 @@ class SessionCache:
         ``SessionCache.from_tensors(*cache.to_tensors())`` rebuilds the cache bit-exactly.
         """
         tensors: dict[str, torch.Tensor] = {
-            "token_ids": torch.tensor(self._token_ids, dtype=torch.int64),
+            "token_ids": torch.tensor(self._token_ids, dtype=torch.int64, device="cpu"),
         }
         layers_meta = []
         for i, layer in enumerate(self.layers):

@@ -24,7 +24,7 @@ from transformers import (
 
 from agentmem import attention
 from agentmem.attention import BetaMode, ForwardPass, QueryRecorder
-from agentmem.cache import SessionCache
+from agentmem.cache import ScratchRows, SessionCache
 from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
 from agentmem.models import (
@@ -150,18 +150,27 @@ class Engine:
         return torch.cat(out)
 
     @torch.inference_mode()
-    def observe(self, cache: SessionCache, token_ids: Sequence[int], recorder: QueryRecorder) -> None:
-        """Read ``token_ids`` over the cache with ``recorder`` seeing every layer's queries.
+    def observe(self, cache: SessionCache, windows: Sequence[Sequence[int]], recorder: QueryRecorder) -> None:
+        """Read each window of tokens on top of ``cache``, ``recorder`` computing every layer's attention.
 
-        Compaction uses this to collect reference queries; the cache is left as it was.
+        Each window starts at the cache's logical end and sees the cache plus its own earlier
+        tokens. Its rows go to scratch space sized for the longest window, so the cache is
+        neither written nor grown. Compaction collects its reference queries this way.
         """
-        ids = self._check_tokens(token_ids, cache)
-        mark = cache.logical_length
-        try:
-            for start in range(0, len(ids), PREFILL_CHUNK):
-                self._forward(cache, ids[start : start + PREFILL_CHUNK], recorder)
-        finally:
-            cache.truncate(mark)
+        windows = [self._check_tokens(w, cache) for w in windows]
+        scratch = ScratchRows(cache, max(len(w) for w in windows))
+        for window in windows:
+            scratch.reset()
+            for start in range(0, len(window), PREFILL_CHUNK):
+                ids = window[start : start + PREFILL_CHUNK]
+                first = cache.logical_length + start
+                self.model.base_model(
+                    input_ids=torch.tensor([ids], device=self.device),
+                    position_ids=torch.arange(first, first + len(ids), device=self.device).unsqueeze(0),
+                    use_cache=False,
+                    agentmem_pass=ForwardPass(cache, self.beta_mode, recorder, scratch),
+                )
+                scratch.commit(len(ids))
 
     # ---------------------------------------------------------------------------- writing
 
@@ -264,7 +273,7 @@ class Engine:
 
     # --------------------------------------------------------------------------- internals
 
-    def _forward(self, cache: SessionCache, ids: list[int], recorder: QueryRecorder | None = None) -> torch.Tensor:
+    def _forward(self, cache: SessionCache, ids: list[int]) -> torch.Tensor:
         """Run the decoder over ``ids`` at the cache's logical positions and commit them.
 
         Returns the final hidden states ``(1, n, hidden)``. If the forward fails, nothing is
@@ -277,7 +286,7 @@ class Engine:
             input_ids=input_ids,
             position_ids=positions,
             use_cache=False,
-            agentmem_pass=ForwardPass(cache, self.beta_mode, recorder),
+            agentmem_pass=ForwardPass(cache, self.beta_mode),
         )
         for layer in cache.layers:
             layer.commit(len(ids))

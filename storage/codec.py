@@ -168,7 +168,7 @@ def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 with one scale per channel (reduced over the row axis)."""
     x = tensor.to(torch.float32)
     if x.numel() == 0:
-        return x.to(torch.int8), torch.ones(*x.shape[:-2], 1, x.shape[-1])
+        return x.to(torch.int8), torch.ones(*x.shape[:-2], 1, x.shape[-1], device=x.device)
     scale = x.abs().amax(dim=-2, keepdim=True).clamp(min=1e-12) / 127.0
     return (x / scale).round().clamp(-127, 127).to(torch.int8), scale
 

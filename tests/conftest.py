@@ -7,7 +7,15 @@ from transformers import AutoTokenizer
 
 from agentmem import Engine
 from agentmem.models import embedded_model_dir
+from device_guard import HostTensorGuard
 from helpers import TINY_CONFIGS, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def tensors_name_their_device():
+    """Every test runs under the host-tensor guard (see ``device_guard``)."""
+    with HostTensorGuard():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import torch
 from pydoc_data.topics import topics
 
 from agentmem.compaction import METHODS, compact
-from agentmem.compaction.queries import collect_queries
+from agentmem.compaction.queries import collect_reference
 from agentmem.compaction.solvers import (
     SpanAttention,
     choose_fits,
@@ -70,22 +70,22 @@ def test_fits_reduce_held_out_error_on_a_real_cache(engine):
     ids = doc_ids(engine, 700)
     cache = engine.prefill(ids[:600])
     plan = plan_span(cache, protect_prefix=0, keep_recent=0)
-    queries = collect_queries(engine, cache, cache.token_ids, "repeat", budget=600, seed=0)
+    reference = collect_reference(engine, cache, plan, "repeat", budget=600, max_queries=None, seed=0)
     wins = {"values": 0, "chosen": 0, "chosen strictly": 0}
     total = 0
     for layer_idx in (4, 14, 24):
-        q, span = queries[layer_idx], plan.layers[layer_idx]
+        q, span = reference.queries[layer_idx], plan.layers[layer_idx]
         order = torch.randperm(q.q.shape[1], generator=torch.Generator().manual_seed(1))
         train = SpanAttention.of(span, q.take(order[300:]), engine.head_dim**-0.5)
         held = SpanAttention.of(span, q.take(order[:300]), engine.head_dim**-0.5)
-        selection = [s.topk(60).indices for s in train.scores()]
-        index, valid = pad_selection(selection)
-        kept_v = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1]))
+        selection = [s.topk(60).indices for s in reference.scores[layer_idx]]
+        index, valid = pad_selection(selection, cache.device)
+        kept_v = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
         zero = torch.zeros(index.shape)
         plain = output_error(held, index, valid, zero, kept_v)
         values = output_error(held, index, valid, zero, fit_values(train, index, valid, zero, kept_v))
         choices = choose_fits(span, train, held, selection, fit=True)
-        chosen_index, chosen_valid = pad_selection([c.index for c in choices])
+        chosen_index, chosen_valid = pad_selection([c.index for c in choices], cache.device)
         beta = torch.stack([c.beta for c in choices]) - span.prior.gather(1, chosen_index)
         chosen = output_error(held, chosen_index, chosen_valid, beta, torch.stack([c.values for c in choices]))
         wins["values"] += int((values < plain).sum())
@@ -104,14 +104,14 @@ def test_fits_reduce_error_on_random_caches():
 
     heads, n, d, queries = 2, 200, 16, 800
     keys, values = torch.randn(heads, n, d), torch.randn(heads, n, d)
-    span = LayerSpan(keys, values, torch.zeros(heads, n), [n, n], [])
+    span = LayerSpan(keys, values, torch.zeros(heads, n), [], 0)
     q = torch.randn(heads, queries, d) * 2
     logits = torch.bmm(q, keys.transpose(1, 2)) * d**-0.5
     out = torch.bmm(logits.softmax(-1), values)
     lq = LayerQueries(q, logits.logsumexp(-1), out)  # the span is everything these queries see
     train = SpanAttention.of(span, lq.take(torch.arange(600)), d**-0.5)
     held = SpanAttention.of(span, lq.take(torch.arange(600, 800)), d**-0.5)
-    index, valid = pad_selection([torch.arange(0, n, 5)] * heads)
+    index, valid = pad_selection([torch.arange(0, n, 5)] * heads, keys.device)
     kept_v = values.gather(1, index[..., None].expand(-1, -1, d))
     log_w = fit_mass(train, index, valid).log()
     plain = output_error(held, index, valid, torch.zeros(index.shape), kept_v)

@@ -12,21 +12,21 @@ import torch
 from agentmem.errors import InvalidInput
 
 
-def global_top(scores: list[torch.Tensor], counts: list[list[int]], total: int) -> list[list[torch.Tensor]]:
-    """The ``total`` highest-scoring rows over all layers and heads; returns row indices per layer, head."""
-    flat, owners = [], []
-    for layer, (layer_scores, layer_counts) in enumerate(zip(scores, counts)):
-        for head, n in enumerate(layer_counts):
-            flat.append(layer_scores[head, :n])
-            owners.append((layer, n))
-    everything = torch.cat(flat)
-    keep = torch.zeros(everything.numel(), dtype=torch.bool)
-    keep[everything.topk(min(total, everything.numel())).indices] = True
-    out: list[list[torch.Tensor]] = [[] for _ in scores]
+def global_top(scores: list[torch.Tensor], total: int) -> list[list[torch.Tensor]]:
+    """The ``total`` highest-scoring rows over all layers and heads; row indices per layer, head.
+
+    ``scores`` are ``(H, n)`` per layer with ``-inf`` on slots that hold no row.
+    """
+    flat = torch.cat([s.reshape(-1) for s in scores])
+    available = int(torch.isfinite(flat).sum())
+    keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+    keep[flat.topk(min(total, available)).indices] = True
+    out: list[list[torch.Tensor]] = []
     offset = 0
-    for layer, n in owners:
-        out[layer].append(keep[offset : offset + n].nonzero()[:, 0])
-        offset += n
+    for layer_scores in scores:
+        layer_keep = keep[offset : offset + layer_scores.numel()].view(layer_scores.shape)
+        out.append([row.nonzero()[:, 0] for row in layer_keep])
+        offset += layer_scores.numel()
     return out
 
 
@@ -36,11 +36,14 @@ def proportional(counts: list[list[int]], total: int, proportions: torch.Tensor 
     A head never keeps more rows than it has; what it cannot take is handed to the others.
     """
     layers, heads = len(counts), len(counts[0])
-    shares = torch.full((layers, heads), 1.0 / (layers * heads)) if proportions is None else proportions.float()
+    if proportions is None:
+        shares = torch.full((layers, heads), 1.0 / (layers * heads), device="cpu")
+    else:
+        shares = proportions.float().cpu()
     if shares.shape != (layers, heads) or not torch.isfinite(shares).all() or (shares < 0).any():
         raise InvalidInput(f"head budgets must be a non-negative {layers}x{heads} table")
     shares = shares / shares.sum()
-    cap = torch.tensor(counts, dtype=torch.float32)
+    cap = torch.tensor(counts, dtype=torch.float32, device="cpu")
     budget = torch.zeros_like(cap)
     remaining = float(total)
     open_heads = cap > 0

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from agentmem.compaction import budgets
-from agentmem.compaction.queries import collect_queries
-from agentmem.compaction.solvers import row_scores
+from agentmem.compaction.queries import collect_reference
 from agentmem.compaction.span import plan_span
 from agentmem.errors import InvalidInput
 
@@ -24,7 +23,7 @@ SHIPPED = Path(__file__).resolve().parent.parent / "budgets"
 
 def calibrate(engine, texts: list[str], *, ratio: float = 10.0, context: int = 1024) -> torch.Tensor:
     """Budget proportions ``(layers, kv_heads)`` summing to 1, averaged over ``texts``."""
-    shares = torch.zeros(engine.num_layers, engine.num_kv_heads)
+    shares = torch.zeros(engine.num_layers, engine.num_kv_heads, device="cpu")
     used = 0
     for text in texts:
         ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"][:context]
@@ -32,11 +31,9 @@ def calibrate(engine, texts: list[str], *, ratio: float = 10.0, context: int = 1
             continue
         cache = engine.prefill(ids)
         plan = plan_span(cache, protect_prefix=0, keep_recent=0)
-        queries = collect_queries(engine, cache, cache.token_ids, "repeat", budget=len(ids), seed=0)
-        scale = engine.head_dim**-0.5
-        scores = [row_scores(layer, q, scale) for layer, q in zip(plan.layers, queries)]
-        chosen = budgets.global_top(scores, [layer.counts for layer in plan.layers], round(plan.rows / ratio))
-        kept = torch.tensor([[len(rows) for rows in layer] for layer in chosen], dtype=torch.float32)
+        reference = collect_reference(engine, cache, plan, "repeat", budget=len(ids), max_queries=1, seed=0)
+        chosen = budgets.global_top(reference.scores, round(plan.rows / ratio))
+        kept = torch.tensor([[len(rows) for rows in layer] for layer in chosen], dtype=torch.float32, device="cpu")
         shares += kept / kept.sum()
         used += 1
     if not used:
@@ -53,7 +50,7 @@ def load(path: Path, engine) -> torch.Tensor:
     """Proportions from a calibration file, checked against the engine's model."""
     try:
         payload = json.loads(Path(path).read_text())
-        table = torch.tensor(payload["proportions"], dtype=torch.float32)
+        table = torch.tensor(payload["proportions"], dtype=torch.float32, device="cpu")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InvalidInput(f"cannot read head budgets from {path}: {exc}") from exc
     if payload.get("fingerprint") != engine.fingerprint or table.shape != (engine.num_layers, engine.num_kv_heads):

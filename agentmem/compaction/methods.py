@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from agentmem.compaction import budgets, solvers
-from agentmem.compaction.queries import REPEAT_PROMPT, LayerQueries, collect_queries, sample_chunks
+from agentmem.compaction.queries import REPEAT_PROMPT, Reference, collect_reference, sample_chunks
 from agentmem.cache import SessionCache
 from agentmem.compaction.span import HeadChoice, SpanPlan, assemble, prefix_cache, span_of_rows
 from agentmem.compaction.solvers import SpanAttention
@@ -44,11 +44,19 @@ class Job:
     def span_tokens(self) -> list[int]:
         return self.cache.token_ids[self.plan.start : self.plan.end]
 
-    def reference(self, share: float) -> list[LayerQueries]:
-        """Reference queries reading about ``share`` of the span's length (at least 256 tokens)."""
-        budget = max(256, round(share * (self.plan.end - self.plan.start)))
-        return collect_queries(self.engine, self.cache, self.span_tokens(), self.queries, budget=budget,
-                               seed=self.seed)
+    def reference(self, max_queries: int | None = None) -> Reference:
+        """Scores of every span row under reference queries reading the whole span, and a query sample.
+
+        Rows no query looks at cannot be judged, so the queries always read the whole span;
+        ``max_queries`` caps only the sample kept for fits.
+        """
+        return collect_reference(self.engine, self.cache, self.plan, self.queries, budget=self.plan.end - self.plan.start,
+                                 max_queries=max_queries, seed=self.seed)
+
+    def permutation(self, n: int) -> torch.Tensor:
+        """A seeded random order of ``n`` items, on the cache's device."""
+        generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        return torch.randperm(n, generator=generator, device="cpu").to(self.cache.device)
 
 
 def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadChoice]]:
@@ -59,11 +67,11 @@ def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadCh
     return out
 
 
-def _scores(job: Job, queries: list[LayerQueries]) -> list[torch.Tensor]:
-    return [solvers.row_scores(layer, q, job.scale) for layer, q in zip(job.plan.layers, queries)]
-
-
-def _per_head_top(scores: list[torch.Tensor], budget: list[list[int]]) -> list[list[torch.Tensor]]:
+def _select(job: Job, scores: list[torch.Tensor], proportions: torch.Tensor | None, *, global_budget: bool):
+    """Row indices per layer and head: global top-k, or per-head top-k under proportional budgets."""
+    if global_budget and proportions is None:
+        return budgets.global_top(scores, job.total)
+    budget = budgets.proportional(job.counts, job.total, proportions)
     return [[s[h].topk(b).indices.sort().values for h, b in enumerate(layer_budget)]
             for s, layer_budget in zip(scores, budget)]
 
@@ -72,24 +80,24 @@ def window(job: Job) -> list[list[HeadChoice]]:
     """StreamingLLM-style: the span's first 4 rows (attention sinks) and its most recent rows."""
     budget = budgets.proportional(job.counts, job.total, None)
     selection = []
-    for layer_counts, layer_budget in zip(job.counts, budget):
+    for span, layer_budget in zip(job.plan.layers, budget):
         heads = []
-        for n, b in zip(layer_counts, layer_budget):
+        for rows, b in zip(span.valid, layer_budget):
+            rows = rows.nonzero()[:, 0]
             sinks = min(4, b)
-            heads.append(torch.cat([torch.arange(sinks), torch.arange(n - (b - sinks), n)]).unique())
+            heads.append(torch.cat([rows[:sinks], rows[len(rows) - (b - sinks) :]]).unique())
         selection.append(heads)
     return _unfitted(job, selection)
 
 
-def top_attention(job: Job, *, query_share: float = 1.0) -> list[list[HeadChoice]]:
+def top_attention(job: Job) -> list[list[HeadChoice]]:
     """H2O/SnapKV-like eviction: each head keeps the same number of its most-attended rows."""
-    scores = _scores(job, job.reference(query_share))
-    return _unfitted(job, _per_head_top(scores, budgets.proportional(job.counts, job.total, None)))
+    return _unfitted(job, _select(job, job.reference(max_queries=1).scores, None, global_budget=False))
 
 
-def global_eviction(job: Job, *, query_share: float = 1.0) -> list[list[HeadChoice]]:
+def global_eviction(job: Job) -> list[list[HeadChoice]]:
     """KVzip-like: the most-attended rows over all layers and heads, no fitting."""
-    return _unfitted(job, budgets.global_top(_scores(job, job.reference(query_share)), job.counts, job.total))
+    return _unfitted(job, _select(job, job.reference(max_queries=1).scores, job.head_budgets, global_budget=True))
 
 
 def attention_matching(
@@ -97,28 +105,21 @@ def attention_matching(
 ) -> list[list[HeadChoice]]:
     """AM: global (or calibrated) budgets, rows by attention or OMP, validated β and value fits.
 
-    Reference queries always read the whole span (rows no query looks at cannot be judged);
-    ``max_queries`` caps how many of them (per KV head, random) the solvers use.
+    Rows are scored by every reference query; ``max_queries`` caps (per KV head, random)
+    the sample the fits are solved and validated on. Layers are fitted one at a time.
     """
-    queries = job.reference(1.0)
-    order = torch.randperm(queries[0].q.shape[1], generator=torch.Generator().manual_seed(job.seed))
-    order = order[:max_queries]
-    cut = max(1, int(len(order) * holdout))
-    splits = []  # (train, held-out) attention of the span, per layer
-    for layer, q in zip(job.plan.layers, queries):
-        splits.append((SpanAttention.of(layer, q.take(order[cut:]), job.scale),
-                       SpanAttention.of(layer, q.take(order[:cut]), job.scale)))
-    scores = [torch.maximum(train.scores(), held.scores()) for train, held in splits]
-    if job.head_budgets is not None:
-        selection = _per_head_top(scores, budgets.proportional(job.counts, job.total, job.head_budgets))
-    else:
-        selection = budgets.global_top(scores, job.counts, job.total)
+    reference = job.reference(max_queries)
+    selection = _select(job, reference.scores, job.head_budgets, global_budget=True)
     fitted, kept = [], []
-    for layer, (train, held), rows in zip(job.plan.layers, splits, selection):
+    for span, queries, rows in zip(job.plan.layers, reference.queries, selection):
+        order = job.permutation(queries.q.shape[1])
+        cut = max(1, int(len(order) * holdout))
+        train = SpanAttention.of(span, queries.take(order[cut:]), job.scale)
+        held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
         if omp:
             rows = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
         kept.append(rows)
-        fitted.append(solvers.choose_fits(layer, train, held, rows, fit=True))
+        fitted.append(solvers.choose_fits(span, train, held, rows, fit=True))
     return end_to_end_choice(job, [fitted, _unfitted(job, kept)])
 
 
@@ -157,7 +158,9 @@ def summary(job: Job, *, tokens: int | None = None) -> SessionCache:
     written = [t for t in written if t not in engine.eos_token_ids] or written[:1]
     prefix = prefix_cache(cache, plan)
     engine.prefill(written, prefix)
-    rows = [[HeadChoice(torch.arange(len(written)), torch.zeros(len(written)), layer.tail_values[h].float())
+    index = torch.arange(len(written), device=cache.device)
+    beta = torch.zeros(len(written), device=cache.device)
+    rows = [[HeadChoice(index, beta, layer.tail_values[h].float())
              for h in range(cache.num_kv_heads)] for layer in prefix.layers]
     summary_plan = SpanPlan(plan.start, plan.end, plan.protected_raw, plan.recent,
                             [span_of_rows(layer, span.kept_segments) for layer, span in zip(prefix.layers, plan.layers)])

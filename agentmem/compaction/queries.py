@@ -1,14 +1,22 @@
-"""Reference queries: what the model asks of the span, collected in one forward over the cache.
+"""Reference queries: what the model asks of the span, read in windows on top of the cache.
 
-For every layer the recorder keeps each query (post-RoPE, the query heads of a GQA group
-pooled under their KV head), the log of the total attention mass it spent over *everything*
-it saw (sinks, the span, recent rows, its own earlier tokens), and its attention output.
-Scores normalised by that total mass are what KVzip-style global selection needs, and the
-output lets a fit be judged by the layer's true attention output, not the span's alone.
+The reference tokens are read in *windows* (each one starts at the cache's logical end and
+sees the cache plus its own earlier tokens), into scratch rows outside the session buffer:
+the cache is never grown or changed. For every layer, as the forward runs,
+:class:`ReferenceRecorder` keeps, in memory bounded independently of the span's length:
+
+- ``scores`` ``(H, n)``: per span slot, the largest share of any reference query's *total*
+  attention (sinks, the span, recent rows, the query's own window) the slot received.
+  Normalising by everything a query sees, as KVzip does, is what makes scores comparable
+  across layers and heads for global selection;
+- a bounded random *sample* of the queries (post-RoPE, GQA groups folded under their KV
+  head), with each one's total log-mass and attention output, stored in the cache's dtype
+  for the fits (which solve in float32).
 
 Sources (``queries=``):
 
-- ``repeat``: "repeat the text above", then the span's tokens again: the queries of a copy;
+- ``repeat``: "repeat the text above", then the span's tokens again: the queries of a copy,
+  one window per ``WINDOW_TOKENS`` of span (as KVzip's chunked scoring does);
 - ``context``: the span's tokens read a second time, without the instruction;
 - ``self-study``: the model writes a question and answer about the text; their queries;
 - mixes joined by ``+`` (``repeat+self-study``).
@@ -20,19 +28,22 @@ from dataclasses import dataclass
 
 import torch
 
-from agentmem.attention import attention_logsumexp
-from agentmem.cache import SessionCache
+from agentmem.cache import LayerCache, SessionCache
+from agentmem.compaction.blockwise import KeyBlock, attention_stats
+from agentmem.compaction.span import SpanPlan
 from agentmem.errors import InvalidInput
 
 SOURCES = ("repeat", "context", "self-study")
 REPEAT_PROMPT = "\n\nRepeat the text above, word for word.\n\n"
 SELF_STUDY_PROMPT = "\n\nWrite a question about the details of the text above, then answer it.\nQuestion:"
+WINDOW_TOKENS = 2048  # span tokens per reference window: scratch is at most this (+ prompt) rows
+SAMPLE_BYTES = 512 * 2**20  # all layers' sampled queries and outputs together
 _CHUNK = 32
 
 
 @dataclass
 class LayerQueries:
-    """Queries of one layer: ``q`` ``(H, N, d)``, ``lse`` ``(H, N)``, ``out`` ``(H, N, d)``, float32."""
+    """Sampled queries of one layer: ``q`` ``(H, N, d)``, ``lse`` ``(H, N)`` float32, ``out`` ``(H, N, d)``."""
 
     q: torch.Tensor
     lse: torch.Tensor
@@ -41,25 +52,76 @@ class LayerQueries:
     def take(self, index: torch.Tensor) -> LayerQueries:
         return LayerQueries(self.q[:, index], self.lse[:, index], self.out[:, index])
 
+    def float(self) -> LayerQueries:
+        return LayerQueries(self.q.float(), self.lse, self.out.float())
 
-class QueryCollector:
-    """A :class:`~agentmem.attention.QueryRecorder` keeping queries, total mass and outputs per layer."""
 
-    def __init__(self) -> None:
-        self._parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+@dataclass
+class Reference:
+    """Per layer: span slot ``scores`` (``-inf`` on padding) and the sampled ``queries``."""
 
-    def record(self, layer_idx, query, keys, prefix_bias, output, scale) -> None:
+    scores: list[torch.Tensor]
+    queries: list[LayerQueries]
+
+
+class ReferenceRecorder:
+    """Computes the attention of reference windows over ``[cache | scratch]``, recording as it goes.
+
+    ``sample`` are the global ids (``token_index * group + g``) of the queries to keep.
+    """
+
+    def __init__(self, plan: SpanPlan, sample: torch.Tensor, group: int) -> None:
+        self.plan = plan
+        self.sample = sample
+        self.group = group
+        self.scores = [torch.zeros_like(span.prior) for span in plan.layers]
+        self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._seen = [0] * len(plan.layers)  # reference tokens each layer has read so far
+
+    def attend(
+        self, layer_idx: int, query: torch.Tensor, layer: LayerCache, scratch: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention output ``(Hq, n, d)`` of ``query`` over the cache and the window's scratch rows.
+
+        ``scratch`` holds the window's rows up to and including the ``n`` new ones.
+        """
         q_heads, n, d = query.shape
-        kv_heads = keys.shape[0]
-        lse = attention_logsumexp(query, keys, prefix_bias, scale=scale)
-        folded_q = query.reshape(kv_heads, q_heads // kv_heads * n, d).float()
-        folded_out = output.reshape(kv_heads, q_heads // kv_heads * n, d).float()
-        self._parts.setdefault(layer_idx, []).append((folded_q, lse, folded_out))
-
-    def layers(self) -> list[LayerQueries]:
-        return [
-            LayerQueries(*(torch.cat(parts, dim=1) for parts in zip(*self._parts[i]))) for i in sorted(self._parts)
+        kv_heads = layer.num_heads
+        span = self.plan.layers[layer_idx]
+        end = span.slot_start + span.keys.shape[1]
+        folded = query.reshape(kv_heads, self.group * n, d)
+        before_k, before_v, before_prior = layer.slot_view(0, span.slot_start)
+        after_k, after_v, after_prior = layer.slot_view(end, layer.length)
+        blocks = [
+            KeyBlock(before_k, before_v, before_prior),
+            KeyBlock(span.keys, span.values, span.prior),
+            KeyBlock(after_k, after_v, after_prior),
+            KeyBlock(scratch[0], scratch[1], causal=True),
         ]
+        past = scratch[0].shape[1] - n
+        last_visible = torch.arange(past, past + n, device=query.device).repeat(self.group)
+        stats = attention_stats(folded, blocks, scale, output=True, key_max_of=(1,), last_visible=last_visible)
+        torch.maximum(self.scores[layer_idx], stats.key_max[0], out=self.scores[layer_idx])
+        self._keep(layer_idx, folded, stats.lse, stats.output, n)
+        return stats.output.to(query.dtype).reshape(q_heads, n, d)
+
+    def _keep(self, layer_idx: int, q: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, n: int) -> None:
+        first = self._seen[layer_idx]
+        self._seen[layer_idx] += n
+        lo = torch.searchsorted(self.sample, first * self.group)
+        hi = torch.searchsorted(self.sample, (first + n) * self.group)
+        ids = self.sample[lo:hi] - first * self.group
+        if not len(ids):
+            return
+        local = (ids % self.group) * n + ids // self.group  # folded layout: group-major, then token
+        self._kept.setdefault(layer_idx, []).append((q[:, local], lse[:, local], out[:, local].to(q.dtype)))
+
+    def result(self) -> Reference:
+        scores = [s.masked_fill(~span.valid, float("-inf")) for s, span in zip(self.scores, self.plan.layers)]
+        queries = [LayerQueries(*(torch.cat(parts, dim=1) for parts in zip(*self._kept[i])))
+                   for i in range(len(self.plan.layers))]
+        return Reference(scores, queries)
 
 
 def check_source(source: str) -> list[str]:
@@ -70,18 +132,31 @@ def check_source(source: str) -> list[str]:
     return parts
 
 
-def collect_queries(engine, cache: SessionCache, span_tokens: list[int], source: str, *, budget: int, seed: int) -> list[LayerQueries]:
-    """Reference queries of ``source`` (see module doc), reading at most about ``budget`` tokens."""
+def collect_reference(
+    engine, cache: SessionCache, plan: SpanPlan, source: str, *, budget: int, max_queries: int | None, seed: int
+) -> Reference:
+    """Scores and a query sample of ``source`` (module doc), reading at most about ``budget`` tokens.
+
+    ``max_queries`` caps the sample per KV head; it is also capped so that all layers'
+    samples fit in ``SAMPLE_BYTES``.
+    """
     parts = check_source(source)
+    span_tokens = cache.token_ids[plan.start : plan.end]
     share = max(_CHUNK, budget // len(parts))
-    collected = [_collect_one(engine, cache, span_tokens, p, share, seed) for p in parts]
-    return [
-        LayerQueries(*(torch.cat(tensors, dim=1) for tensors in zip(*((lq.q, lq.lse, lq.out) for lq in per_layer))))
-        for per_layer in zip(*collected)
-    ]
+    room = engine.max_context - cache.logical_length
+    windows = [w[:room] for p in parts for w in _windows(engine, cache, span_tokens, p, share, seed)]
+    group = engine.num_heads // engine.num_kv_heads
+    total = group * sum(len(w) for w in windows)
+    per_query = engine.num_layers * engine.num_kv_heads * (2 * engine.head_dim * cache.dtype.itemsize + 4)
+    keep = min(total, max(1, SAMPLE_BYTES // per_query), max_queries or total)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    sample = torch.randperm(total, generator=generator, device="cpu")[:keep].sort().values.to(cache.device)
+    recorder = ReferenceRecorder(plan, sample, group)
+    engine.observe(cache, windows, recorder)
+    return recorder.result()
 
 
-def _collect_one(engine, cache: SessionCache, span_tokens: list[int], source: str, budget: int, seed: int) -> list[LayerQueries]:
+def _windows(engine, cache: SessionCache, span_tokens: list[int], source: str, budget: int, seed: int) -> list[list[int]]:
     encode = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     if source == "self-study":
         prompt = encode(SELF_STUDY_PROMPT)
@@ -91,13 +166,10 @@ def _collect_one(engine, cache: SessionCache, span_tokens: list[int], source: st
                                       top_p=0.95, seed=seed)
         finally:
             cache.truncate(mark)
-        tokens = prompt + written
-    else:
-        tokens = (encode(REPEAT_PROMPT) if source == "repeat" else []) + sample_chunks(span_tokens, budget)
-    room = engine.max_context - cache.logical_length
-    collector = QueryCollector()
-    engine.observe(cache, tokens[:room], collector)
-    return collector.layers()
+        return [prompt + written]
+    prompt = encode(REPEAT_PROMPT) if source == "repeat" else []
+    tokens = sample_chunks(span_tokens, budget)
+    return [prompt + tokens[i : i + WINDOW_TOKENS] for i in range(0, len(tokens), WINDOW_TOKENS)]
 
 
 def sample_chunks(tokens: list[int], budget: int) -> list[int]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentmem.compaction.blockwise import KeyBlock, attention_stats, weighted_key_sums
 from agentmem.compaction.queries import LayerQueries
 from agentmem.compaction.span import HeadChoice, LayerSpan
 
@@ -34,39 +35,38 @@ _NEG = float("-inf")
 
 @dataclass
 class SpanAttention:
-    """Per-query quantities of the span under a set of reference queries (see module doc)."""
+    """Per-query quantities of the span under a sample of reference queries (see module doc).
 
-    logits: torch.Tensor  # (H, N, n), -inf on padding
+    Computed block by block (:mod:`~agentmem.compaction.blockwise`): nothing of size
+    (queries × span) is kept; logits are formed only for the rows a head keeps.
+    """
+
+    span: LayerSpan
+    queries: LayerQueries  # float32
+    scale: float
     lse_span: torch.Tensor  # (H, N)
     output: torch.Tensor  # (H, N, d)
     share: torch.Tensor  # (H, N) in [0, 1]
-    queries: LayerQueries
 
     @classmethod
     def of(cls, span: LayerSpan, queries: LayerQueries, scale: float) -> SpanAttention:
-        logits = torch.bmm(queries.q, span.keys.transpose(1, 2)) * scale + span.prior[:, None, :]
-        lse_span = logits.logsumexp(-1)
-        output = torch.bmm((logits - lse_span[..., None]).exp(), span.values)
-        share = (lse_span - queries.lse).exp().clamp(max=1.0)
-        return cls(logits, lse_span, output, share, queries)
+        queries = queries.float()
+        stats = attention_stats(queries.q, [KeyBlock(span.keys, span.values, span.prior)], scale, output=True)
+        share = (stats.lse - queries.lse).exp().clamp(max=1.0)
+        return cls(span, queries, scale, stats.lse, stats.output, share)
 
-    def scores(self) -> torch.Tensor:
-        """Each span row's largest attention weight over the queries, normalised by *all* they saw: ``(H, n)``."""
-        return (self.logits - self.queries.lse[..., None]).amax(dim=1).exp()
-
-
-def row_scores(span: LayerSpan, queries: LayerQueries, scale: float) -> torch.Tensor:
-    """:meth:`SpanAttention.scores` without the rest of the span's attention (for selection only)."""
-    logits = torch.bmm(queries.q, span.keys.transpose(1, 2)).mul_(scale)
-    logits += span.prior[:, None, :] - queries.lse[..., None]
-    return logits.amax(dim=1).exp()
+    def logits_of(self, index: torch.Tensor) -> torch.Tensor:
+        """Logits ``(H, N, t)`` of the span slots ``index`` ``(H, t)``, their prior included."""
+        keys = self.span.keys.gather(1, index[..., None].expand(-1, -1, self.span.keys.shape[-1])).float()
+        logits = torch.bmm(self.queries.q, keys.transpose(1, 2)).mul_(self.scale)
+        return logits + self.span.prior.gather(1, index)[:, None, :]
 
 
-def pad_selection(selection: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_selection(selection: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head index lists → padded ``(H, t)`` indices and a validity mask."""
     width = max(1, max(len(s) for s in selection))
-    index = torch.zeros(len(selection), width, dtype=torch.long)
-    valid = torch.zeros(len(selection), width, dtype=torch.bool)
+    index = torch.zeros(len(selection), width, dtype=torch.long, device=device)
+    valid = torch.zeros(len(selection), width, dtype=torch.bool, device=device)
     for h, rows in enumerate(selection):
         index[h, : len(rows)] = rows
         valid[h, : len(rows)] = True
@@ -75,8 +75,7 @@ def pad_selection(selection: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
 
 def kept_logits(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Logits of the kept rows ``(H, N, t)``, -inf where a head has fewer rows than ``t``."""
-    gathered = att.logits.gather(2, index[:, None, :].expand(-1, att.logits.shape[1], -1))
-    return gathered.masked_fill(~valid[:, None, :], _NEG)
+    return att.logits_of(index).masked_fill(~valid[:, None, :], _NEG)
 
 
 def fit_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, iterations: int = 25) -> torch.Tensor:
@@ -88,7 +87,7 @@ def fit_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, it
     weight = att.share[..., None]
     gram = torch.bmm(design.transpose(1, 2), design * weight)  # (H, t, t)
     rhs = (design * weight).sum(1)  # (H, t)
-    eye = torch.eye(gram.shape[-1])[None]
+    eye = torch.eye(gram.shape[-1], device=gram.device)[None]
     ridge = 1e-6 * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
     lo, hi = math.exp(-BETA_BOUND), math.exp(BETA_BOUND)
     w = torch.linalg.solve(gram + ridge * eye, rhs[..., None])[..., 0].nan_to_num(1.0).clamp(lo, hi)
@@ -119,7 +118,7 @@ def fit_values(
     weight = att.share[..., None]
     gram = torch.bmm(probs.transpose(1, 2), probs * weight)
     lam = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
-    eye = torch.eye(gram.shape[-1])[None]
+    eye = torch.eye(gram.shape[-1], device=gram.device)[None]
     eye_padded = eye + torch.diag_embed((~valid).float())  # keeps padded rows' Δ at zero
     residual = att.output - torch.bmm(probs, kept_values)
     delta = torch.linalg.solve(gram + lam * eye_padded, torch.bmm((probs * weight).transpose(1, 2), residual))
@@ -153,21 +152,24 @@ def omp_select(att: SpanAttention, budgets: list[int], *, rounds: int = 8) -> li
     Each round adds the rows most correlated with the weighted residual of the mass fit,
     then refits the weights, so later picks cover mass the earlier ones do not.
     """
-    heads, _, n = att.logits.shape
-    design = (att.logits - att.lse_span[..., None]).exp()  # (H, N, n)
-    weight = att.share
-    chosen = [torch.zeros(0, dtype=torch.long) for _ in range(heads)]
+    span = att.span
+    heads, n = span.prior.shape
+    device = span.prior.device
+    block = KeyBlock(span.keys, None, span.prior)
+    excluded = ~span.valid
+    chosen = [torch.zeros(0, dtype=torch.long, device=device) for _ in range(heads)]
     residual = torch.ones_like(att.lse_span)
     for r in range(rounds):
-        corr = torch.bmm((weight * residual)[:, None, :], design)[:, 0]  # (H, n)
-        for h in range(heads):
-            corr[h, chosen[h]] = _NEG
+        corr = weighted_key_sums(att.queries.q, block, att.scale, att.lse_span, att.share * residual)
+        corr.masked_fill_(excluded, _NEG)
         for h in range(heads):
             want = math.ceil(budgets[h] * (r + 1) / rounds) - len(chosen[h])
             if want > 0:
                 picks = corr[h].topk(min(want, n - len(chosen[h]))).indices
-                chosen[h] = torch.cat([chosen[h], picks[torch.isfinite(corr[h, picks])]])
-        index, valid = pad_selection(chosen)
+                picks = picks[torch.isfinite(corr[h, picks])]
+                chosen[h] = torch.cat([chosen[h], picks])
+                excluded[h, picks] = True
+        index, valid = pad_selection(chosen, device)
         w = fit_mass(att, index, valid, iterations=20)
         approx = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()
         residual = 1.0 - (approx * w[:, None, :]).sum(-1)
@@ -183,11 +185,11 @@ def choose_fits(
     values or fitted ones. On real caches (see the tests) fitted values usually help, and a
     per-row β often hurts unless values are refitted with it — hence the validation.
     """
-    index, valid = pad_selection(selection)
-    kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1]))
+    index, valid = pad_selection(selection, span.prior.device)
+    kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
     prior = span.prior.gather(1, index)
     candidates = [(prior, kept_values)]
-    if fit and len(train.lse_span[0]) and index.shape[1] <= MAX_FIT_ROWS:
+    if fit and train.lse_span.shape[1] and index.shape[1] <= MAX_FIT_ROWS:
         for log_w in (torch.zeros_like(prior), fit_scalar_mass(train, index, valid).log(),
                       fit_mass(train, index, valid).log()):
             if log_w.any():
@@ -204,7 +206,7 @@ def choose_fits(
 
 
 def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 10) -> torch.Tensor:
-    v = torch.ones(gram.shape[0], gram.shape[1], 1)
+    v = torch.ones(gram.shape[0], gram.shape[1], 1, device=gram.device)
     for _ in range(iterations):
         v = torch.bmm(gram, v)
         v = v / v.norm(dim=1, keepdim=True).clamp(min=1e-30)

@@ -5,13 +5,15 @@ protected prefix, (b) raw rows of the protected prefix, and (c) the last ``keep_
 rows. Earlier compacted segments inside the span are compacted again: their β is carried as
 a *prior* bias on their logits, so re-compaction matches the original attention, not a copy.
 
-Rows are gathered per KV head into padded tensors (padding has prior ``-inf``: zero weight),
-which is the layout every solver works on.
+A layer's buffer holds, in order, kept segments, the span's segments, then the raw tail
+(protected rows, span rows, recent rows), so the span is always one contiguous range of
+buffer slots. A :class:`LayerSpan` is a *view* of that range — no copy of the cache is made —
+in the buffer's padded layout: a head's padding slots have prior ``-inf`` (zero weight), and
+row indices everywhere in compaction are slot offsets within the span.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,17 +23,31 @@ from agentmem.cache import CompactedSegment, LayerCache, SessionCache
 
 @dataclass
 class LayerSpan:
-    """One layer's span rows per KV head, padded: ``keys``/``values`` ``(H, n, d)``, ``prior`` ``(H, n)``."""
+    """One layer's span slots: ``keys``/``values`` ``(H, n, d)`` buffer views, ``prior`` ``(H, n)`` float32."""
 
     keys: torch.Tensor
     values: torch.Tensor
     prior: torch.Tensor
-    counts: list[int]
     kept_segments: list[CompactedSegment]
+    slot_start: int  # the span's first slot in the layer buffer
+
+    @classmethod
+    def of(cls, layer: LayerCache, start: int, end: int, kept: list[CompactedSegment]) -> LayerSpan:
+        keys, values, prior = layer.slot_view(start, end)
+        return cls(keys, values, prior, kept, start)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``(H, n)``: which slots hold real rows (not padding)."""
+        return torch.isfinite(self.prior)
+
+    @property
+    def counts(self) -> list[int]:
+        return self.valid.sum(1).tolist()
 
     @property
     def rows(self) -> int:
-        return sum(self.counts)
+        return int(self.valid.sum())
 
 
 @dataclass
@@ -60,35 +76,15 @@ def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> 
     layers = []
     for layer in cache.layers:
         kept = [seg for seg in layer.segments if seg.span[1] <= protect_prefix]
-        old = [seg for seg in layer.segments if seg.span[1] > protect_prefix]
-        layers.append(_gather(layer, old, kept, protected_raw, raw_span))
+        # Segments are in position order, so the kept ones come first in the buffer; when raw
+        # rows are protected, every segment precedes them and is kept.
+        first = sum(seg.width for seg in kept) + protected_raw
+        layers.append(LayerSpan.of(layer, first, layer.prefix_length + protected_raw + raw_span, kept))
     if not any(layer.rows for layer in layers):
         return None
     old_starts = [seg.span[0] for seg in cache.layers[0].segments if seg.span[1] > protect_prefix]
     start = min(old_starts + [tail_start + protected_raw])
     return SpanPlan(start, length - recent, protected_raw, recent, layers)
-
-
-def _gather(layer: LayerCache, old: list[CompactedSegment], kept: list[CompactedSegment], skip: int, raw: int) -> LayerSpan:
-    heads = layer.num_heads
-    keys, values, prior = [], [], []
-    for h in range(heads):
-        k = [seg.keys[seg.head_slice(h)] for seg in old] + [layer.tail_keys[h, skip : skip + raw]]
-        v = [seg.values[seg.head_slice(h)] for seg in old] + [layer.tail_values[h, skip : skip + raw]]
-        b = [seg.beta[seg.head_slice(h)].float() for seg in old] + [
-            torch.zeros(raw, device=layer.tail_keys.device)
-        ]
-        keys.append(torch.cat([t.float() for t in k]))
-        values.append(torch.cat([t.float() for t in v]))
-        prior.append(torch.cat(b))
-    counts = [len(k) for k in keys]
-    width = max(counts)
-    pad_k = torch.zeros(heads, width, layer.tail_keys.shape[-1], device=layer.tail_keys.device)
-    pad_v = torch.zeros_like(pad_k)
-    pad_b = torch.full((heads, width), -math.inf, device=layer.tail_keys.device)
-    for h in range(heads):
-        pad_k[h, : counts[h]], pad_v[h, : counts[h]], pad_b[h, : counts[h]] = keys[h], values[h], prior[h]
-    return LayerSpan(pad_k, pad_v, pad_b, counts, kept)
 
 
 @dataclass
@@ -153,6 +149,4 @@ def prefix_cache(cache: SessionCache, plan: SpanPlan) -> SessionCache:
 
 def span_of_rows(layer: LayerCache, kept: list[CompactedSegment]) -> LayerSpan:
     """A layer's raw tail as a span (every head the same rows, prior 0) after the ``kept`` segments."""
-    keys, values = layer.tail_keys.float(), layer.tail_values.float()
-    heads, rows, _ = keys.shape
-    return LayerSpan(keys, values, torch.zeros(heads, rows), [rows] * heads, kept)
+    return LayerSpan.of(layer, layer.prefix_length, layer.length, kept)

@@ -1,0 +1,149 @@
+"""Attention statistics in bounded memory: query chunks × key blocks, online log-sum-exp.
+
+Compaction needs, for many reference queries over long spans, each query's total attention
+mass (log-sum-exp), its attention output, and per key the largest weight any query gave it.
+Materialising (queries × keys) logits of a whole span does not scale (32k keys × 128k folded
+queries in fp32 is hundreds of GiB), so everything here walks query chunks and key blocks
+sized to at most ``BLOCK_ELEMENTS`` logits at once, keeping running statistics only:
+
+- pass 1 (online softmax): running max ``m``, sum ``Σ exp(logit − m)`` and output
+  accumulator per query, rescaled whenever ``m`` grows;
+- pass 2 (only for blocks whose per-key maxima are wanted): logits recomputed and
+  ``max_q exp(logit − lse_q)`` folded into a running per-key maximum.
+
+Inputs may be any floating dtype on any device; blocks are converted to float32 one at a
+time, so a bf16 cache is never copied whole into fp32. Every tensor is made on the device of
+the queries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_ELEMENTS = 2**24  # logits per (query chunk × key block) tile: 64 MiB in float32
+QUERY_CHUNK = 1024  # folded queries per KV head in one chunk
+
+
+@dataclass
+class KeyBlock:
+    """Keys ``(H, k, d)`` (and values) seen by every query, with an optional additive bias.
+
+    ``bias`` ``(H, k)`` is added after scaling (``-inf`` hides a slot). ``causal`` marks a
+    block the queries are themselves part of: query row ``r`` sees key ``j`` only when
+    ``j <= last_visible[r]`` (given to :func:`attention_stats`).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    causal: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+
+@dataclass
+class AttentionStats:
+    """``lse`` ``(H, N)``; ``output`` ``(H, N, d)`` or ``None``; ``key_max`` per requested block ``(H, k)``."""
+
+    lse: torch.Tensor
+    output: torch.Tensor | None
+    key_max: list[torch.Tensor]
+
+
+def attention_stats(
+    q: torch.Tensor,
+    blocks: list[KeyBlock],
+    scale: float,
+    *,
+    output: bool = False,
+    key_max_of: tuple[int, ...] = (),
+    last_visible: torch.Tensor | None = None,
+) -> AttentionStats:
+    """Softmax statistics of queries ``q`` ``(H, N, d)`` over the concatenation of ``blocks``.
+
+    ``key_max_of`` lists blocks whose per-key ``max_q exp(logit − lse_q)`` is returned (the
+    largest share of any query's total attention the key received). ``last_visible``
+    ``(N,)`` is required when a block is causal.
+    """
+    heads, count, _ = q.shape
+    device = q.device
+    lse = torch.empty(heads, count, dtype=torch.float32, device=device)
+    out = None
+    if output:
+        out = torch.empty(heads, count, blocks[0].values.shape[-1], dtype=torch.float32, device=device)
+    key_max = [torch.zeros(heads, blocks[i].length, dtype=torch.float32, device=device) for i in key_max_of]
+    for start in range(0, count, QUERY_CHUNK):
+        rows = slice(start, min(count, start + QUERY_CHUNK))
+        qc = q[:, rows].float()
+        visible = None if last_visible is None else last_visible[rows]
+        chunk_lse, chunk_out = _online_softmax(qc, blocks, scale, output, visible)
+        lse[:, rows] = chunk_lse
+        if out is not None:
+            out[:, rows] = chunk_out
+        for slot, i in enumerate(key_max_of):
+            for k0, logits in _block_logits(qc, blocks[i], scale, visible):
+                tile_max = (logits - chunk_lse[..., None]).amax(1).exp_()
+                view = key_max[slot][:, k0 : k0 + tile_max.shape[1]]
+                torch.maximum(view, tile_max, out=view)
+    return AttentionStats(lse, out, key_max)
+
+
+def weighted_key_sums(
+    q: torch.Tensor, block: KeyBlock, scale: float, lse: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``Σ_q weights_q · exp(logit_qj − lse_q)`` for every key ``j`` of ``block``: ``(H, k)``."""
+    heads, count, _ = q.shape
+    total = torch.zeros(heads, block.length, dtype=torch.float32, device=q.device)
+    for start in range(0, count, QUERY_CHUNK):
+        rows = slice(start, min(count, start + QUERY_CHUNK))
+        qc, lse_c, w = q[:, rows].float(), lse[:, rows], weights[:, rows]
+        for k0, logits in _block_logits(qc, block, scale, None):
+            probs = (logits - lse_c[..., None]).exp_()
+            total[:, k0 : k0 + probs.shape[2]] += torch.bmm(w[:, None, :], probs)[:, 0]
+    return total
+
+
+def _online_softmax(
+    q: torch.Tensor, blocks: list[KeyBlock], scale: float, output: bool, visible: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    heads, count, _ = q.shape
+    running_max = torch.full((heads, count), float("-inf"), dtype=torch.float32, device=q.device)
+    running_sum = torch.zeros(heads, count, dtype=torch.float32, device=q.device)
+    acc = None
+    if output:
+        acc = torch.zeros(heads, count, blocks[0].values.shape[-1], dtype=torch.float32, device=q.device)
+    for block in blocks:
+        for k0, logits in _block_logits(q, block, scale, visible):
+            new_max = torch.maximum(running_max, logits.amax(-1))
+            # A query that has seen only hidden slots so far keeps max -inf: rescale by 0, not NaN.
+            safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+            rescale = (running_max - safe_max).exp_()
+            probs = (logits - safe_max[..., None]).exp_()
+            running_sum = running_sum * rescale + probs.sum(-1)
+            if acc is not None:
+                values = block.values[:, k0 : k0 + probs.shape[2]].float()
+                acc = acc * rescale[..., None] + torch.bmm(probs, values)
+            running_max = new_max
+    lse = running_max + running_sum.log()
+    # A query that sees no real slot (an empty span) gets lse -inf and output 0, not NaN.
+    out = None if acc is None else acc / running_sum.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+    return lse, out
+
+
+def _block_logits(q: torch.Tensor, block: KeyBlock, scale: float, visible: torch.Tensor | None):
+    """Yield ``(first key, logits (H, n_q, k_tile))`` tiles of ``block`` for the float32 queries ``q``."""
+    heads, count, _ = q.shape
+    tile = max(64, BLOCK_ELEMENTS // max(1, heads * count))
+    for k0 in range(0, block.length, tile):
+        keys = block.keys[:, k0 : k0 + tile].float()
+        logits = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
+        if block.bias is not None:
+            logits += block.bias[:, None, k0 : k0 + keys.shape[1]].float()
+        if block.causal:
+            index = torch.arange(k0, k0 + keys.shape[1], device=q.device)
+            logits.masked_fill_(index[None, None, :] > visible[None, :, None], float("-inf"))
+        yield k0, logits

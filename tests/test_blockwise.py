@@ -1,0 +1,86 @@
+"""Blockwise attention statistics against dense float64 softmax, across tile boundaries."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agentmem.compaction import blockwise
+from agentmem.compaction.blockwise import KeyBlock, attention_stats, weighted_key_sums
+
+
+def dense(q, blocks, scale, last_visible):
+    """Logits over the concatenated blocks, in float64, with biases and the causal rule applied."""
+    parts = []
+    for block in blocks:
+        logits = torch.einsum("hnd,hkd->hnk", q.double(), block.keys.double()) * scale
+        if block.bias is not None:
+            logits = logits + block.bias.double()[:, None, :]
+        if block.causal:
+            index = torch.arange(block.length)
+            logits = logits.masked_fill(index[None, None, :] > last_visible[None, :, None], -math.inf)
+        parts.append(logits)
+    return torch.cat(parts, -1)
+
+
+@pytest.fixture(params=[2**24, 512], ids=["one-tile", "many-tiles"])
+def tiles(request, monkeypatch):
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", request.param)
+    monkeypatch.setattr(blockwise, "QUERY_CHUNK", 16 if request.param == 512 else 1024)
+
+
+def make_blocks(seed=0, heads=3, d=8):
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.rand(heads, 50, generator=g) * 6 - 3
+    bias[1, 30:] = -math.inf  # a head with padding slots
+    blocks = [
+        KeyBlock(torch.randn(heads, 50, d, generator=g), torch.randn(heads, 50, d, generator=g), bias),
+        KeyBlock(torch.randn(heads, 170, d, generator=g), torch.randn(heads, 170, d, generator=g)),
+        KeyBlock(torch.randn(heads, 40, d, generator=g), torch.randn(heads, 40, d, generator=g), causal=True),
+    ]
+    q = torch.randn(heads, 2 * 20, d, generator=g) * 2  # two query heads per KV head, 20 tokens each
+    last_visible = torch.arange(20, 40).repeat(2)
+    return q, blocks, last_visible
+
+
+def test_lse_output_and_key_maxima_equal_dense_softmax(tiles):
+    q, blocks, last_visible = make_blocks()
+    stats = attention_stats(q, blocks, 0.3, output=True, key_max_of=(0, 1), last_visible=last_visible)
+    logits = dense(q, blocks, 0.3, last_visible)
+    lse = logits.logsumexp(-1)
+    values = torch.cat([b.values for b in blocks], 1).double()
+    assert torch.allclose(stats.lse.double(), lse, atol=1e-5)
+    assert torch.allclose(stats.output.double(), torch.bmm(logits.softmax(-1), values), atol=1e-5)
+    share = (logits - lse[..., None]).exp().amax(1)
+    assert torch.allclose(stats.key_max[0].double(), share[:, :50], atol=1e-6)
+    assert torch.allclose(stats.key_max[1].double(), share[:, 50:220], atol=1e-6)
+    assert (stats.key_max[0][1, 30:] == 0).all()  # padding slots receive no attention
+
+
+def test_weighted_key_sums_equal_dense(tiles):
+    q, blocks, _ = make_blocks(seed=1)
+    block = blocks[0]
+    lse = dense(q, [block], 0.3, None).logsumexp(-1)
+    weights = torch.rand(q.shape[:2], generator=torch.Generator().manual_seed(2))
+    got = weighted_key_sums(q, block, 0.3, lse.float(), weights)
+    probs = (dense(q, [block], 0.3, None) - lse[..., None]).exp()
+    assert torch.allclose(got.double(), torch.einsum("hn,hnk->hk", weights.double(), probs), atol=1e-5)
+
+
+def test_bf16_inputs_are_computed_in_float32():
+    q, blocks, last_visible = make_blocks(seed=3)
+    low = [KeyBlock(b.keys.bfloat16(), b.values.bfloat16(), b.bias, b.causal) for b in blocks]
+    stats = attention_stats(q.bfloat16(), low, 0.3, output=True, last_visible=last_visible)
+    assert stats.lse.dtype == torch.float32 and stats.output.dtype == torch.float32
+    rounded = [KeyBlock(b.keys.float(), b.values.float(), b.bias, b.causal) for b in low]
+    exact = attention_stats(q.bfloat16().float(), rounded, 0.3, output=True, last_visible=last_visible)
+    assert torch.allclose(stats.lse, exact.lse, atol=1e-5) and torch.allclose(stats.output, exact.output, atol=1e-5)
+
+
+def test_a_query_seeing_only_hidden_slots_gets_zero_output():
+    keys = torch.randn(1, 4, 8)
+    block = KeyBlock(keys, torch.randn(1, 4, 8), torch.full((1, 4), -math.inf))
+    stats = attention_stats(torch.randn(1, 3, 8), [block], 0.3, output=True)
+    assert torch.isneginf(stats.lse).all() and (stats.output == 0).all()
