@@ -3,7 +3,9 @@
 A layer holds, in order, zero or more *compacted segments* — rows that stand for a span of
 tokens, each KV head with its own row count and a bias β added to its attention logits — and
 one *raw tail* of ordinary keys and values. The canonical form of a segment is packed (head
-after head, no padding); :meth:`SessionCache.to_tensors` exports exactly that.
+after head, no padding); :meth:`SessionCache.to_tensors` exports exactly that. The attention
+buffer below is the only copy of the rows a layer holds: segments are kept as layouts
+(:class:`SegmentLayout`) and gathered into packed form only when asked for.
 
 For attention, each layer keeps one preallocated buffer laid out as
 ``[segment 0 | segment 1 | ... | raw tail | spare capacity]`` along the sequence axis. A
@@ -67,6 +69,19 @@ class CompactedSegment:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.beta))
 
 
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Where a compacted segment lives in a layer buffer: its rows per head, span and first slot."""
+
+    head_rows: tuple[int, ...]
+    span: tuple[int, int]
+    offset: int
+
+    @property
+    def width(self) -> int:
+        return max(self.head_rows, default=0)
+
+
 class LayerCache:
     """One decoder layer's rows in an attention-ready buffer; see the module docstring."""
 
@@ -92,7 +107,10 @@ class LayerCache:
                     f"segment with {len(seg.head_rows)} heads x {seg.keys.shape[-1]} dims does not fit a "
                     f"layer of {heads} heads x {head_dim} dims"
                 )
-        self.segments: tuple[CompactedSegment, ...] = tuple(segments)
+        # The buffer is the only copy of the rows: segments are kept as layouts, not tensors.
+        offsets = [sum(seg.width for seg in segments[:j]) for j in range(len(segments))]
+        self.layouts: tuple[SegmentLayout, ...] = tuple(
+            SegmentLayout(seg.head_rows, seg.span, offset) for seg, offset in zip(segments, offsets))
         self.prefix_length = sum(seg.width for seg in segments)
         dtype, device = dtype or tail_keys.dtype, tail_keys.device
         capacity = _round_up(self.prefix_length + tail_len + spare)
@@ -137,6 +155,21 @@ class LayerCache:
     def tail_values(self) -> torch.Tensor:
         return self._values[:, self.prefix_length : self.length]
 
+    @property
+    def segments(self) -> tuple[CompactedSegment, ...]:
+        """The compacted segments in their packed form (copies gathered from the buffer)."""
+        return tuple(self.segment(j) for j in range(len(self.layouts)))
+
+    def segment(self, j: int) -> CompactedSegment:
+        layout = self.layouts[j]
+        keys, values, beta = [], [], []
+        for h, n in enumerate(layout.head_rows):
+            rows = slice(layout.offset, layout.offset + n)
+            keys.append(self._keys[h, rows])
+            values.append(self._values[h, rows])
+            beta.append(self.bias[h, rows] if self.bias is not None else self._keys.new_zeros(0))
+        return CompactedSegment(torch.cat(keys), torch.cat(values), torch.cat(beta), layout.head_rows, layout.span)
+
     def slot_view(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Buffer slots ``[start, end)`` as ``(keys, values, prior)``: views plus a float32 ``(H, n)`` bias.
 
@@ -154,13 +187,14 @@ class LayerCache:
     @property
     def rows_per_head(self) -> list[int]:
         """Real (unpadded) rows each KV head attends to."""
-        return [sum(seg.head_rows[h] for seg in self.segments) + self.tail_length for h in range(self.num_heads)]
+        return [sum(seg.head_rows[h] for seg in self.layouts) + self.tail_length for h in range(self.num_heads)]
 
     @property
     def nbytes(self) -> int:
         """Bytes of real rows, as stored packed: keys, values and β of segments, plus the tail."""
-        tail = 2 * self.tail_length * self.num_heads * self._keys.shape[-1] * self._keys.element_size()
-        return tail + sum(seg.nbytes for seg in self.segments)
+        row = self._keys.shape[-1] * self._keys.element_size()
+        compacted = sum(sum(seg.head_rows) for seg in self.layouts) * (2 * row + self._keys.element_size())
+        return 2 * self.tail_length * self.num_heads * row + compacted
 
     @property
     def allocated_nbytes(self) -> int:
@@ -187,7 +221,10 @@ class LayerCache:
         self.tail_length += n
 
     def _grow(self, needed: int) -> None:
-        capacity = _round_up(max(needed, 2 * self._keys.shape[1]))
+        """Reallocate with room for ``needed`` slots plus a quarter: writes stay amortised O(1)
+        while spare capacity stays under 25% (+ one quantum), not the 100% doubling leaves."""
+        current = self._keys.shape[1]
+        capacity = _round_up(max(needed, current + current // 4))
         for name in ("_keys", "_values"):
             old = getattr(self, name)
             new = old.new_empty(old.shape[0], capacity, old.shape[2])
@@ -304,7 +341,7 @@ class SessionCache:
 
     @property
     def is_compacted(self) -> bool:
-        return any(layer.segments for layer in self.layers)
+        return any(layer.layouts for layer in self.layers)
 
     def extend_log(self, token_ids: list[int]) -> None:
         """Record tokens whose rows every layer has just committed."""

@@ -435,6 +435,8 @@ class SessionManager:
         gauges = {
             "live_sessions": len(live),
             "live_bytes": sum(s.cache.nbytes for s in live),
+            # What the live caches really occupy: padding of compacted heads and spare capacity included.
+            "live_allocated_bytes": sum(s.cache.allocated_nbytes for s in live),
             "live_tokens": sum(s.cache.physical_length for s in live),
             "logical_tokens": sum(s.cache.logical_length for s in live),
         }

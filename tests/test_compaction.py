@@ -198,3 +198,47 @@ def test_shipped_profile_for_the_embedded_model(engine, tmp_path):
     other.write_text('{"fingerprint": "other", "proportions": [[1.0]]}')
     with pytest.raises(InvalidInput, match="calibrated for other"):
         compact(engine, cache, ratio=10, head_budgets=str(other))
+
+
+@pytest.fixture(scope="module")
+def wide(tokenizer):
+    """The attention shape of an 8B model (32 query / 8 KV heads, head_dim 128) on a 2-layer stack."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from agentmem import Engine
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
+    return Engine(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), tokenizer)
+
+
+@pytest.mark.parametrize("method", ["global-eviction", "am-fast", "am"])
+def test_compaction_reads_its_reference_into_scratch_not_the_cache(wide, method, monkeypatch):
+    from agentmem.compaction import queries
+
+    monkeypatch.setattr(queries, "WINDOW_TOKENS", 256)  # several reference windows
+    ids = doc_ids(wide, 700)
+    cache = wide.prefill(ids[:600])
+    buffers = [layer._keys.data_ptr() for layer in cache.layers]
+    allocated = cache.allocated_nbytes
+    small = compact(wide, cache, ratio=8, method=method, keep_recent=32, protect_prefix=4)
+    assert [layer._keys.data_ptr() for layer in cache.layers] == buffers and cache.allocated_nbytes == allocated
+    kept = sum(sum(layer.segments[-1].head_rows) for layer in small.layers)
+    assert abs(kept - (600 - 36) * 2 * 8 / 8) <= 16
+    assert torch.isfinite(wide.score(small, ids[599:640])).all()
+
+
+def test_tiled_statistics_give_the_same_compaction_as_one_tile(llama, monkeypatch):
+    """The streaming (many small tiles) path against the plain one-tile path: same rows, same logits."""
+    from agentmem.compaction import blockwise
+
+    ids = doc_ids(llama, 300)
+    cache = llama.prefill(ids[:260])
+    plain = compact(llama, cache, ratio=5, method="am", keep_recent=20)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 2048)
+    monkeypatch.setattr(blockwise, "QUERY_CHUNK", 48)
+    tiled = compact(llama, cache, ratio=5, method="am", keep_recent=20)
+    for a, b in zip(plain.layers, tiled.layers):
+        assert a.layouts == b.layouts
+    assert torch.allclose(llama.score(plain, ids[259:]), llama.score(tiled, ids[259:]), atol=1e-4)

@@ -75,14 +75,14 @@ def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> 
     raw_span = tail - protected_raw - recent
     layers = []
     for layer in cache.layers:
-        kept = [seg for seg in layer.segments if seg.span[1] <= protect_prefix]
+        kept = [layer.segment(j) for j, seg in enumerate(layer.layouts) if seg.span[1] <= protect_prefix]
         # Segments are in position order, so the kept ones come first in the buffer; when raw
         # rows are protected, every segment precedes them and is kept.
         first = sum(seg.width for seg in kept) + protected_raw
         layers.append(LayerSpan.of(layer, first, layer.prefix_length + protected_raw + raw_span, kept))
     if not any(layer.rows for layer in layers):
         return None
-    old_starts = [seg.span[0] for seg in cache.layers[0].segments if seg.span[1] > protect_prefix]
+    old_starts = [seg.span[0] for seg in cache.layers[0].layouts if seg.span[1] > protect_prefix]
     start = min(old_starts + [tail_start + protected_raw])
     return SpanPlan(start, length - recent, protected_raw, recent, layers)
 

@@ -1,0 +1,266 @@
+"""Scale: prefill, decode, and compaction time and peak memory per method, on a GPU or a scaled CPU shape.
+
+A named random-weight shape (timing and memory only: random weights say nothing about
+quality) or a local model folder; real text (Python's docs) as input. Per context length:
+
+- prefill: transformers' own sdpa forward (one pass, no LM head) vs ``Engine.prefill``;
+- decode: ms per token, transformers (its default cache) vs the Engine, same model head;
+- compaction at ``--ratio`` per method: seconds, and the peak memory ``compact()`` adds over
+  what was live before it (GPU: ``max_memory_allocated``; CPU: the process's peak RSS, reset
+  before each call, with glibc told to return large blocks to the system on free), against
+  the issue's bound ``0.5 × cache bytes + 2 GiB``.
+
+Run: ``python benchmarks/gpu.py`` (GPU: ``--shape llama-8b``, lengths 8k/32k/128k where memory
+allows; CPU: ``--shape wide-cpu``: 32 query / 8 KV heads, head_dim 128, 2 layers, fp32, at
+8k and 16k). Writes ``benchmarks/results/gpu.{md,json,png}`` on a GPU and
+``benchmarks/results/gpu-cpu.{md,json,png}`` on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# Large CPU blocks must be unmapped on free, or the peak RSS of one method hides in the next's.
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from agentmem import Engine, attention
+from agentmem.compaction import compact
+from agentmem.models import embedded_model_dir
+from common import RESULTS, machine, markdown_table, stdlib_text, write_results
+
+SHAPES = {
+    # Llama-3.1-8B: 32 layers, 32 query / 8 KV heads, head_dim 128, 128 KiB of bf16 KV per token.
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
+    # The same attention shape at CPU scale: few layers, a narrow residual stream.
+    "wide-cpu": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=49152, rope_theta=500000.0),
+}
+METHODS = ("window", "top-attention", "global-eviction", "am-fast", "am")
+GIB = 2**30
+
+
+def build_engine(args, device: torch.device, dtype: torch.dtype) -> tuple[Engine, AutoTokenizer]:
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    if args.model:
+        return Engine.load(args.model, device=device, dtype=dtype), None
+    config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=max(args.lengths) + 1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return Engine(model.eval(), tokenizer, name=f"random {args.shape}"), tokenizer
+
+
+def text_ids(engine: Engine, length: int) -> list[int]:
+    ids = engine.tokenizer(stdlib_text(), add_special_tokens=False)["input_ids"]
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+class PeakMemory:
+    """Peak bytes added over what is live at the start of the block (see module doc)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.added = 0
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._start = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            self._start = _proc_status("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.added = torch.cuda.max_memory_allocated() - self._start
+        else:
+            self.added = _proc_status("VmHWM") - self._start
+
+
+def _proc_status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device: torch.device, fn):
+    sync(device)
+    start = time.perf_counter()
+    value = fn()
+    sync(device)
+    return time.perf_counter() - start, value
+
+
+@torch.inference_mode()
+def transformers_prefill_and_decode(model, ids: list[int], steps: int, device: torch.device) -> tuple[float, float]:
+    """Seconds for one sdpa forward over ``ids`` (base model, no LM head) and ms per greedy decode step.
+
+    The engine's own model runs with transformers' sdpa attention for this, then gets its
+    attention back: the same weights, no second copy.
+    """
+    model.set_attn_implementation("sdpa")
+    try:
+        return _transformers_run(model, ids, steps, device)
+    finally:
+        model.set_attn_implementation(attention.ATTENTION_NAME)
+
+
+def _transformers_run(reference, ids: list[int], steps: int, device: torch.device) -> tuple[float, float]:
+    input_ids = torch.tensor([ids], device=device)
+    seconds, out = timed(device, lambda: reference.model(input_ids=input_ids, use_cache=True))
+    cache = out.past_key_values
+    token = input_ids[:, -1:]
+    head = reference.get_output_embeddings()
+    start = None
+    for step in range(steps + 1):
+        if step == 1:  # the first step warms up
+            sync(device)
+            start = time.perf_counter()
+        hidden = reference.model(input_ids=token, past_key_values=cache, use_cache=True).last_hidden_state
+        token = head(hidden[:, -1]).argmax(-1, keepdim=True)
+    sync(device)
+    decode_ms = (time.perf_counter() - start) / steps * 1000
+    del cache, out
+    return seconds, decode_ms
+
+
+def engine_decode_ms(engine: Engine, cache, steps: int, device: torch.device) -> float:
+    mark = cache.logical_length
+    stream = engine.stream(cache, [cache.token_ids[-1]], max_new_tokens=steps + 1)
+    next(stream)  # the first step (and the one-token prompt) warms up
+    sync(device)
+    start = time.perf_counter()
+    for _ in stream:
+        pass
+    sync(device)
+    ms = (time.perf_counter() - start) / steps * 1000
+    cache.truncate(mark)
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    parser.add_argument("--model", help="a local Hugging Face model folder instead of a random shape")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--ratio", type=float, default=10.0)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    args.shape = args.shape or ("llama-8b" if on_gpu else "wide-cpu")
+    args.lengths = args.lengths or ([8192, 32768, 131072] if on_gpu else [8192, 16384])
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+
+    engine, _ = build_engine(args, device, dtype)
+    rows = []
+    for length in args.lengths:
+        ids = text_ids(engine, length)
+        row = {"tokens": length}
+        try:
+            hf_prefill, hf_decode = transformers_prefill_and_decode(engine.model, ids, args.decode_steps, device)
+            row.update({"transformers prefill s": hf_prefill, "transformers decode ms": hf_decode})
+        except torch.OutOfMemoryError:
+            row.update({"transformers prefill s": "out of memory", "transformers decode ms": "out of memory"})
+        gc.collect()
+        seconds, cache = timed(device, lambda: engine.prefill(ids))
+        row.update({"engine prefill s": seconds, "engine decode ms": engine_decode_ms(engine, cache, args.decode_steps, device),
+                    "cache MiB": cache.nbytes / 2**20})
+        print(row, flush=True)
+        rows.append(row)
+        bound = 0.5 * cache.nbytes + 2 * GIB
+        for method in args.methods:
+            result = {"tokens": length, "method": method}
+            try:
+                with PeakMemory(device) as peak:
+                    seconds, small = timed(device, lambda: compact(engine, cache, ratio=args.ratio, method=method,
+                                                                   keep_recent=256, protect_prefix=4))
+                result.update({"compact s": seconds, "added peak MiB": peak.added / 2**20,
+                               "added / cache": peak.added / cache.nbytes, "within bound": peak.added <= bound,
+                               "kept MiB": small.nbytes / 2**20})
+                del small
+            except torch.OutOfMemoryError as exc:
+                result.update({"compact s": "out of memory", "error": str(exc)[:120]})
+            print(result, flush=True)
+            rows.append(result)
+            gc.collect()
+        del cache
+        gc.collect()
+    name = "gpu" if on_gpu else "gpu-cpu"
+    prefill = [r for r in rows if "method" not in r]
+    compaction = [r for r in rows if "method" in r]
+    title = (f"Scale on {machine()['cuda'] or 'CPU'}: {args.model or args.shape}, {str(dtype).removeprefix('torch.')}, "
+             f"compaction at {args.ratio:g}x (keep_recent 256)")
+    extra = {"machine": machine(), "command": "python benchmarks/gpu.py " + " ".join(sys.argv[1:]), "commit": _commit()}
+    md = write_results(name, title, prefill, extra)
+    md = md.replace("\nmachine: ", "\n## Compaction\n\n" + markdown_table(compaction) + "\n\nmachine: ", 1)
+    (RESULTS / f"{name}.md").write_text(md)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"prefill and decode": prefill, "compaction": compaction, **extra},
+                                                     indent=2, default=str))
+    plot(name, compaction, title)
+    print(md)
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def plot(name: str, compaction: list[dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    measured = [r for r in compaction if isinstance(r.get("compact s"), float)]
+    for method in dict.fromkeys(r["method"] for r in measured):
+        points = sorted((r["tokens"], r["compact s"], r["added / cache"]) for r in measured if r["method"] == method)
+        xs = [p[0] for p in points]
+        axes[0].plot(xs, [p[1] for p in points], "-o", label=method)
+        axes[1].plot(xs, [p[2] for p in points], "-o", label=method)
+    axes[0].set_ylabel("compact() seconds")
+    axes[1].set_ylabel("peak memory added / cache bytes")
+    axes[1].set_ylim(bottom=0)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
