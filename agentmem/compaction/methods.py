@@ -195,7 +195,8 @@ REGISTRY: dict[str, Method] = {
     for m in (
         Method("am", "Attention Matching: global budgets, top-attention rows, held-out-validated β and value fits, "
                      "every reference query of a whole-span repeat", _rows(attention_matching)),
-        Method("am-fast", "Attention Matching fitted on at most 1,536 reference queries per KV head (faster)",
+        Method("am-fast", "Attention Matching: rows scored by every reference query, fits solved on a sample of "
+                          "at most 1,536 of them per KV head (faster)",
                _rows(lambda job: attention_matching(job, max_queries=1536))),
         Method("am-omp", "Attention Matching with rows chosen by OMP on the mass residual (thorough, slower)",
                _rows(lambda job: attention_matching(job, omp=True))),
