@@ -263,10 +263,6 @@ class ScratchRows:
     def reset(self) -> None:
         self.length = 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(2 * k.numel() * k.element_size() for k in self._keys)
-
 
 class SessionCache:
     """A session's KV cache across all layers plus its append-only token log.

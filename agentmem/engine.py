@@ -163,13 +163,7 @@ class Engine:
             scratch.reset()
             for start in range(0, len(window), PREFILL_CHUNK):
                 ids = window[start : start + PREFILL_CHUNK]
-                first = cache.logical_length + start
-                self.model.base_model(
-                    input_ids=torch.tensor([ids], device=self.device),
-                    position_ids=torch.arange(first, first + len(ids), device=self.device).unsqueeze(0),
-                    use_cache=False,
-                    agentmem_pass=ForwardPass(cache, self.beta_mode, recorder, scratch),
-                )
+                self._run(ids, cache.logical_length + start, ForwardPass(cache, self.beta_mode, recorder, scratch))
                 scratch.commit(len(ids))
 
     # ---------------------------------------------------------------------------- writing
@@ -279,18 +273,20 @@ class Engine:
         Returns the final hidden states ``(1, n, hidden)``. If the forward fails, nothing is
         committed and the cache is unchanged.
         """
-        start = cache.logical_length
-        input_ids = torch.tensor([ids], device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
-        out = self.model.base_model(
-            input_ids=input_ids,
-            position_ids=positions,
-            use_cache=False,
-            agentmem_pass=ForwardPass(cache, self.beta_mode),
-        )
+        hidden = self._run(ids, cache.logical_length, ForwardPass(cache, self.beta_mode))
         for layer in cache.layers:
             layer.commit(len(ids))
         cache.extend_log(ids)
+        return hidden
+
+    def _run(self, ids: list[int], first_position: int, forward_pass: ForwardPass) -> torch.Tensor:
+        """One decoder forward over ``ids`` at positions from ``first_position``; final hidden states."""
+        out = self.model.base_model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=torch.arange(first_position, first_position + len(ids), device=self.device).unsqueeze(0),
+            use_cache=False,
+            agentmem_pass=forward_pass,
+        )
         return out.last_hidden_state
 
     def _check_tokens(self, token_ids: Sequence[int], cache: SessionCache | None, *, reserve: int = 0) -> list[int]:

@@ -51,16 +51,16 @@ METHODS = ("window", "top-attention", "global-eviction", "am-fast", "am")
 GIB = 2**30
 
 
-def build_engine(args, device: torch.device, dtype: torch.dtype) -> tuple[Engine, AutoTokenizer]:
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+def build_engine(args, device: torch.device, dtype: torch.dtype) -> Engine:
     if args.model:
-        return Engine.load(args.model, device=device, dtype=dtype), None
+        return Engine.load(args.model, device=device, dtype=dtype)
     config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=max(args.lengths) + 1024,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return Engine(model.eval(), tokenizer, name=f"random {args.shape}"), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    return Engine(model.eval(), tokenizer, name=f"random {args.shape}")
 
 
 def text_ids(engine: Engine, length: int) -> list[int]:
@@ -177,7 +177,7 @@ def main() -> None:
     args.lengths = args.lengths or ([8192, 32768, 131072] if on_gpu else [8192, 16384])
     dtype = torch.bfloat16 if on_gpu else torch.float32
 
-    engine, _ = build_engine(args, device, dtype)
+    engine = build_engine(args, device, dtype)
     rows = []
     for length in args.lengths:
         ids = text_ids(engine, length)

@@ -84,3 +84,16 @@ def test_a_query_seeing_only_hidden_slots_gets_zero_output():
     block = KeyBlock(keys, torch.randn(1, 4, 8), torch.full((1, 4), -math.inf))
     stats = attention_stats(torch.randn(1, 3, 8), [block], 0.3, output=True)
     assert torch.isneginf(stats.lse).all() and (stats.output == 0).all()
+
+
+def test_the_host_tensor_guard_fails_an_implicit_device_in_agentmem_code():
+    """The guard every test runs under (tests/device_guard.py) is itself able to fail."""
+    from device_guard import HostTensorGuard, ImplicitDeviceError
+
+    code = compile("def make():\n    return torch.zeros(3)\n", "agentmem/fake.py", "exec")
+    agentmem_module = {"__name__": "agentmem.fake", "torch": torch}
+    exec(code, agentmem_module)
+    with HostTensorGuard():
+        with pytest.raises(ImplicitDeviceError, match="torch.zeros without device="):
+            agentmem_module["make"]()
+        assert torch.zeros(3).shape == (3,)  # code outside agentmem is not policed

@@ -200,3 +200,18 @@ def test_bad_input_raises_typed_errors(tiny_engine, tokenizer):
                                  fingerprint="other-model")
     with pytest.raises(ModelMismatch):
         tiny_engine.prefill([5, 6], foreign)
+
+
+def test_slot_views_and_scratch_refuse_rows_they_do_not_hold(tiny_engine):
+    from agentmem.cache import ScratchRows
+
+    cache = tiny_engine.prefill(text_ids(tiny_engine, 20))
+    layer = cache.layers[0]
+    with pytest.raises(InvalidInput, match="outside the 20 occupied slots"):
+        layer.slot_view(5, 21)
+    scratch = ScratchRows(cache, 4)
+    rows = layer.tail_keys[:, :3]
+    scratch.stage(0, rows, rows)
+    scratch.commit(3)
+    with pytest.raises(InvalidInput, match="scratch holds 4 rows, 6 asked"):
+        scratch.stage(0, rows, rows)

@@ -77,6 +77,7 @@ class ReferenceRecorder:
         self.scores = [torch.zeros_like(span.prior) for span in plan.layers]
         self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._seen = [0] * len(plan.layers)  # reference tokens each layer has read so far
+        self._cache_blocks: dict[int, list[KeyBlock]] = {}  # the cache does not change while windows are read
 
     def attend(
         self, layer_idx: int, query: torch.Tensor, layer: LayerCache, scratch: tuple[torch.Tensor, torch.Tensor],
@@ -87,24 +88,28 @@ class ReferenceRecorder:
         ``scratch`` holds the window's rows up to and including the ``n`` new ones.
         """
         q_heads, n, d = query.shape
-        kv_heads = layer.num_heads
-        span = self.plan.layers[layer_idx]
-        end = span.slot_start + span.keys.shape[1]
-        folded = query.reshape(kv_heads, self.group * n, d)
-        before_k, before_v, before_prior = layer.slot_view(0, span.slot_start)
-        after_k, after_v, after_prior = layer.slot_view(end, layer.length)
-        blocks = [
-            KeyBlock(before_k, before_v, before_prior),
-            KeyBlock(span.keys, span.values, span.prior),
-            KeyBlock(after_k, after_v, after_prior),
-            KeyBlock(scratch[0], scratch[1], causal=True),
-        ]
+        folded = query.reshape(layer.num_heads, self.group * n, d)
+        blocks = [*self._blocks_of(layer_idx, layer), KeyBlock(scratch[0], scratch[1], causal=True)]
         past = scratch[0].shape[1] - n
         last_visible = torch.arange(past, past + n, device=query.device).repeat(self.group)
         stats = attention_stats(folded, blocks, scale, output=True, key_max_of=(1,), last_visible=last_visible)
         torch.maximum(self.scores[layer_idx], stats.key_max[0], out=self.scores[layer_idx])
         self._keep(layer_idx, folded, stats.lse, stats.output, n)
         return stats.output.to(query.dtype).reshape(q_heads, n, d)
+
+    def _blocks_of(self, layer_idx: int, layer: LayerCache) -> list[KeyBlock]:
+        """The cache as blocks ``[before the span | span | after it]``; the span is block 1."""
+        if layer_idx not in self._cache_blocks:
+            span = self.plan.layers[layer_idx]
+            end = span.slot_start + span.keys.shape[1]
+            before_k, before_v, before_prior = layer.slot_view(0, span.slot_start)
+            after_k, after_v, _ = layer.slot_view(end, layer.length)  # raw rows only: no bias
+            self._cache_blocks[layer_idx] = [
+                KeyBlock(before_k, before_v, before_prior),
+                KeyBlock(span.keys, span.values, span.prior),
+                KeyBlock(after_k, after_v),
+            ]
+        return self._cache_blocks[layer_idx]
 
     def _keep(self, layer_idx: int, q: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, n: int) -> None:
         first = self._seen[layer_idx]
