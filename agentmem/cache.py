@@ -25,7 +25,7 @@ import torch
 from agentmem.errors import CorruptSessionError, InvalidInput
 
 CACHE_FORMAT_VERSION = 1
-_CAPACITY_QUANTUM = 256
+_CAPACITY_QUANTUM = 64  # slots: buffers are sized in multiples of this (an empty cache holds none)
 
 
 @dataclass(frozen=True)
@@ -220,11 +220,22 @@ class LayerCache:
     def commit(self, n: int) -> None:
         self.tail_length += n
 
-    def _grow(self, needed: int) -> None:
-        """Reallocate with room for ``needed`` slots plus a quarter: writes stay amortised O(1)
-        while spare capacity stays under 25% (+ one quantum), not the 100% doubling leaves."""
+    def bytes_to_append(self, n: int) -> int:
+        """How many bytes the buffer grows by when ``n`` more rows are written (0 if they fit)."""
+        end = self.length + n
+        if end <= self._keys.shape[1]:
+            return 0
+        slot = self._keys.shape[0] * self._keys.shape[2] * self._keys.element_size()
+        return 2 * slot * (self._capacity_for(end) - self._keys.shape[1])
+
+    def _capacity_for(self, needed: int) -> int:
+        """Room for ``needed`` slots plus a quarter of today's: writes stay amortised O(1) while
+        spare capacity stays under 25% (+ one quantum), not the 100% doubling leaves."""
         current = self._keys.shape[1]
-        capacity = _round_up(max(needed, current + current // 4))
+        return _round_up(max(needed, current + current // 4))
+
+    def _grow(self, needed: int) -> None:
+        capacity = self._capacity_for(needed)
         for name in ("_keys", "_values"):
             old = getattr(self, name)
             new = old.new_empty(old.shape[0], capacity, old.shape[2])
@@ -313,7 +324,12 @@ class SessionCache:
 
     @property
     def allocated_nbytes(self) -> int:
+        """Bytes the layer buffers hold, padding and spare capacity included: what the device budget counts."""
         return sum(layer.allocated_nbytes for layer in self.layers)
+
+    def bytes_to_append(self, tokens: int) -> int:
+        """How much :attr:`allocated_nbytes` grows when ``tokens`` more tokens are read."""
+        return sum(layer.bytes_to_append(tokens) for layer in self.layers)
 
     @property
     def num_layers(self) -> int:
@@ -445,5 +461,10 @@ class SessionCache:
         return cls(layers, token_ids.tolist(), str(meta["fingerprint"]))
 
 
+def buffer_nbytes(prefix_slots: int, tail: int, *, heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes a freshly built layer buffer allocates: keys and values of every slot, β of the prefix."""
+    return (2 * heads * head_dim * _round_up(prefix_slots + tail) + heads * prefix_slots) * element_size
+
+
 def _round_up(n: int) -> int:
-    return max(_CAPACITY_QUANTUM, -(-n // _CAPACITY_QUANTUM) * _CAPACITY_QUANTUM)
+    return -(-n // _CAPACITY_QUANTUM) * _CAPACITY_QUANTUM

@@ -38,7 +38,7 @@ from agentmem.errors import (
 from agentmem.metrics import Metrics, prometheus_text
 from agentmem.policy import BudgetPolicy
 from agentmem.record import CacheStore, SessionRecord, check_session_id, check_tenant
-from agentmem.storage import decode_cache, encode_cache, open_store, read_header, stored_rows
+from agentmem.storage import decode_cache, decoded_nbytes, encode_cache, open_store, read_header
 
 DEFAULT_MAX_NEW_TOKENS = 256
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class Session:
             usage.prefilled_tokens += len(delta)
             generated: list[int] = []
             shown = ""
-            growth = (len(delta) + max_new_tokens) * self.manager.engine.bytes_per_token
+            growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
             with self.manager._room(growth, keep=self):
                 if reply_prefix:
                     yield reply_prefix
@@ -149,7 +149,7 @@ class Session:
             self._last_reply_ids = generated
             usage.generated_tokens = len(generated)
             usage.live_tokens, usage.logical_tokens = self.cache.physical_length, self.cache.logical_length
-            usage.live_bytes = self.cache.nbytes
+            usage.live_bytes = self.cache.allocated_nbytes
             self.manager._record_turn(self, usage)
             yield usage
 
@@ -343,8 +343,7 @@ class SessionManager:
             try:
                 # Room is reserved before the cache is decoded onto the device, so loaders that
                 # wait for room hold no memory the budget does not count.
-                need = stored_rows(read_header(record.blob)) * engine.bytes_per_token // (
-                    engine.num_layers * engine.num_kv_heads)
+                need = decoded_nbytes(read_header(record.blob), engine.dtype)
                 with self._room(need, keep=self._dormant.get(key)):
                     if key in self._live:  # loaded by another thread (sharing our lease) while this one waited
                         return self._live[key]
@@ -426,7 +425,7 @@ class SessionManager:
             for (t, sid), session in self._live.items():
                 if t == tenant:
                     entry = out.setdefault(sid, {"session_id": sid, "stored_bytes": 0, "version": session.version})
-                    entry.update(live=True, logical_tokens=session.cache.logical_length, live_bytes=session.cache.nbytes)
+                    entry.update(live=True, logical_tokens=session.cache.logical_length, live_bytes=session.cache.allocated_nbytes)
         return [out[k] for k in sorted(out)]
 
     def stats(self) -> dict[str, Any]:
@@ -434,9 +433,10 @@ class SessionManager:
             live = list(self._live.values())
         gauges = {
             "live_sessions": len(live),
-            "live_bytes": sum(s.cache.nbytes for s in live),
-            # What the live caches really occupy: padding of compacted heads and spare capacity included.
-            "live_allocated_bytes": sum(s.cache.allocated_nbytes for s in live),
+            # What the live caches occupy, padding of compacted heads and spare capacity included
+            # (the device budget counts this), and the bytes of their rows alone.
+            "live_bytes": sum(s.cache.allocated_nbytes for s in live),
+            "live_row_bytes": sum(s.cache.nbytes for s in live),
             "live_tokens": sum(s.cache.physical_length for s in live),
             "logical_tokens": sum(s.cache.logical_length for s in live),
         }
@@ -538,7 +538,7 @@ class SessionManager:
 
     def _live_bytes(self) -> int:
         with self._lock:
-            return sum(s.cache.nbytes for s in self._live.values())
+            return sum(s.cache.allocated_nbytes for s in self._live.values())
 
     @contextmanager
     def _room(self, need: int, keep: Session | None) -> Iterator[None]:

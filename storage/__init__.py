@@ -16,7 +16,7 @@ from pathlib import Path
 from agentmem.errors import InvalidInput, StoreUnavailable
 from agentmem.home import agentmem_home
 from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
-from agentmem.storage.codec import STORAGE_DTYPES, decode_cache, encode_cache, read_header, stored_rows
+from agentmem.storage.codec import STORAGE_DTYPES, decode_cache, decoded_nbytes, encode_cache, read_header
 from agentmem.storage.redis_client import is_redis_url
 
 __all__ = [
@@ -27,11 +27,11 @@ __all__ = [
     "SessionSummary",
     "StoreUsage",
     "decode_cache",
+    "decoded_nbytes",
     "default_url",
     "encode_cache",
     "open_store",
     "read_header",
-    "stored_rows",
 ]
 
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from agentmem.cache import SessionCache
+from agentmem.cache import SessionCache, buffer_nbytes
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
 
 _META_KEY = "agentmem"
@@ -97,13 +97,18 @@ def read_header(blob: bytes) -> dict[str, Any]:
     return header
 
 
-def stored_rows(header: dict[str, Any]) -> int:
-    """Rows the blob decodes to, summed over layers and KV heads (sizes a resume before decoding)."""
+def decoded_nbytes(header: dict[str, Any], dtype: torch.dtype) -> int:
+    """Bytes the blob's cache will allocate once decoded in ``dtype``, padding included.
+
+    Sizes a resume against the device budget before anything is decoded.
+    """
     try:
         layout = header["layout"]
-        heads = int(layout["num_kv_heads"])
-        return sum(sum(sum(seg["head_rows"]) for seg in layer["segments"]) + heads * int(layer["tail_length"])
-                   for layer in layout["layers"])
+        heads, head_dim = int(layout["num_kv_heads"]), int(layout["head_dim"])
+        return sum(
+            buffer_nbytes(sum(max(seg["head_rows"], default=0) for seg in layer["segments"]), int(layer["tail_length"]),
+                          heads=heads, head_dim=head_dim, element_size=dtype.itemsize)
+            for layer in layout["layers"])
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptSessionError(f"session blob layout is damaged: {exc!r}") from exc
 

@@ -215,3 +215,17 @@ def test_slot_views_and_scratch_refuse_rows_they_do_not_hold(tiny_engine):
     scratch.commit(3)
     with pytest.raises(InvalidInput, match="scratch holds 4 rows, 6 asked"):
         scratch.stage(0, rows, rows)
+
+
+def test_bytes_to_append_predicts_what_the_buffers_grow_by(tiny_engine):
+    ids = text_ids(tiny_engine, 700)
+    cache = tiny_engine.prefill(ids[:250])
+    before = cache.allocated_nbytes
+    assert cache.bytes_to_append(6) == 0  # fits the spare capacity of the first quantum
+    grown = []
+    for n in (6, 300, 10):  # fits, grows, fits the grown buffer
+        grown.append(cache.bytes_to_append(n))
+        tiny_engine.prefill(ids[cache.logical_length : cache.logical_length + n], cache)
+        assert cache.allocated_nbytes - before == grown[-1]
+        before = cache.allocated_nbytes
+    assert grown[0] == grown[2] == 0 < grown[1]

@@ -111,7 +111,7 @@ def test_lru_sessions_are_spilled_to_respect_the_device_budget(tiny, tmp_path):
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=1) as probe:
         one = probe.session("probe")
         one.chat("hello there", max_new_tokens=4)
-        per_session = one.cache.nbytes
+        per_session = one.cache.allocated_nbytes
     budget = int(per_session * 2.5)
     policy = BudgetPolicy(on_over_budget="spill")
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's2.db'}", device_budget_bytes=budget,

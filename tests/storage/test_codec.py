@@ -133,19 +133,19 @@ def test_mutated_real_blobs_only_raise_our_errors(cache, data):
         pass
 
 
-def test_stored_rows_sizes_a_resume_before_decoding(cache, llama):
-    from agentmem.storage import stored_rows
+def test_decoded_nbytes_sizes_a_resume_before_decoding(cache, llama):
+    from agentmem.storage import decoded_nbytes
 
     blob = encode_cache(cache, dtype="fp16")
-    decoded = decode_cache(blob, fingerprint=llama.fingerprint)
-    rows = sum(sum(sum(seg.head_rows) for seg in layer.segments) + layer.num_heads * layer.tail_length
-               for layer in decoded.layers)
-    assert rows > 0 and stored_rows(read_header(blob)) == rows
+    for dtype in (torch.float32, torch.bfloat16):
+        decoded = decode_cache(blob, fingerprint=llama.fingerprint, dtype=dtype)
+        assert decoded.allocated_nbytes > 0 and decoded_nbytes(read_header(blob), dtype) == decoded.allocated_nbytes
 
 
-def test_stored_rows_of_a_damaged_layout_is_a_typed_error():
-    from agentmem.storage import stored_rows
+def test_decoded_nbytes_of_a_damaged_layout_is_a_typed_error():
+    from agentmem.storage import decoded_nbytes
 
-    for header in ({}, {"layout": {"num_kv_heads": "x", "layers": []}}, {"layout": {"num_kv_heads": 2, "layers": [{}]}}):
+    for header in ({}, {"layout": {"num_kv_heads": "x", "head_dim": 4, "layers": []}},
+                   {"layout": {"num_kv_heads": 2, "head_dim": 4, "layers": [{}]}}):
         with pytest.raises(CorruptSessionError, match="layout is damaged"):
-            stored_rows(header)
+            decoded_nbytes(header, torch.float32)
