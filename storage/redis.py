@@ -68,6 +68,7 @@ from agentmem.storage.redis_client import Client, connect, redact
 CHUNK_BYTES = 8 * 2**20
 ORPHAN_TTL_MS = 3_600_000  # chunks and registration of a put that never committed vanish after an hour
 _RETRIES = 5
+_CHUNKS_PER_PIPELINE = 8  # 64 MiB in flight per round trip
 
 T = TypeVar("T")
 
@@ -94,12 +95,14 @@ class RedisStore:
         ttl_ms = None if record.ttl_seconds is None else max(1, int(record.ttl_seconds * 1000))
 
         def register_and_store() -> None:
-            with self._redis.pipeline(transaction=False) as pipe:
-                pipe.sadd(writes_key, write_id)
-                pipe.pexpire(writes_key, ORPHAN_TTL_MS)
-                for i, key in enumerate(chunk_keys):
-                    pipe.set(key, blob[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES], px=ORPHAN_TTL_MS)
-                pipe.execute()
+            self._redis.sadd(writes_key, write_id)
+            self._redis.pexpire(writes_key, ORPHAN_TTL_MS)
+            view = memoryview(blob)  # chunks are sent as views of the blob, never copied first
+            for first in range(0, len(chunk_keys), _CHUNKS_PER_PIPELINE):
+                with self._redis.pipeline(transaction=False) as pipe:
+                    for i, key in enumerate(chunk_keys[first : first + _CHUNKS_PER_PIPELINE], start=first):
+                        pipe.set(key, view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES], px=ORPHAN_TTL_MS)
+                    pipe.execute()
 
         def commit() -> int:
             with self._redis.pipeline(transaction=True) as pipe:
@@ -163,15 +166,25 @@ class RedisStore:
             if not meta or not _alive(meta, time.time()):
                 raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
             keys = _chunk_keys(tenant, session_id, meta[b"write_id"].decode(), int(meta[b"chunks"]))
-            parts = self._call(self._redis.mget, keys)
-            if any(p is None for p in parts):
-                continue  # a newer write replaced this version between our two reads
-            blob = b"".join(parts)
+            blob = self._read_chunks(keys)
+            if blob is None:
+                continue  # a newer write replaced this version between our reads
             if len(blob) != int(meta[b"nbytes"]):
                 raise CorruptSessionError(f"session {tenant}/{session_id}: blob is {len(blob)} bytes, meta says {int(meta[b'nbytes'])}")
             record = SessionRecord.model_validate_json(meta[b"record"])
             return record.model_copy(update={"blob": blob, "version": int(meta[b"version"])})
         raise StoreUnavailable(f"session {tenant}/{session_id} is being rewritten too often to read")
+
+    def _read_chunks(self, keys: list[str]) -> bytes | None:
+        """The chunks joined, read a pipeline's worth at a time (no single multi-GiB reply);
+        ``None`` if any is gone."""
+        parts: list[bytes] = []
+        for first in range(0, len(keys), _CHUNKS_PER_PIPELINE):
+            got = self._call(self._redis.mget, keys[first : first + _CHUNKS_PER_PIPELINE])
+            if any(p is None for p in got):
+                return None
+            parts += got
+        return b"".join(parts)
 
     def delete(self, tenant: str, session_id: str) -> bool:
         check_tenant(tenant)

@@ -1,7 +1,17 @@
 """SQL store through SQLAlchemy 2 Core: SQLite (the embedded default), PostgreSQL, any dialect.
 
-One row per (tenant, session): metadata JSON, the blob, and a version used for
-compare-and-set (``UPDATE … WHERE version = :expected``), each write one transaction.
+One row per (tenant, session) holds the metadata JSON, the blob's size and ``write_id``, and a
+version used for compare-and-set; the blob itself lies in ordered chunk rows of
+``CHUNK_BYTES`` under its ``write_id``, so a session of any size is stored (SQLite caps one
+value at 1e9 bytes, PostgreSQL's ``bytea`` at 1 GB). A put takes three steps, as on Redis:
+(1) stage the chunks, one short transaction each, so other writers interleave; (2) in one
+transaction, check that every staged chunk is there and the version is the expected one,
+and point the session row at the new ``write_id`` (compare-and-set); (3) delete the replaced
+version's chunks. A reader reads the row and its chunks in one snapshot (SQLite WAL;
+REPEATABLE READ on PostgreSQL), so it sees the old version or the new one, never a mix. Chunks
+of a put that died before step 2 are removed by :meth:`SqlStore.prune` once they are
+``ORPHAN_SECONDS`` old.
+
 One code path serves every dialect; the few differences are kept small and local:
 
 - SQLite runs in WAL mode with a busy timeout, and write transactions start with
@@ -18,9 +28,11 @@ One code path serves every dialect; the few differences are kept small and local
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 
 from sqlalchemy import (
+    BigInteger,
     Column,
     Float,
     Integer,
@@ -32,16 +44,18 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    exists,
     func,
     insert,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from agentmem.errors import InvalidInput, SessionNotFound, StoreUnavailable, VersionConflict
+from agentmem.errors import CorruptSessionError, InvalidInput, SessionNotFound, StoreUnavailable, VersionConflict
 from agentmem.record import (
     SessionPage,
     SessionRecord,
@@ -56,14 +70,54 @@ BUSY_TIMEOUT_MS = 10_000
 _WRITE = "agentmem_write"  # execution option marking a write transaction
 _MIGRATION_LOCK = 0x61676D656D  # PostgreSQL advisory lock key ("agmem") held while migrating
 
+CHUNK_BYTES = 16 * 2**20
+ORPHAN_SECONDS = 3600.0  # staged chunks of a put that never committed are pruned after an hour
+
+# Byte order on PostgreSQL too, so pagination agrees with the other stores.
+_SESSION_ID = String(256).with_variant(String(256, collation="C"), "postgresql")
+
 metadata = MetaData()
 schema_table = Table("agentmem_schema", metadata, Column("version", Integer, nullable=False))
 sessions_table = Table(
     "agentmem_sessions",
     metadata,
     Column("tenant", String(128), primary_key=True),
-    # Byte order on PostgreSQL too, so pagination agrees with the other stores.
-    Column("session_id", String(256).with_variant(String(256, collation="C"), "postgresql"), primary_key=True),
+    Column("session_id", _SESSION_ID, primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("record", Text, nullable=False),
+    Column("write_id", String(32)),  # whose chunks hold the blob (NULL only mid-migration)
+    Column("nbytes", BigInteger, nullable=False),
+    Column("logical_length", Integer, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=True, index=True),
+)
+chunks_table = Table(
+    "agentmem_chunks",
+    metadata,
+    Column("tenant", String(128), primary_key=True),
+    Column("session_id", _SESSION_ID, primary_key=True),
+    Column("write_id", String(32), primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("data", LargeBinary, nullable=False),
+    Column("staged_at", Float, nullable=False, index=True),
+)
+leases_table = Table(
+    "agentmem_leases",
+    metadata,
+    Column("tenant", String(128), primary_key=True),
+    Column("session_id", String(256), primary_key=True),
+    Column("owner", String(128), nullable=False),
+    Column("expires_at", Float, nullable=False),
+)
+
+# The schema as version 1 created it: migrations replay history, so they never use the
+# current definitions above for tables that have changed since.
+_history = MetaData()
+_sessions_v1 = Table(
+    "agentmem_sessions",
+    _history,
+    Column("tenant", String(128), primary_key=True),
+    Column("session_id", _SESSION_ID, primary_key=True),
     Column("version", Integer, nullable=False),
     Column("record", Text, nullable=False),
     Column("blob", LargeBinary, nullable=False),
@@ -74,26 +128,33 @@ sessions_table = Table(
 )
 
 
-leases_table = Table(
-    "agentmem_leases",
-    metadata,
-    Column("tenant", String(128), primary_key=True),
-    Column("session_id", String(256), primary_key=True),
-    Column("owner", String(128), nullable=False),
-    Column("expires_at", Float, nullable=False),
-)
-
-
 def _create_v1(conn: Connection) -> None:
-    metadata.create_all(conn, tables=[sessions_table])
+    _history.create_all(conn, tables=[_sessions_v1])
 
 
 def _add_leases_v2(conn: Connection) -> None:
     metadata.create_all(conn, tables=[leases_table])
 
 
+def _chunk_blobs_v3(conn: Connection) -> None:
+    """Move every blob into chunk rows, drop the blob column, widen ``nbytes`` to 64 bits."""
+    metadata.create_all(conn, tables=[chunks_table])
+    conn.execute(text("ALTER TABLE agentmem_sessions ADD COLUMN write_id VARCHAR(32)"))
+    old = _sessions_v1.c
+    for tenant, session_id in conn.execute(select(old.tenant, old.session_id)).all():
+        blob = conn.execute(select(old.blob).where(old.tenant == tenant, old.session_id == session_id)).scalar_one()
+        write_id = uuid.uuid4().hex
+        for seq, data in enumerate(_chunks(blob)):
+            conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id, seq=seq,
+                                                     data=data, staged_at=time.time()))
+        conn.execute(update(sessions_table).where(*_key(tenant, session_id)).values(write_id=write_id))
+    conn.execute(text("ALTER TABLE agentmem_sessions DROP COLUMN blob"))
+    if conn.dialect.name == "postgresql":  # SQLite's INTEGER is already 64-bit
+        conn.execute(text("ALTER TABLE agentmem_sessions ALTER COLUMN nbytes TYPE BIGINT"))
+
+
 # Each entry brings the schema from version i to i + 1; append, never edit.
-MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1, _add_leases_v2]
+MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1, _add_leases_v2, _chunk_blobs_v3]
 
 
 class SqlStore:
@@ -152,18 +213,48 @@ class SqlStore:
 
     def put(self, tenant: str, session_id: str, record: SessionRecord, *, expected_version: int | None = None) -> int:
         check_record_key(tenant, session_id, record)
+        write_id = uuid.uuid4().hex
+        count = self._stage(tenant, session_id, write_id, record.blob)
+        try:
+            version, replaced = self._publish(tenant, session_id, record, write_id, count, expected_version)
+        except BaseException:
+            self._discard(tenant, session_id, write_id)
+            raise
+        if replaced is not None:
+            self._discard(tenant, session_id, replaced)
+        return version
+
+    def _stage(self, tenant: str, session_id: str, write_id: str, blob: bytes) -> int:
+        """Store the blob's chunks under ``write_id``, one transaction per chunk; their count."""
+        count = 0
+        for seq, data in enumerate(_chunks(blob)):
+            with self._transaction() as conn:
+                conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id,
+                                                         seq=seq, data=data, staged_at=time.time()))
+            count += 1
+        return count
+
+    def _publish(self, tenant: str, session_id: str, record: SessionRecord, write_id: str, count: int,
+                 expected_version: int | None) -> tuple[int, str | None]:
+        """Compare-and-set the session row onto ``write_id``; the new version and the replaced write id."""
         key = _key(tenant, session_id)
         values = {
             "record": record.metadata_json(),
-            "blob": record.blob,
+            "write_id": write_id,
             "nbytes": len(record.blob),
             "logical_length": record.logical_length,
             "updated_at": record.updated_at,
             "expires_at": record.expires_at,
         }
         with self._transaction() as conn:
-            current = conn.execute(select(sessions_table.c.version).where(*key).with_for_update()).scalar()
-            found = current or 0
+            staged = conn.execute(select(chunks_table.c.seq).where(*_chunk_key(tenant, session_id, write_id))
+                                  .with_for_update()).all()
+            if len(staged) != count:
+                raise StoreUnavailable(f"session {tenant}/{session_id}: {count - len(staged)} staged chunks of this "
+                                       "write were removed before it committed (a concurrent delete); write again")
+            current = conn.execute(select(sessions_table.c.version, sessions_table.c.write_id).where(*key)
+                                   .with_for_update()).first()
+            found = current.version if current else 0
             if expected_version is not None and expected_version != found:
                 raise VersionConflict(
                     f"session {tenant}/{session_id} is at version {found}, the write expected {expected_version}"
@@ -173,28 +264,43 @@ class SqlStore:
                     conn.execute(insert(sessions_table).values(tenant=tenant, session_id=session_id, version=1, **values))
                 except IntegrityError as exc:
                     raise VersionConflict(f"session {tenant}/{session_id} was created concurrently") from exc
-                return 1
+                return 1, None
             done = conn.execute(
-                update(sessions_table).where(*key, sessions_table.c.version == current).values(version=current + 1, **values)
+                update(sessions_table).where(*key, sessions_table.c.version == found).values(version=found + 1, **values)
             )
             if done.rowcount != 1:
                 raise VersionConflict(f"session {tenant}/{session_id} changed during the write")
-            return current + 1
+            return found + 1, current.write_id
+
+    def _discard(self, tenant: str, session_id: str, write_id: str) -> None:
+        """Delete one write's chunks; if the store is down they are left for :meth:`prune`."""
+        try:
+            with self._transaction() as conn:
+                conn.execute(delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id)))
+        except StoreUnavailable:
+            pass
 
     def get(self, tenant: str, session_id: str) -> SessionRecord:
         key = _key(check_tenant(tenant), check_session_id(session_id))
-        query = select(sessions_table.c.record, sessions_table.c.blob, sessions_table.c.version).where(
-            *key, _alive(time.time())
-        )
-        with self._connection() as conn:
-            row = conn.execute(query).first()
-        if row is None:
-            raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
-        return SessionRecord.model_validate_json(row.record).model_copy(update={"blob": bytes(row.blob), "version": row.version})
+        t = sessions_table.c
+        with self._snapshot() as conn:
+            row = conn.execute(select(t.record, t.version, t.write_id, t.nbytes).where(*key, _alive(time.time()))).first()
+            if row is None:
+                raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
+            chunks = conn.execute(select(chunks_table.c.data).where(*_chunk_key(tenant, session_id, row.write_id))
+                                  .order_by(chunks_table.c.seq)).scalars()
+            blob = b"".join(chunks)  # one copy: the driver's chunk buffers are joined once
+        if len(blob) != row.nbytes:
+            raise CorruptSessionError(f"session {tenant}/{session_id}: blob is {len(blob)} bytes, its row says {row.nbytes}")
+        return SessionRecord.model_validate_json(row.record).model_copy(update={"blob": blob, "version": row.version})
 
     def delete(self, tenant: str, session_id: str) -> bool:
         key = _key(check_tenant(tenant), check_session_id(session_id))
         with self._transaction() as conn:
+            write_id = conn.execute(select(sessions_table.c.write_id).where(*key).with_for_update()).scalar()
+            if write_id is None:
+                return False
+            conn.execute(delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id)))
             return conn.execute(delete(sessions_table).where(*key)).rowcount > 0
 
     def list(self, tenant: str, *, limit: int = 100, cursor: str | None = None) -> SessionPage:
@@ -217,7 +323,8 @@ class SqlStore:
 
     def delete_tenant(self, tenant: str) -> int:
         with self._transaction() as conn:
-            return conn.execute(delete(sessions_table).where(sessions_table.c.tenant == check_tenant(tenant))).rowcount
+            conn.execute(delete(chunks_table).where(chunks_table.c.tenant == check_tenant(tenant)))
+            return conn.execute(delete(sessions_table).where(sessions_table.c.tenant == tenant)).rowcount
 
     def usage(self, tenant: str) -> StoreUsage:
         t = sessions_table.c
@@ -229,10 +336,18 @@ class SqlStore:
         return StoreUsage(sessions=count, bytes=nbytes)
 
     def prune(self, now: float | None = None) -> int:
+        """Delete expired sessions (returns how many) and chunks no session points at that are
+        older than ``ORPHAN_SECONDS`` (a put that died between staging and publishing)."""
         now = time.time() if now is None else now
-        t = sessions_table.c
+        t, c = sessions_table.c, chunks_table.c
+        expired = t.expires_at.is_not(None), t.expires_at <= now
+        published = exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id)
         with self._transaction() as conn:
-            return conn.execute(delete(sessions_table).where(t.expires_at.is_not(None), t.expires_at <= now)).rowcount
+            conn.execute(delete(chunks_table).where(
+                exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id, *expired)))
+            removed = conn.execute(delete(sessions_table).where(*expired)).rowcount
+            conn.execute(delete(chunks_table).where(c.staged_at <= now - ORPHAN_SECONDS, ~published))
+            return removed
 
     def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
         check_tenant(tenant)
@@ -271,6 +386,13 @@ class SqlStore:
     def _connection(self):
         return _Guard(self._engine.connect, self.url)
 
+    def _snapshot(self):
+        """A read transaction that sees one snapshot throughout: SQLite's deferred BEGIN in WAL
+        mode already does; PostgreSQL needs REPEATABLE READ (READ COMMITTED re-reads per statement)."""
+        if self._engine.dialect.name == "postgresql":
+            return _Guard(self._engine.execution_options(isolation_level="REPEATABLE READ").begin, self.url)
+        return _Guard(self._engine.begin, self.url)
+
 
 class _Guard:
     """Open a connection or transaction, turning driver failures into :class:`StoreUnavailable`."""
@@ -307,6 +429,18 @@ def engine_url(url: str) -> str:
 
 def _key(tenant: str, session_id: str):
     return sessions_table.c.tenant == tenant, sessions_table.c.session_id == session_id
+
+
+def _chunk_key(tenant: str, session_id: str, write_id: str):
+    c = chunks_table.c
+    return c.tenant == tenant, c.session_id == session_id, c.write_id == write_id
+
+
+def _chunks(blob: bytes) -> Iterator[bytes]:
+    """The blob in ``CHUNK_BYTES`` pieces (one empty piece for an empty blob), without copying."""
+    view = memoryview(blob)
+    for start in range(0, max(1, len(blob)), CHUNK_BYTES):
+        yield view[start : start + CHUNK_BYTES]
 
 
 def _alive(now: float):

@@ -242,3 +242,4 @@ def test_tiled_statistics_give_the_same_compaction_as_one_tile(llama, monkeypatc
     for a, b in zip(plain.layers, tiled.layers):
         assert a.layouts == b.layouts
     assert torch.allclose(llama.score(plain, ids[259:]), llama.score(tiled, ids[259:]), atol=1e-4)
+

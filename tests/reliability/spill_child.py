@@ -3,8 +3,10 @@
 Usage: python spill_child.py STORE_URL POINT RECORD_JSON BLOB_FILE
 
 POINT names where in the write path the process dies:
+- ``sql-before-chunk-commit``: before the transaction that stages the blob's first chunk commits;
 - ``sql-before-write`` / ``sql-after-write`` / ``sql-before-commit``: around the INSERT/UPDATE
-  statement of the session row and the COMMIT (SQLAlchemy engine events);
+  statement that publishes the session row and the COMMIT of that transaction;
+- ``sql-before-cleanup``: once published, before the replaced version's chunks are deleted;
 - ``redis-before-chunks`` / ``redis-after-chunks`` / ``redis-before-swap`` / ``redis-after-swap``:
   around the pipeline that uploads the blob's chunks and the one that swaps in the new version's
   meta hash;
@@ -28,19 +30,37 @@ def die() -> None:
 def arm_sql(store, point: str) -> None:
     from sqlalchemy import event
 
-    def is_session_write(statement: str) -> bool:
-        return re.match(r'\s*(INSERT INTO|UPDATE)\s+"?\w*sessions\b', statement, re.IGNORECASE) is not None
+    def writes(table: str, statement: str) -> bool:
+        return re.match(rf'\s*(INSERT INTO|UPDATE)\s+"?\w*{table}\b', statement, re.IGNORECASE) is not None
 
     engine = store._engine  # events on the engine also cover its write-option variant
-    if True:
-        if point == "sql-before-write":
-            event.listen(engine, "before_cursor_execute",
-                         lambda conn, cursor, statement, *a: die() if is_session_write(statement) else None)
-        elif point == "sql-after-write":
-            event.listen(engine, "after_cursor_execute",
-                         lambda conn, cursor, statement, *a: die() if is_session_write(statement) else None)
-        elif point == "sql-before-commit":
-            event.listen(engine, "commit", lambda conn: die())
+    wrote: set[str] = set()  # tables written by the transaction under way
+
+    def track(conn, cursor, statement, *args) -> None:
+        wrote.update(t for t in ("sessions", "chunks") if writes(t, statement))
+
+    event.listen(engine, "after_cursor_execute", track)
+    if point == "sql-before-chunk-commit":
+        event.listen(engine, "commit", lambda conn: die() if "chunks" in wrote else None)
+    elif point == "sql-before-write":
+        event.listen(engine, "before_cursor_execute",
+                     lambda conn, cursor, statement, *a: die() if writes("sessions", statement) else None)
+    elif point == "sql-after-write":
+        event.listen(engine, "after_cursor_execute",
+                     lambda conn, cursor, statement, *a: die() if writes("sessions", statement) else None)
+    elif point == "sql-before-commit":
+        event.listen(engine, "commit", lambda conn: die() if "sessions" in wrote else None)
+    elif point == "sql-before-cleanup":
+        event.listen(engine, "before_cursor_execute", lambda conn, cursor, statement, *a: die() if (
+            published and re.match(r'\s*DELETE FROM\s+"?\w*chunks\b', statement, re.IGNORECASE)) else None)
+    published: list[bool] = []
+
+    def end_transaction(conn) -> None:
+        published.extend([True] if "sessions" in wrote else [])
+        wrote.clear()
+
+    event.listen(engine, "commit", end_transaction)
+    event.listen(engine, "rollback", lambda conn: wrote.clear())
 
 
 def arm_redis(point: str) -> None:

@@ -22,7 +22,8 @@ from agentmem.storage import decode_cache, encode_cache, open_store
 from agentmem.storage.redis_client import connect
 
 CHILD = Path(__file__).with_name("spill_child.py")
-SQL_POINTS = {"sql-before-write": 1, "sql-after-write": 1, "sql-before-commit": 1, "after-put": 2}
+SQL_POINTS = {"sql-before-chunk-commit": 1, "sql-before-write": 1, "sql-after-write": 1, "sql-before-commit": 1,
+              "sql-before-cleanup": 2, "after-put": 2}
 REDIS_POINTS = {"redis-before-chunks": 1, "redis-after-chunks": 1, "redis-before-swap": 1,
                 "redis-after-swap": 2, "after-put": 2}
 

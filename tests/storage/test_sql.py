@@ -1,0 +1,84 @@
+"""SQL store specifics: the chunked-blob schema migration and the clean-up of dead puts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sqlalchemy import create_engine, insert, select
+
+from agentmem.storage import open_store
+from agentmem.storage import sql
+from agentmem.storage.sql import ORPHAN_SECONDS, chunks_table, engine_url
+
+from records import record
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def sql_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'sessions.db'}"
+    return request.getfixturevalue("postgres_server").create_database(f"sql_{time.monotonic_ns()}")
+
+
+def test_a_version_2_database_is_migrated_to_chunks_without_losing_a_blob(sql_url):
+    old = record("acme", "s1", bytes(range(256)) * 300)
+    engine = create_engine(engine_url(sql_url))
+    with engine.begin() as conn:  # the schema and one row exactly as agentmem 2 left them
+        for version, migrate in enumerate(sql.MIGRATIONS[:2], start=1):
+            migrate(conn)
+        sql.metadata.create_all(conn, tables=[sql.schema_table])
+        conn.execute(insert(sql.schema_table), [{"version": 1}, {"version": 2}])
+        conn.execute(insert(sql._sessions_v1).values(
+            tenant="acme", session_id="s1", version=4, record=old.metadata_json(), blob=old.blob,
+            nbytes=len(old.blob), logical_length=old.logical_length, updated_at=old.updated_at, expires_at=None))
+    engine.dispose()
+    store = open_store(sql_url)
+    try:
+        got = store.get("acme", "s1")
+        assert got.blob == old.blob and got.version == 4
+        assert store.put("acme", "s1", record("acme", "s1", b"new"), expected_version=4) == 5
+        assert store.get("acme", "s1").blob == b"new"
+        with store._engine.connect() as conn:  # the replaced version's chunks are gone
+            assert conn.execute(select(chunks_table.c.data)).scalars().all() == [b"new"]
+    finally:
+        store.close()
+
+
+def test_chunks_of_a_put_that_died_before_publishing_are_pruned(sql_url):
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "kept", record("acme", "kept", b"published"))
+        store._stage("acme", "dead", "deadbeef" * 4, b"staged but never published")
+        assert store.prune(now=time.time()) == 0  # too young to be an orphan: a put may be under way
+        with store._engine.connect() as conn:
+            assert len(conn.execute(select(chunks_table.c.write_id)).all()) == 2
+        store.prune(now=time.time() + ORPHAN_SECONDS + 1)
+        with store._engine.connect() as conn:
+            assert conn.execute(select(chunks_table.c.data)).scalars().all() == [b"published"]
+        assert store.get("acme", "kept").blob == b"published"
+    finally:
+        store.close()
+
+
+def test_a_put_whose_staged_chunks_were_deleted_fails_and_changes_nothing(sql_url, monkeypatch):
+    from agentmem.errors import StoreUnavailable
+
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"v1"))
+        stage = store._stage
+
+        def stage_then_lose(tenant, session_id, write_id, blob):
+            count = stage(tenant, session_id, write_id, blob)
+            store.delete_tenant("globex")  # unrelated tenant: nothing of ours may vanish
+            with store._transaction() as conn:
+                conn.execute(chunks_table.delete().where(chunks_table.c.write_id == write_id))
+            return count
+
+        monkeypatch.setattr(store, "_stage", stage_then_lose)
+        with pytest.raises(StoreUnavailable, match="staged chunks"):
+            store.put("acme", "s1", record("acme", "s1", b"v2"))
+        assert store.get("acme", "s1").blob == b"v1" and store.get("acme", "s1").version == 1
+    finally:
+        store.close()
