@@ -35,7 +35,8 @@ class BudgetPolicy(BaseModel):
     max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
     max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
     ttl_seconds: float | None = Field(None, gt=0)
-    storage_dtype: Literal["fp32", "fp16", "bf16", "int8"] = "fp16"
+    storage_dtype: Literal["auto", "fp32", "fp16", "bf16", "int8"] = Field(
+        "auto", description="how spilled rows are stored: auto = the cache's own dtype (exact); fp16/bf16/int8 are smaller, lossy")
     on_over_budget: Literal["compact", "spill", "reject"] = "compact"
     max_context_tokens: int | None = Field(None, gt=0, description="logical tokens a session may read")
 

@@ -4,10 +4,11 @@ For sessions of 1k, 4k and 8k tokens of real text (the Python docs) on the embed
 
 - re-prefill: read the token log again, then generate the first token of a reply;
 - resume from SQLite and from Redis: ``store.get`` + ``decode_cache``, then the first token;
-- the raw read of the same blob by each store's plain client (``sqlite3`` SELECT, Redis MGET),
-  the floor a resume cannot beat.
+- the raw read of the same blob by each store's plain client (``sqlite3`` SELECT of the chunk
+  rows, Redis MGET), the floor a resume cannot beat.
 
-Each for the full cache and a 10×-smaller compacted cache, stored as fp16. Times are medians
+Each for the full cache and a 10×-smaller compacted cache, stored in ``--storage-dtype``
+(default ``auto``: the cache's own dtype, as the default policy stores it). Times are medians
 of repeated runs interleaved in one process. Writes ``benchmarks/results/resume.{md,json,png}``.
 Run: ``python benchmarks/resume.py`` (from ``benchmarks/``).
 """
@@ -25,7 +26,7 @@ import redis
 from agentmem import Engine, SessionCache
 from agentmem.compaction import compact
 from agentmem.record import SessionRecord
-from agentmem.storage import decode_cache, encode_cache, open_store
+from agentmem.storage import STORAGE_CHOICES, decode_cache, encode_cache, open_store, read_header
 from agentmem.storage.local_redis import LocalRedis
 from agentmem.storage.redis import _chunk_key, _meta_key
 from common import RESULTS, machine, median_seconds, stdlib_text, write_results
@@ -44,9 +45,10 @@ def raw_readers(sqlite_path: Path, redis_url: str, tenant: str, session_id: str)
     client = redis.Redis.from_url(redis_url)
 
     def sqlite_read() -> bytes:
-        return db.execute(
-            "SELECT blob FROM agentmem_sessions WHERE tenant=? AND session_id=?", (tenant, session_id)
-        ).fetchone()[0]
+        return b"".join(row[0] for row in db.execute(
+            "SELECT c.data FROM agentmem_chunks c JOIN agentmem_sessions s ON c.tenant = s.tenant AND "
+            "c.session_id = s.session_id AND c.write_id = s.write_id WHERE s.tenant=? AND s.session_id=? "
+            "ORDER BY c.seq", (tenant, session_id)))
 
     def redis_read() -> bytes:
         meta = client.hmget(_meta_key(tenant, session_id), "write_id", "chunks")
@@ -60,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--storage-dtype", default="auto", choices=STORAGE_CHOICES)
     args = parser.parse_args()
 
     engine = Engine.load("embedded")
@@ -79,7 +82,7 @@ def main() -> None:
             reprefill_ttft = time.perf_counter() - start
             print(f"{length} tokens: re-prefill {reprefill:.2f} s, first token after {reprefill_ttft:.2f} s")
             for variant, cache in (("full", full), ("compacted 10x", compacted_10x(engine, full))):
-                blob = encode_cache(cache, dtype="fp16")
+                blob = encode_cache(cache, dtype=args.storage_dtype)
                 session_id = f"s{length}-{variant.split()[0]}"
                 record = SessionRecord(tenant="bench", session_id=session_id, model_fingerprint=engine.fingerprint,
                                        logical_length=cache.logical_length, token_ids=cache.token_ids, blob=blob)
@@ -111,8 +114,10 @@ def main() -> None:
                           f"{reprefill / resume_s:6.0f}x faster than re-prefill")
         for store in stores.values():
             store.close()
-    md = write_results("resume", "Resume from a store vs re-prefill (embedded SmolLM2-135M, fp16 blobs)", rows,
-                       {"machine": machine(), "command": "python benchmarks/resume.py"})
+    stored = read_header(blob)["storage_dtype"]
+    md = write_results("resume", f"Resume from a store vs re-prefill (embedded SmolLM2-135M, {stored} blobs)", rows,
+                       {"machine": machine(), "command": "python benchmarks/resume.py" + (
+                           f" --storage-dtype {args.storage_dtype}" if args.storage_dtype != "auto" else "")})
     plot(rows)
     print(md)
 

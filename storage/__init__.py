@@ -16,10 +16,11 @@ from pathlib import Path
 from agentmem.errors import InvalidInput, StoreUnavailable
 from agentmem.home import agentmem_home
 from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
-from agentmem.storage.codec import STORAGE_DTYPES, decode_cache, decoded_nbytes, encode_cache, read_header
+from agentmem.storage.codec import STORAGE_CHOICES, STORAGE_DTYPES, decode_cache, decoded_nbytes, encode_cache, read_header
 from agentmem.storage.redis_client import is_redis_url
 
 __all__ = [
+    "STORAGE_CHOICES",
     "STORAGE_DTYPES",
     "CacheStore",
     "SessionPage",

@@ -3,24 +3,32 @@
 The blob is a standard safetensors file holding the packed tensors of
 :meth:`SessionCache.to_tensors`; its ``__metadata__`` carries ``agentmem``, our header as
 JSON: format version, model fingerprint, storage and cache dtypes, segment layout, logical
-length, and the SHA-256 of the tensor data region. Every field is checked before anything is
-returned, and the blob can be inspected with any safetensors tool. Keeping it one file (not
-a header in front of one) lets a reader parse the stored bytes in place, without a copy.
+length, and the checksums of the data region — XXH3-64 of every ``CHECKSUM_CHUNK`` bytes,
+verified in parallel at memory speed (tens of GB/s, against ~1.7 GB/s for SHA-256). A second
+metadata entry, ``agentmem_header_xxh3``, checksums the whole safetensors header (tensor
+names, dtypes, shapes, offsets and our header) as serialised without that entry, so a damaged
+header is caught too. Every field is checked before anything is returned, and the blob can be
+inspected with any safetensors tool. Keeping it one file (not a header in front of one) lets a
+reader parse the stored bytes in place, without a copy. Blobs of format 1 (one SHA-256 of the
+data) are still read.
 
-Storage dtypes: ``fp32`` (bit-exact for fp32 caches), ``fp16`` and ``bf16`` (rounded), and
-``int8`` (symmetric, one fp32 scale per channel — per head and dimension for the raw tail,
-per dimension for a segment). β is always kept in fp32: it is tiny and every logit uses it.
+Storage dtypes: ``auto`` (the cache's own dtype: bit-exact, the default), ``fp32``, ``fp16``
+and ``bf16`` (rounded), and ``int8`` (symmetric, one fp32 scale per channel — per head and
+dimension for the raw tail, per dimension for a segment). β is always kept in fp32: it is tiny
+and every logit uses it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -28,21 +36,27 @@ from agentmem.cache import SessionCache, buffer_nbytes
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
 
 _META_KEY = "agentmem"
-FORMAT_VERSION = 1
+_HEADER_SUM_KEY = "agentmem_header_xxh3"
+FORMAT_VERSION = 2
+_READABLE_FORMATS = (1, 2)
+CHECKSUM_CHUNK = 16 * 2**20
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
     "int8": torch.int8,
 }
+STORAGE_CHOICES = ("auto", *STORAGE_DTYPES)  # auto: the cache's own dtype
 _HEADER_LIMIT = 64 * 2**20
 _SCALE_SUFFIX = ".int8_scale"
 
 
-def encode_cache(cache: SessionCache, *, dtype: str = "fp16") -> bytes:
+def encode_cache(cache: SessionCache, *, dtype: str = "auto") -> bytes:
     """Serialise ``cache`` for a store, its rows converted to the storage ``dtype``."""
-    if dtype not in STORAGE_DTYPES:
-        raise InvalidInput(f"unknown storage dtype {dtype!r}; choose one of {sorted(STORAGE_DTYPES)}")
+    if dtype not in STORAGE_CHOICES:
+        raise InvalidInput(f"unknown storage dtype {dtype!r}; choose one of {', '.join(STORAGE_CHOICES)}")
+    if dtype == "auto":
+        dtype = _storage_name(cache.dtype)
     tensors, layout = cache.to_tensors()
     stored: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -65,14 +79,34 @@ def encode_cache(cache: SessionCache, *, dtype: str = "fp16") -> bytes:
         "logical_length": cache.logical_length,
         "layout": layout,
         "data_bytes": len(data),
-        "data_sha256": hashlib.sha256(data).hexdigest(),
+        "checksum": {"algorithm": "xxh3_64", "chunk_bytes": CHECKSUM_CHUNK, "chunks": _chunk_sums(data)},
     }
     # Add the metadata to the safetensors JSON header; the data region is unchanged by it.
     st_header = json.loads(tensors_only[8:data_start])
     st_header["__metadata__"] = {_META_KEY: json.dumps(header, separators=(",", ":"))}
-    head = json.dumps(st_header, separators=(",", ":")).encode()
+    st_header["__metadata__"][_HEADER_SUM_KEY] = xxhash.xxh3_64_hexdigest(_canonical(st_header))
+    head = _canonical(st_header)
     head += b" " * (-len(head) % 8)  # safetensors keeps the data region 8-byte aligned
     return struct.pack("<Q", len(head)) + head + data.tobytes()
+
+
+def _storage_name(dtype: torch.dtype) -> str:
+    for name, candidate in STORAGE_DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise InvalidInput(f"a {dtype} cache has no storage dtype of its own; choose one of {', '.join(STORAGE_DTYPES)}")
+
+
+def _canonical(st_header: dict[str, Any]) -> bytes:
+    """The safetensors header as serialised (and checksummed) by :func:`encode_cache`."""
+    return json.dumps(st_header, separators=(",", ":")).encode()
+
+
+def _chunk_sums(data: memoryview) -> list[str]:
+    """XXH3-64 of every ``CHECKSUM_CHUNK`` bytes, hashed on several cores (xxhash releases the GIL)."""
+    starts = range(0, max(1, len(data)), CHECKSUM_CHUNK)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, len(starts))) as pool:
+        return list(pool.map(lambda start: xxhash.xxh3_64_hexdigest(data[start : start + CHECKSUM_CHUNK]), starts))
 
 
 def read_header(blob: bytes) -> dict[str, Any]:
@@ -91,8 +125,12 @@ def read_header(blob: bytes) -> dict[str, Any]:
         raise CorruptSessionError(f"not an agentmem session blob (no valid header): {exc!r}") from exc
     if not isinstance(header, dict):
         raise CorruptSessionError("session blob header is not a JSON object")
-    if header.get("format_version") != FORMAT_VERSION:
+    if header.get("format_version") not in _READABLE_FORMATS:
         raise CorruptSessionError(f"unsupported session blob format {header.get('format_version')!r}")
+    if header["format_version"] >= 2:
+        stored_sum = st_header["__metadata__"].pop(_HEADER_SUM_KEY, None)
+        if stored_sum != xxhash.xxh3_64_hexdigest(_canonical(st_header)):
+            raise CorruptSessionError("session blob header checksum mismatch: the header is damaged")
     header["_data_start"] = 8 + length
     return header
 
@@ -137,23 +175,32 @@ def decode_cache(
             raise CorruptSessionError(
                 f"session data is {len(data)} bytes, header says {header.get('data_bytes')}: truncated"
             )
-        # hashlib releases the GIL: hash on another core while the tensors are parsed and
-        # copied into place, and return the cache only once the checksum has matched.
+        # The checksum is verified on other cores while the tensors are parsed and copied into
+        # place; the cache is returned only once it has matched.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+            intact = pool.submit(_data_intact, header, data)
             try:
                 cache = _build(header, blob, device, dtype)
             except Exception as exc:
-                if digest.result() != header.get("data_sha256"):
+                if not intact.result():
                     raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged") from exc
                 raise
-            if digest.result() != header.get("data_sha256"):
+            if not intact.result():
                 raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged")
         return cache
     except AgentMemError:
         raise
     except Exception as exc:  # any parser failure on damaged bytes becomes our typed error
         raise CorruptSessionError(f"session blob could not be decoded: {exc!r}") from exc
+
+
+def _data_intact(header: dict[str, Any], data: memoryview) -> bool:
+    if header["format_version"] == 1:
+        return hashlib.sha256(data).hexdigest() == header.get("data_sha256")
+    checksum = header.get("checksum")
+    if not isinstance(checksum, dict) or checksum.get("algorithm") != "xxh3_64" or checksum.get("chunk_bytes") != CHECKSUM_CHUNK:
+        raise CorruptSessionError(f"session blob names an unknown checksum {checksum!r}")
+    return _chunk_sums(data) == checksum.get("chunks")
 
 
 def _build(header: dict[str, Any], blob: bytes, device, dtype: torch.dtype | None) -> SessionCache:
