@@ -25,6 +25,7 @@ from typing import Any
 from agentmem.cache import SessionCache
 from agentmem.compaction import compact
 from agentmem.engine import Engine
+from agentmem.leases import LeaseKeeper
 from agentmem.errors import (
     AgentMemError,
     BudgetExceeded,
@@ -281,8 +282,10 @@ class SessionManager:
     """Live sessions of many tenants on one engine, spilled to and resumed from one store.
 
     ``policies`` maps tenant → :class:`BudgetPolicy` (others get ``default_policy``);
-    ``device_budget_bytes`` bounds the bytes of all live caches together. ``lease_wait`` is how
-    long :meth:`session` waits for another process to release a session before raising
+    ``device_budget_bytes`` bounds the bytes of all live caches together. Live sessions hold
+    leases of ``lease_seconds``, renewed in the background (:class:`~agentmem.leases.LeaseKeeper`),
+    so a crashed process blocks its sessions for at most that long; ``lease_wait`` is how long
+    :meth:`session` waits for another process to release a session before raising
     :class:`SessionBusy`.
     """
 
@@ -294,11 +297,14 @@ class SessionManager:
         policies: Mapping[str, BudgetPolicy] | None = None,
         default_policy: BudgetPolicy | None = None,
         device_budget_bytes: int | None = None,
-        lease_seconds: float = 600.0,
+        lease_seconds: float = 30.0,
         lease_wait: float = 0.0,
     ) -> None:
         if device_budget_bytes is not None and device_budget_bytes <= 0:
             raise InvalidInput(f"device_budget_bytes must be positive, got {device_budget_bytes}")
+        if not lease_seconds > 0 or not lease_wait >= 0:
+            raise InvalidInput(f"lease_seconds must be positive and lease_wait non-negative, got {lease_seconds}, "
+                               f"{lease_wait}")
         self.engine = engine
         self.store: CacheStore = open_store(store) if store is None or isinstance(store, str) else store
         self.policies = dict(policies or {})
@@ -315,6 +321,9 @@ class SessionManager:
         # Device-budget bytes held by running turns and loads: token -> (bytes, thread, session).
         self._reserved: dict[object, tuple[int, int, Session | None]] = {}
         self._tenant_writes: dict[str, threading.Lock] = {}
+        self._loaders: dict[tuple[str, str], threading.Lock] = {}  # one per session being loaded
+        self._leases = LeaseKeeper(self.store, self.owner, lease_seconds, held=self._held_keys,
+                                   on_store_error=lambda: self.metrics.add("store_errors"))
 
     def policy_for(self, tenant: str) -> BudgetPolicy:
         return self.policies.get(tenant, self.default_policy)
@@ -322,44 +331,65 @@ class SessionManager:
     # ------------------------------------------------------------------------ sessions
 
     def session(self, session_id: str, *, tenant: str = "default", create: bool = True) -> Session:
-        """The live session, else the stored one (resumed without re-reading), else a new one."""
+        """The live session, else the stored one (resumed without re-reading), else a new one.
+
+        Loading takes the session's lease, reads the store and decodes without the manager-wide
+        lock: only threads asking for the same session wait for it (its loader lock); turns on
+        other sessions go on.
+        """
         key = (check_tenant(tenant), check_session_id(session_id))
         with self._lock:
             if key in self._live:
                 self._live.move_to_end(key)
                 return self._live[key]
-            self._take_lease(tenant, session_id)
-            try:
-                record = self.store.get(tenant, session_id)
-            except SessionNotFound:
-                if not create:
-                    self.store.release_lease(tenant, session_id, self.owner)
-                    raise
-                return self._adopt(tenant, session_id, self.engine.new_cache(), [], leased=True)
-            except BaseException:
-                self.store.release_lease(tenant, session_id, self.owner)
-                raise
-            engine = self.engine
-            try:
-                # Room is reserved before the cache is decoded onto the device, so loaders that
-                # wait for room hold no memory the budget does not count.
-                need = decoded_nbytes(read_header(record.blob), engine.dtype)
-                with self._room(need, keep=self._dormant.get(key)):
-                    if key in self._live:  # loaded by another thread (sharing our lease) while this one waited
+            loader = self._loaders.setdefault(key, threading.Lock())
+        try:
+            with loader:
+                with self._lock:
+                    if key in self._live:  # loaded by the thread this one waited for
                         return self._live[key]
-                    cache = decode_cache(record.blob, fingerprint=engine.fingerprint, device=engine.device,
-                                         dtype=engine.dtype)
-                    session = self._dormant.get(key) or Session(self, tenant, session_id, cache, [], 0,
-                                                                record.created_at)
-                    session.cache, session._messages, session.version = cache, list(record.messages), record.version
-                    session.stored_bytes = len(record.blob)
-                    self._register(session)
-            except BaseException:
+                session = self._load(key, create)
+        finally:
+            with self._lock:
+                if self._loaders.get(key) is loader:
+                    del self._loaders[key]
+        self._enforce_device_budget(keep=session)
+        return session
+
+    def _load(self, key: tuple[str, str], create: bool) -> Session:
+        """Resume ``key`` from the store, or start it empty; the caller holds its loader lock."""
+        tenant, session_id = key
+        self._leases.take(tenant, session_id, self.lease_wait)
+        try:
+            record = self.store.get(tenant, session_id)
+        except SessionNotFound:
+            if not create:
                 self._release_lease(tenant, session_id)
                 raise
+            return self._adopt(tenant, session_id, self.engine.new_cache(), [], leased=True)
+        except BaseException:
+            self._release_lease(tenant, session_id)
+            raise
+        engine = self.engine
+        try:
+            # Room is reserved before the cache is decoded onto the device, so loaders that
+            # wait for room hold no memory the budget does not count.
+            need = decoded_nbytes(read_header(record.blob), engine.dtype)
+            with self._room(need, keep=self._dormant.get(key)):
+                cache = decode_cache(record.blob, fingerprint=engine.fingerprint, device=engine.device,
+                                     dtype=engine.dtype)
+                with self._lock:
+                    session = self._dormant.get(key) or Session(self, tenant, session_id, cache, [], 0,
+                                                                record.created_at)
+                session.cache, session._messages, session.version = cache, list(record.messages), record.version
+                session.stored_bytes = len(record.blob)
+                self._register(session)
+        except BaseException:
+            self._release_lease(tenant, session_id)
+            raise
+        with self._lock:
             self._dormant.pop(key, None)
-            self.metrics.add("resumes")
-        self._enforce_device_budget(keep=session)
+        self.metrics.add("resumes")
         return session
 
     def spill(self, tenant: str, session_id: str) -> int:
@@ -448,10 +478,11 @@ class SessionManager:
         return prometheus_text(counters, {k: v for k, v in stats.items() if k not in counters})
 
     def close(self) -> None:
-        """Spill every live session and close the store."""
+        """Spill every live session, stop renewing leases and close the store."""
         try:
             self.spill_all()
         finally:
+            self._leases.stop()
             self.store.close()
 
     def __enter__(self) -> SessionManager:
@@ -462,12 +493,9 @@ class SessionManager:
 
     # ------------------------------------------------------------------------ internals
 
-    def _take_lease(self, tenant: str, session_id: str) -> None:
-        deadline = time.monotonic() + self.lease_wait
-        while not self.store.acquire_lease(tenant, session_id, self.owner, self.lease_seconds):
-            if time.monotonic() >= deadline:
-                raise SessionBusy(f"session {session_id!r} of tenant {tenant!r} is live in another process")
-            time.sleep(0.05)
+    def _held_keys(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._live)
 
     def _adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]],
                *, leased: bool = False) -> Session:
@@ -475,23 +503,32 @@ class SessionManager:
         with self._lock:
             if key in self._live:
                 raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists")
-            if not leased:
-                self._take_lease(tenant, session_id)
+        if not leased:
+            self._leases.take(tenant, session_id, self.lease_wait)
+        try:
             return self._register(Session(self, tenant, session_id, cache, messages, 0, time.time()))
+        except BaseException:
+            self._release_lease(tenant, session_id)  # taken for this adoption, here or by the loader
+            raise
 
     def _register(self, session: Session) -> Session:
-        """Make ``session`` live, first spilling the tenant's LRU session if it is at ``max_sessions``."""
+        """Make ``session`` live, first spilling the tenant's LRU session if it is at ``max_sessions``
+        (outside the manager lock: a spill writes to the store)."""
+        key = (session.tenant, session.session_id)
         policy = self.policy_for(session.tenant)
         if policy.max_sessions is not None:
-            mine = [s for s in self._live.values() if s.tenant == session.tenant]
-            if len(mine) >= policy.max_sessions:
+            with self._lock:
+                mine = sum(1 for s in self._live.values() if s.tenant == session.tenant)
+            if mine >= policy.max_sessions:
                 if policy.on_over_budget == "reject":
-                    self.store.release_lease(session.tenant, session.session_id, self.owner)
                     raise BudgetExceeded(
-                        f"tenant {session.tenant!r} has {len(mine)} live sessions; max_sessions={policy.max_sessions}"
+                        f"tenant {session.tenant!r} has {mine} live sessions; max_sessions={policy.max_sessions}"
                     )
                 self._evict(lambda s: s.tenant == session.tenant, keep=session)
-        self._live[(session.tenant, session.session_id)] = session
+        with self._lock:
+            if key in self._live:
+                raise InvalidInput(f"session {session.session_id!r} of tenant {session.tenant!r} already exists")
+            self._live[key] = session
         return session
 
     def _revive(self, session: Session) -> None:
@@ -509,7 +546,7 @@ class SessionManager:
         with self._lock:
             self._live.move_to_end((session.tenant, session.session_id))
         try:
-            renewed = self.store.acquire_lease(session.tenant, session.session_id, self.owner, self.lease_seconds)
+            renewed = self._leases.renew(session.tenant, session.session_id)
         except StoreUnavailable as exc:
             self.metrics.add("store_errors")
             log.warning("lease renewal for %s/%s failed; serving the live copy: %s", session.tenant,
@@ -521,11 +558,7 @@ class SessionManager:
                               "worker after this one's lease expired; its live copy here was dropped")
 
     def _release_lease(self, tenant: str, session_id: str) -> None:
-        try:
-            self.store.release_lease(tenant, session_id, self.owner)
-        except StoreUnavailable as exc:  # the lease expires on its own
-            self.metrics.add("store_errors")
-            log.warning("could not release the lease of %s/%s: %s", tenant, session_id, exc)
+        self._leases.release(tenant, session_id)
 
     def _drop(self, session: Session) -> None:
         """Forget a live copy without writing it (it lost to a newer stored version)."""
@@ -554,17 +587,20 @@ class SessionManager:
             yield
             return
         token, me = object(), threading.get_ident()
-        with self._budget:
-            while True:
+        while True:
+            with self._budget:
                 held = sum(need for need, _, _ in self._reserved.values())
                 if self._live_bytes() + held + need <= self.device_budget_bytes:
+                    self._reserved[token] = (need, me, keep)
                     break
-                if self._evict(lambda s: True, keep=keep, room=held + need):
-                    continue
+            if self._evict(lambda s: True, keep=keep, room=held + need):  # spills write: no lock held
+                continue
+            with self._budget:
                 if all(thread == me for _, thread, _ in self._reserved.values()):
-                    break  # alone, or interleaving its own streams: waiting would never end
+                    # alone, or interleaving its own streams: waiting would never end
+                    self._reserved[token] = (need, me, keep)
+                    break
                 self._budget.wait(0.25)
-            self._reserved[token] = (need, me, keep)
         try:
             yield
         finally:

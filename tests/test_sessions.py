@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 from pydoc_data.topics import topics
@@ -200,6 +201,37 @@ def test_lease_excludes_a_second_process(engine, tmp_path):
         holder.wait()
 
 
+def test_a_killed_holder_blocks_its_session_only_until_its_short_lease_expires(engine, tmp_path):
+    db = f"sqlite:///{tmp_path / 'lease.db'}"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from agentmem import Engine, SessionManager
+        m = SessionManager(Engine.load("embedded", device="cpu"), {db!r}, lease_seconds=2.0)
+        m.session("busy", tenant="acme").chat("hello", max_new_tokens=2)
+        m.spill("acme", "busy")
+        m.session("busy", tenant="acme")  # live again, then idle: the keeper renews its lease
+        print("ready", flush=True)
+        sys.stdin.readline()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        manager = SessionManager(engine, db)
+        time.sleep(3.0)  # longer than the holder's lease: only background renewal keeps it held
+        with pytest.raises(SessionBusy, match="live in another process"):
+            manager.session("busy", tenant="acme")
+        holder.kill()  # SIGKILL: no spill, no release
+        holder.wait()
+        killed = time.monotonic()
+        manager.lease_wait = 30
+        resumed = manager.session("busy", tenant="acme")
+        assert time.monotonic() - killed <= 2.0 + 0.5  # the dead holder's lease, plus polling
+        assert resumed.messages[0]["content"] == "hello" and resumed.version == 1
+        manager.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_threads_serialise_per_session_and_run_sessions_concurrently(tiny, tmp_path):
     errors = []
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager:
@@ -266,3 +298,54 @@ def test_compactions_are_counted_once(tiny, tmp_path):
         session = manager.session("c")
         total = sum(session.chat(filler(i), max_new_tokens=4).usage.compactions for i in range(3))
         assert total >= 2 and manager.stats()["compactions"] == total
+
+
+class GatedStore:
+    """A real store whose reads and writes of one session wait at a gate: a slow resume or spill."""
+
+    def __init__(self, store, session_id: str) -> None:
+        self._store, self._session_id = store, session_id
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def _wait(self, session_id: str) -> None:
+        if session_id == self._session_id:
+            self.entered.set()
+            assert self.gate.wait(60)
+
+    def get(self, tenant, session_id):
+        self._wait(session_id)
+        return self._store.get(tenant, session_id)
+
+    def put(self, tenant, session_id, record, **kwargs):
+        self._wait(session_id)
+        return self._store.put(tenant, session_id, record, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("stalled", ["resume", "spill"])
+def test_a_turn_never_waits_for_another_sessions_store_io(tiny, tmp_path, stalled):
+    from agentmem.storage import open_store
+
+    store = GatedStore(open_store(f"sqlite:///{tmp_path / 's.db'}"), "slow")
+    with SessionManager(tiny, store) as manager:
+        store.gate.set()
+        manager.session("slow").chat("hello", max_new_tokens=2)
+        manager.session("fast").chat("hello", max_new_tokens=2)
+        if stalled == "resume":
+            manager.spill("default", "slow")
+        store.gate.clear()
+        io = threading.Thread(target=(lambda: manager.session("slow")) if stalled == "resume"
+                              else (lambda: manager.spill("default", "slow")))
+        io.start()
+        assert store.entered.wait(30)  # the other session's store call is under way and stuck
+        done = threading.Event()
+        turn = threading.Thread(target=lambda: (manager.session("fast").chat("again", max_new_tokens=2), done.set()))
+        turn.start()
+        finished = done.wait(30)
+        store.gate.set()
+        io.join(60)
+        turn.join(60)
+        assert finished, f"a turn on another session waited for a stuck {stalled}"
+        assert manager.session("slow").messages[0]["content"] == "hello"

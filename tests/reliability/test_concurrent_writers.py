@@ -34,10 +34,11 @@ def test_a_stale_writer_after_lease_expiry_gets_version_conflict_not_a_lost_upda
     stale.chat("hello", max_new_tokens=4)
     first.spill("acme", "t-1")
     stale = first.session("t-1", tenant="acme")  # first holds it again, then stalls past its lease
-    time.sleep(0.5)
-    winner = second.session("t-1", tenant="acme")
-    winner.chat("the winner's turn", max_new_tokens=4)
-    won = second.spill("acme", "t-1")
+    with first._leases.paused():  # a stalled process renews nothing
+        time.sleep(0.5)
+        winner = second.session("t-1", tenant="acme")
+        winner.chat("the winner's turn", max_new_tokens=4)
+        won = second.spill("acme", "t-1")
     stale.chat("the stale copy's turn", max_new_tokens=4)
     with pytest.raises(VersionConflict):
         first.spill("acme", "t-1")
@@ -48,13 +49,24 @@ def test_a_stale_writer_after_lease_expiry_gets_version_conflict_not_a_lost_upda
     first.store.close()
 
 
+def test_background_renewal_keeps_an_idle_session_past_its_lease(small_engine, url):
+    with SessionManager(small_engine, url, default_policy=POLICY, lease_seconds=0.3) as first, \
+            SessionManager(small_engine, url, default_policy=POLICY) as second:
+        first.session("t-1", tenant="acme").chat("hello", max_new_tokens=4)
+        time.sleep(1.0)  # idle for three lease lengths: renewed in the background, never lost
+        with pytest.raises(SessionBusy, match="live in another process"):
+            second.session("t-1", tenant="acme")
+        assert first.session("t-1", tenant="acme").chat("still mine", max_new_tokens=4).text is not None
+
+
 def test_a_stale_copy_whose_lease_was_taken_refuses_the_turn(small_engine, url):
     first = SessionManager(small_engine, url, default_policy=POLICY, lease_seconds=0.3)
     second = SessionManager(small_engine, url, default_policy=POLICY)
     stale = first.session("t-1", tenant="acme")
     stale.chat("hello", max_new_tokens=4)
-    time.sleep(0.5)
-    second.session("t-1", tenant="acme").chat("the new owner's turn", max_new_tokens=4)  # lease taken
+    with first._leases.paused():  # a stalled process renews nothing
+        time.sleep(0.5)
+        second.session("t-1", tenant="acme").chat("the new owner's turn", max_new_tokens=4)  # lease taken
     with pytest.raises(SessionBusy, match="moved to another worker"):
         stale.chat("the stale copy's turn", max_new_tokens=4)
     assert first.stats()["live_sessions"] == 0  # the stale copy was dropped, not kept to conflict later
