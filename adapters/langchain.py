@@ -102,6 +102,12 @@ class ChatAgentMem(BaseChatModel):
         """The live/stored/new session ``session_id`` of this object's tenant."""
         return self.manager.session(session_id, tenant=self.tenant)
 
+    def prefetch(self, session_id: str) -> Future[None]:
+        """Warm a stored session of this object's tenant into host memory before its turn, so the
+        turn resumes it without reading the store (the shared manager's host tier:
+        ``$AGENTMEM_HOST_BUDGET_BYTES``, default 512 MiB)."""
+        return self.manager.prefetch(self.tenant, check_session_id(session_id))
+
     # ---------------------------------------------------------------- session id from config
 
     def invoke(self, input: LanguageModelInput, config: RunnableConfig | None = None, *,

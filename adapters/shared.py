@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 
 from agentmem.engine import Engine
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
 _managers: dict[tuple[str, str], SessionManager] = {}
+DEFAULT_HOST_BUDGET_BYTES = 512 * 2**20
 
 
 def use_engine(model: str, engine: Engine) -> None:
@@ -49,7 +51,7 @@ def shared_manager(model: str, store: str | None, tenant: str, policy: BudgetPol
     with _lock:
         manager = _managers.get((model, url))
         if manager is None:
-            manager = _managers[(model, url)] = SessionManager(engine, url)
+            manager = _managers[(model, url)] = SessionManager(engine, url, host_budget_bytes=host_budget_bytes())
         if policy is not None:
             current = manager.policies.get(tenant)
             if current is not None and current != policy:
@@ -59,6 +61,18 @@ def shared_manager(model: str, store: str | None, tenant: str, policy: BudgetPol
                 )
             manager.policies[tenant] = policy
         return manager
+
+
+def host_budget_bytes() -> int:
+    """The shared managers' host-memory tier: ``$AGENTMEM_HOST_BUDGET_BYTES``, default 512 MiB."""
+    raw = os.environ.get("AGENTMEM_HOST_BUDGET_BYTES", str(DEFAULT_HOST_BUDGET_BYTES))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise InvalidInput(f"AGENTMEM_HOST_BUDGET_BYTES must be a positive number of bytes, got {raw!r}")
+    return value
 
 
 def close_shared() -> None:

@@ -34,6 +34,7 @@ class BudgetPolicy(BaseModel):
     queries: str = "repeat"
     max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
     max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
+    max_host_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the host-memory tier")
     ttl_seconds: float | None = Field(None, gt=0)
     storage_dtype: Literal["auto", "fp32", "fp16", "bf16", "int8"] = Field(
         "auto", description="how spilled rows are stored: auto = the cache's own dtype (exact); fp16/bf16/int8 are smaller, lossy")

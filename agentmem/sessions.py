@@ -9,6 +9,7 @@ session is live in one process at a time: loading it takes a lease in the store.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -18,6 +19,7 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,7 +27,6 @@ from typing import Any
 from agentmem.cache import SessionCache
 from agentmem.compaction import compact
 from agentmem.engine import Engine
-from agentmem.leases import LeaseKeeper
 from agentmem.errors import (
     AgentMemError,
     BudgetExceeded,
@@ -36,9 +37,12 @@ from agentmem.errors import (
     StoreUnavailable,
     VersionConflict,
 )
+from agentmem.host_tier import HostTier
+from agentmem.leases import LeaseKeeper
 from agentmem.metrics import Metrics, prometheus_text
 from agentmem.policy import BudgetPolicy
 from agentmem.record import CacheStore, SessionRecord, check_session_id, check_tenant
+from agentmem.spill import Spiller
 from agentmem.storage import decode_cache, decoded_nbytes, encode_cache, open_store, read_header
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -299,9 +303,12 @@ class SessionManager:
         device_budget_bytes: int | None = None,
         lease_seconds: float = 30.0,
         lease_wait: float = 0.0,
+        host_budget_bytes: int | None = None,
     ) -> None:
         if device_budget_bytes is not None and device_budget_bytes <= 0:
             raise InvalidInput(f"device_budget_bytes must be positive, got {device_budget_bytes}")
+        if host_budget_bytes is not None and host_budget_bytes <= 0:
+            raise InvalidInput(f"host_budget_bytes must be positive, got {host_budget_bytes}")
         if not lease_seconds > 0 or not lease_wait >= 0:
             raise InvalidInput(f"lease_seconds must be positive and lease_wait non-negative, got {lease_seconds}, "
                                f"{lease_wait}")
@@ -322,6 +329,10 @@ class SessionManager:
         self._reserved: dict[object, tuple[int, int, Session | None]] = {}
         self._tenant_writes: dict[str, threading.Lock] = {}
         self._loaders: dict[tuple[str, str], threading.Lock] = {}  # one per session being loaded
+        host = None if host_budget_bytes is None else HostTier(host_budget_bytes,
+                                                                lambda tenant: self.policy_for(tenant).max_host_bytes)
+        self._spiller = Spiller(self.store, host, on_settled=self._written_behind,
+                                on_store_error=lambda: self.metrics.add("store_errors"))
         self._leases = LeaseKeeper(self.store, self.owner, lease_seconds, held=self._held_keys,
                                    on_store_error=lambda: self.metrics.add("store_errors"))
 
@@ -361,7 +372,8 @@ class SessionManager:
         tenant, session_id = key
         self._leases.take(tenant, session_id, self.lease_wait)
         try:
-            record = self.store.get(tenant, session_id)
+            self._spiller.wait(key)  # a write behind of this session lands first
+            record = self._spiller.read(key)  # host tier first
         except SessionNotFound:
             if not create:
                 self._release_lease(tenant, session_id)
@@ -392,8 +404,14 @@ class SessionManager:
         self.metrics.add("resumes")
         return session
 
-    def spill(self, tenant: str, session_id: str) -> int:
-        """Write the session to the store and drop it from memory; returns the stored version."""
+    def spill(self, tenant: str, session_id: str, *, durable: bool = True) -> int:
+        """Drop the session from the device; returns the version it is stored as.
+
+        ``durable=True`` (the default) returns once the store has committed it. ``durable=False``
+        returns once it is in the host-memory tier (``host_budget_bytes``), which writes it to
+        the store in the background — nothing is acknowledged as durable until then; without a
+        tier, or when the tier is full, the spill is durable anyway.
+        """
         key = (check_tenant(tenant), check_session_id(session_id))
         with self._lock:
             session = self._live.get(key)
@@ -404,15 +422,38 @@ class SessionManager:
         with session.lock:
             if self._live.get(key) is not session:  # spilled by another thread meanwhile
                 return session.version
-            version = self._write(session)
+            record = self._record_of(session)
+            put = functools.partial(self._put_within_quota, replaced_bytes=session.stored_bytes)
+            behind = False
+            if not durable:
+                self._check_quota(record, session.stored_bytes)  # refused now, not in the background
+                behind = self._spiller.write_behind(record, session.version, put)
+            if behind:
+                version = session.version + 1  # what the queued compare-and-set will make it
+            else:
+                version = put(record, session.version)
+                self._spiller.cache(record.model_copy(update={"version": version}))
+            session.version, session.stored_bytes = version, len(record.blob)
             with self._budget:
                 self._live.pop(key, None)
                 self._dormant[key] = session
                 session.cache = self.engine.new_cache()  # free the device memory; a revive reloads it
                 self._budget.notify_all()
             self.metrics.add("spills")
-            self._release_lease(tenant, session_id)
+            if not behind:  # else the lease is kept until the write lands (_written_behind)
+                self._release_lease(tenant, session_id)
             return version
+
+    def prefetch(self, tenant: str, session_id: str) -> Future[None]:
+        """Bring a stored session into the host-memory tier ahead of its turn (needs ``host_budget_bytes``).
+
+        Its resume then decodes from host memory instead of reading the store. The future
+        raises what the read raised (e.g. :class:`SessionNotFound`).
+        """
+        key = (check_tenant(tenant), check_session_id(session_id))
+        if self._spiller.host is None:
+            raise InvalidInput("prefetch needs a host-memory tier: SessionManager(..., host_budget_bytes=N)")
+        return self._spiller.prefetch(key)
 
     def spill_all(self) -> None:
         """Spill every live session; sessions that fail stay live, and the first failure is raised after the rest."""
@@ -434,6 +475,7 @@ class SessionManager:
         with self._lock:
             live = self._live.pop(key, None)
             self._dormant.pop(key, None)
+        self._spiller.discard(key)
         removed = self.store.delete(tenant, session_id)
         self.store.release_lease(tenant, session_id, self.owner)
         return removed or live is not None
@@ -469,6 +511,8 @@ class SessionManager:
             "live_row_bytes": sum(s.cache.nbytes for s in live),
             "live_tokens": sum(s.cache.physical_length for s in live),
             "logical_tokens": sum(s.cache.logical_length for s in live),
+            "host_bytes": self._spiller.host.nbytes() if self._spiller.host is not None else 0,
+            "pending_writes": len(self._spiller.pending()),
         }
         return {**self.metrics.snapshot(), **gauges}
 
@@ -482,6 +526,7 @@ class SessionManager:
         try:
             self.spill_all()
         finally:
+            self._spiller.close()  # queued writes behind land first
             self._leases.stop()
             self.store.close()
 
@@ -494,8 +539,10 @@ class SessionManager:
     # ------------------------------------------------------------------------ internals
 
     def _held_keys(self) -> list[tuple[str, str]]:
+        """Sessions whose leases this process keeps: live ones, and those whose write behind is pending."""
         with self._lock:
-            return list(self._live)
+            live = list(self._live)
+        return live + [key for key in self._spiller.pending() if key not in live]
 
     def _adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]],
                *, leased: bool = False) -> Session:
@@ -647,7 +694,7 @@ class SessionManager:
                 policy = self.policy_for(victim.tenant)
                 if policy.on_over_budget == "compact" and victim.cache.physical_length > policy.keep_recent:
                     victim.cache = self._compact(policy, victim.cache, victim._system_tokens())
-                self.spill(victim.tenant, victim.session_id)
+                self.spill(victim.tenant, victim.session_id, durable=False)  # behind, where a host tier is
                 evicted = True
             except StoreUnavailable as exc:
                 victim.cache = original  # compacted only to be spilled: keep it whole while it stays live
@@ -669,29 +716,38 @@ class SessionManager:
                 return evicted
         return evicted
 
-    def _write(self, session: Session) -> int:
+    def _record_of(self, session: Session) -> SessionRecord:
         policy = self.policy_for(session.tenant)
-        blob = encode_cache(session.cache, dtype=policy.storage_dtype)
-        if policy.max_stored_bytes is None:
-            return self._put(session, policy, blob)
-        with self._lock:
-            quota_lock = self._tenant_writes.setdefault(session.tenant, threading.Lock())
-        with quota_lock:  # check and write as one step, so concurrent spills cannot both squeeze in
-            used = self.store.usage(session.tenant).bytes
-            if used - session.stored_bytes + len(blob) > policy.max_stored_bytes:
-                raise BudgetExceeded(
-                    f"tenant {session.tenant!r} stores {used} bytes; this session's {len(blob)} would exceed "
-                    f"max_stored_bytes={policy.max_stored_bytes}"
-                )
-            return self._put(session, policy, blob)
-
-    def _put(self, session: Session, policy: BudgetPolicy, blob: bytes) -> int:
-        record = SessionRecord(
+        return SessionRecord(
             tenant=session.tenant, session_id=session.session_id, model_fingerprint=self.engine.fingerprint,
             logical_length=session.cache.logical_length, token_ids=session.cache.token_ids, messages=session.messages,
             policy=policy.name, created_at=session.created_at, updated_at=time.time(),
-            ttl_seconds=policy.ttl_seconds, blob=blob,
+            ttl_seconds=policy.ttl_seconds, blob=encode_cache(session.cache, dtype=policy.storage_dtype),
         )
-        session.version = self.store.put(session.tenant, session.session_id, record, expected_version=session.version)
-        session.stored_bytes = len(blob)
-        return session.version
+
+    def _check_quota(self, record: SessionRecord, replaced_bytes: int) -> None:
+        """Raise :class:`BudgetExceeded` if writing ``record`` would overfill its tenant's store quota."""
+        cap = self.policy_for(record.tenant).max_stored_bytes
+        if cap is None:
+            return
+        used = self.store.usage(record.tenant).bytes
+        if used - replaced_bytes + len(record.blob) > cap:
+            raise BudgetExceeded(f"tenant {record.tenant!r} stores {used} bytes; this session's {len(record.blob)} "
+                                 f"would exceed max_stored_bytes={cap}")
+
+    def _put_within_quota(self, record: SessionRecord, expected_version: int | None, replaced_bytes: int) -> int:
+        """Write ``record`` (compare-and-set); the quota check and the write are one step per tenant."""
+        if self.policy_for(record.tenant).max_stored_bytes is None:
+            return self.store.put(record.tenant, record.session_id, record, expected_version=expected_version)
+        with self._lock:
+            quota_lock = self._tenant_writes.setdefault(record.tenant, threading.Lock())
+        with quota_lock:  # so concurrent spills cannot both squeeze in
+            self._check_quota(record, replaced_bytes)
+            return self.store.put(record.tenant, record.session_id, record, expected_version=expected_version)
+
+    def _written_behind(self, key: tuple[str, str]) -> None:
+        """A write behind landed (or failed): give the lease up unless the session is live again."""
+        with self._lock:
+            back = key in self._live or key in self._loaders
+        if not back:
+            self._release_lease(*key)

@@ -175,6 +175,14 @@ class RedisStore:
             return record.model_copy(update={"blob": blob, "version": int(meta[b"version"])})
         raise StoreUnavailable(f"session {tenant}/{session_id} is being rewritten too often to read")
 
+    def version(self, tenant: str, session_id: str) -> int:
+        check_tenant(tenant)
+        check_session_id(session_id)
+        version, expires_at = self._call(self._redis.hmget, _meta_key(tenant, session_id), "version", "expires_at")
+        if version is None or not _alive({b"expires_at": expires_at}, time.time()):
+            raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
+        return int(version)
+
     def _read_chunks(self, keys: list[str]) -> bytes | None:
         """The chunks joined, read a pipeline's worth at a time (no single multi-GiB reply);
         ``None`` if any is gone."""

@@ -294,6 +294,14 @@ class SqlStore:
             raise CorruptSessionError(f"session {tenant}/{session_id}: blob is {len(blob)} bytes, its row says {row.nbytes}")
         return SessionRecord.model_validate_json(row.record).model_copy(update={"blob": blob, "version": row.version})
 
+    def version(self, tenant: str, session_id: str) -> int:
+        key = _key(check_tenant(tenant), check_session_id(session_id))
+        with self._connection() as conn:
+            found = conn.execute(select(sessions_table.c.version).where(*key, _alive(time.time()))).scalar()
+        if found is None:
+            raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
+        return found
+
     def delete(self, tenant: str, session_id: str) -> bool:
         key = _key(check_tenant(tenant), check_session_id(session_id))
         with self._transaction() as conn:

@@ -64,6 +64,27 @@ def test_only_new_messages_are_read_and_a_restart_resumes_without_reprefill(stor
     assert shared.shared_manager("embedded", store, "acme", None).stats()["resumes"] == 1
 
 
+def test_prefetch_warms_a_stored_session_so_its_turn_reads_no_store(store):
+    model = ChatAgentMem(store=store, tenant="acme", max_tokens=4)
+    model.invoke("Remember the number 4417.", session_id="warm")
+    shared.close_shared()  # a restart: the session is only in the store now
+    model = ChatAgentMem(store=store, tenant="acme", max_tokens=4)
+    model.prefetch("warm").result(60)
+    manager = model.manager
+    reads = []
+    original = manager.store.get
+    manager.store.get = lambda *key: reads.append(key) or original(*key)
+    try:
+        reply = model.invoke([HumanMessage("Remember the number 4417."), AIMessage("ok"), HumanMessage("And?")],
+                             session_id="warm")
+    finally:
+        manager.store.get = original
+    assert reads == [] and manager.stats()["resumes"] == 1 and reply.response_metadata["session_id"] == "warm"
+    assert manager.stats()["host_bytes"] > 0
+    with pytest.raises(InvalidInput):
+        model.prefetch("bad*id")
+
+
 def test_tenants_never_see_each_other(store):
     config = {"configurable": {"session_id": "shared-name"}}
     a = ChatAgentMem(store=store, tenant="tenant-a", max_tokens=8)

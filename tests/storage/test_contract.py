@@ -30,7 +30,7 @@ def test_put_get_round_trip_and_versions(store):
     assert got.blob == first.blob and got.version == 1
     assert got.model_dump(exclude={"version"}) == first.model_dump(exclude={"version"})
     assert store.put("acme", "s1", record("acme", "s1", b"v2"), expected_version=1) == 2
-    assert store.get("acme", "s1").blob == b"v2"
+    assert store.get("acme", "s1").blob == b"v2" and store.version("acme", "s1") == 2
 
 
 def test_large_blob_is_chunked_and_exact(store):
@@ -73,6 +73,8 @@ def test_compare_and_set_conflicts(store):
 def test_missing_session(store):
     with pytest.raises(SessionNotFound):
         store.get("acme", "nope")
+    with pytest.raises(SessionNotFound):
+        store.version("acme", "nope")
     assert store.delete("acme", "nope") is False
 
 
@@ -138,6 +140,9 @@ def test_ttl_expiry_and_prune(store):
     store.put("acme", "forever", record("acme", "forever"))
     with pytest.raises(SessionNotFound):
         store.get("acme", "old")
+    with pytest.raises(SessionNotFound):
+        store.version("acme", "old")
+    assert store.version("acme", "fresh") == 1
     assert [i.session_id for i in store.list("acme").items] == ["forever", "fresh"]
     assert store.prune(now=now + 7200) >= 1  # "fresh" expires by then; "old" may already be gone
     assert [i.session_id for i in store.list("acme").items] == ["forever"]

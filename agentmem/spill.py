@@ -1,0 +1,130 @@
+"""Moving session records between the host tier and the durable store, in the background where asked.
+
+A :class:`Spiller` writes a record to the store now (``durable``), or puts it in the host tier
+and writes it behind, on one writer thread, in spill order; it reads a record back from the
+host tier when that copy is the newest (a write still pending, or a clean copy whose version
+the store still holds), else from the store; and it prefetches records into the host tier
+ahead of their turn. Store outages on a write behind are retried until the store returns or
+the manager closes; a lost compare-and-set (another process wrote meanwhile) drops the copy,
+as a synchronous spill would have refused it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from agentmem.errors import AgentMemError, SessionNotFound, StoreUnavailable, VersionConflict
+from agentmem.host_tier import HostTier, Key
+from agentmem.record import CacheStore, SessionRecord
+
+log = logging.getLogger(__name__)
+
+RETRY_SECONDS = 1.0
+
+Put = Callable[[SessionRecord, "int | None"], int]  # writes a record (compare-and-set), returns its version
+
+
+class Spiller:
+    """See the module docstring. ``on_settled(key)`` runs once a write behind has landed or failed."""
+
+    def __init__(self, store: CacheStore, host: HostTier | None, on_settled: Callable[[Key], None],
+                 on_store_error: Callable[[], None]) -> None:
+        self.store, self.host = store, host
+        self._on_settled, self._on_store_error = on_settled, on_store_error
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentmem-write-behind")
+        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agentmem-prefetch")
+        self._pending: dict[Key, Future[None]] = {}
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+
+    def write_behind(self, record: SessionRecord, expected_version: int | None, put: Put) -> bool:
+        """Hold ``record`` in the host tier and queue its store write; False if the tier cannot take it."""
+        key = (record.tenant, record.session_id)
+        if self.host is None or not self.host.put(record, dirty=True):
+            return False
+        with self._lock:
+            self._pending[key] = self._writer.submit(self._write, key, record, expected_version, put)
+        return True
+
+    def cache(self, record: SessionRecord) -> None:
+        """Keep a clean copy of a record the store now holds (a later resume skips the store read)."""
+        if self.host is not None:
+            self.host.put(record, dirty=False)
+
+    def pending(self) -> list[Key]:
+        with self._lock:
+            return [key for key, future in self._pending.items() if not future.done()]
+
+    def wait(self, key: Key) -> None:
+        """Return once no write behind of ``key`` is pending."""
+        with self._lock:
+            future = self._pending.get(key)
+        if future is not None:
+            future.result()
+
+    def read(self, key: Key) -> SessionRecord:
+        """The newest record of ``key``: the host tier's if it is that, else the store's."""
+        entry = self.host.get(key) if self.host is not None else None
+        if entry is not None and (entry.dirty or self._still_stored(key, entry.record.version)):
+            return entry.record
+        record = self.store.get(*key)
+        self.cache(record)
+        return record
+
+    def prefetch(self, key: Key) -> Future[None]:
+        """Bring ``key``'s record into the host tier in the background (nothing if it is there, fresh)."""
+        def fetch() -> None:
+            entry = self.host.get(key)
+            if entry is None or not (entry.dirty or self._still_stored(key, entry.record.version)):
+                self.cache(self.store.get(*key))
+
+        return self._readers.submit(fetch)
+
+    def discard(self, key: Key) -> None:
+        self.wait(key)
+        if self.host is not None:
+            self.host.discard(key)
+
+    def close(self) -> None:
+        """Finish every queued write (retrying outages no longer), then stop the threads."""
+        self._closing.set()
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
+
+    def _still_stored(self, key: Key, version: int) -> bool:
+        try:
+            return self.store.version(*key) == version
+        except SessionNotFound:
+            return False
+
+    def _write(self, key: Key, record: SessionRecord, expected_version: int | None, put: Put) -> None:
+        try:
+            while True:
+                try:
+                    version = put(record, expected_version)
+                    self.host.mark_clean(key, version)
+                    return
+                except StoreUnavailable as exc:
+                    self._on_store_error()
+                    if self._closing.is_set():
+                        log.error("write behind of %s/%s failed as the manager closed; it was never "
+                                  "acknowledged as durable and is lost: %s", *key, exc)
+                        self.host.discard(key)
+                        return
+                    log.warning("write behind of %s/%s failed, retrying: %s", *key, exc)
+                    time.sleep(RETRY_SECONDS)
+                except VersionConflict as exc:
+                    log.error("write behind of %s/%s lost to a newer version; this copy is dropped: %s", *key, exc)
+                    self.host.discard(key)
+                    return
+                except AgentMemError as exc:  # e.g. the tenant's store quota, filled meanwhile
+                    log.error("write behind of %s/%s refused; never acknowledged as durable, it is dropped: %s",
+                              *key, exc)
+                    self.host.discard(key)
+                    return
+        finally:
+            self._on_settled(key)

@@ -1,0 +1,107 @@
+"""The host-memory tier: spills written behind, resumes from host memory, prefetch, LRU budgets."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from agentmem import Engine, SessionManager
+from agentmem.errors import InvalidInput, SessionBusy
+from agentmem.host_tier import HostTier
+from agentmem.storage import open_store
+from helpers import tiny_model
+
+from records import record
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer) -> Engine:
+    return Engine(tiny_model("llama"), tokenizer)
+
+
+class CountingGatedStore:
+    """A real store that counts blob reads and can hold every write at a gate (a slow store)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.gets = 0
+        self.writing, self.gate = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def get(self, tenant, session_id):
+        self.gets += 1
+        return self._store.get(tenant, session_id)
+
+    def put(self, tenant, session_id, rec, **kwargs):
+        self.writing.set()
+        assert self.gate.wait(60)
+        return self._store.put(tenant, session_id, rec, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_spill_written_behind_returns_before_the_store_write_and_resumes_from_host_memory(tiny, tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    store = CountingGatedStore(open_store(url))
+    with SessionManager(tiny, store, host_budget_bytes=64 * 2**20) as manager:
+        manager.session("s").chat("hello there", max_new_tokens=3)
+        store.gate.clear()
+        version = manager.spill("default", "s", durable=False)
+        assert store.writing.wait(30) and manager.stats()["pending_writes"] == 1  # returned; write under way
+        with SessionManager(tiny, url) as other, pytest.raises(SessionBusy):
+            other.session("s")  # the lease is kept until the write lands
+        store.gate.set()
+        reads = store.gets
+        resumed = manager.session("s")
+        assert store.gets == reads and resumed.version == version == 1  # from host memory, at the stored version
+        assert resumed.messages[0]["content"] == "hello there"
+        assert open_store(url).get("default", "s").version == 1  # and the store holds it
+
+
+def test_durable_spills_are_in_the_store_on_return_and_close_flushes_writes_behind(tiny, tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    manager = SessionManager(tiny, url, host_budget_bytes=64 * 2**20)
+    manager.session("durable").chat("one", max_new_tokens=2)
+    manager.session("behind").chat("two", max_new_tokens=2)
+    assert manager.spill("default", "durable") == 1 and open_store(url).version("default", "durable") == 1
+    manager.spill("default", "behind", durable=False)
+    manager.close()
+    assert open_store(url).get("default", "behind").messages[0]["content"] == "two"
+
+
+def test_prefetch_warms_a_session_and_a_stale_copy_is_never_served(tiny, tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with SessionManager(tiny, url) as writer:
+        writer.session("s").chat("first", max_new_tokens=2)
+        writer.spill("default", "s")
+        store = CountingGatedStore(open_store(url))
+        with SessionManager(tiny, store, host_budget_bytes=64 * 2**20) as reader:
+            reader.prefetch("default", "s").result(30)
+            assert store.gets == 1
+            assert reader.session("s").messages[0]["content"] == "first" and store.gets == 1  # no second read
+            reader.spill("default", "s")
+            writer.session("s").chat("second", max_new_tokens=2)  # a newer version, written elsewhere
+            writer.spill("default", "s")
+            assert [m["content"] for m in reader.session("s").messages if m["role"] == "user"] == ["first", "second"]
+            assert store.gets == 2  # the host copy was stale: read from the store
+    with SessionManager(tiny, url) as plain, pytest.raises(InvalidInput, match="host-memory tier"):
+        plain.prefetch("default", "s")
+
+
+def test_host_tier_keeps_its_budgets_and_never_evicts_the_only_copy():
+    tier = HostTier(100, lambda tenant: 40 if tenant == "small" else None)
+    assert tier.put(record("acme", "a", bytes(30)), dirty=False)
+    assert tier.put(record("acme", "b", bytes(30)), dirty=True)
+    assert tier.put(record("acme", "c", bytes(30)), dirty=False)
+    tier.get(("acme", "a"))  # a is now more recently used than c
+    assert tier.put(record("acme", "d", bytes(30)), dirty=False)  # evicts c, the least recently used clean one
+    assert tier.get(("acme", "c")) is None and tier.get(("acme", "a")) is not None and tier.nbytes() == 90
+    assert not tier.put(record("acme", "e", bytes(101)), dirty=False)  # larger than the whole budget
+    assert tier.put(record("small", "x", bytes(30)), dirty=True)
+    assert not tier.put(record("small", "y", bytes(30)), dirty=False)  # its tenant cap; x is dirty, kept
+    assert tier.get(("acme", "b")).dirty and tier.get(("small", "x")) is not None
+    assert not tier.put(record("acme", "b", bytes(5)), dirty=False)  # a clean copy never replaces a dirty one
+    tier.mark_clean(("acme", "b"), 7)
+    assert not tier.get(("acme", "b")).dirty and tier.get(("acme", "b")).record.version == 7
