@@ -52,8 +52,8 @@ class LeaseKeeper:
             time.sleep(min(0.05, self.seconds / 10))
 
     def renew(self, tenant: str, session_id: str) -> bool:
-        """Renew one lease now; False if another process took it after ours expired."""
-        return self.store.acquire_lease(tenant, session_id, self.owner, self.seconds)
+        """Extend a lease we hold; False if we hold none any more (it lapsed, or another process took it)."""
+        return self.store.renew_lease(tenant, session_id, self.owner, self.seconds)
 
     def release(self, tenant: str, session_id: str) -> None:
         """Give the lease up; if the store is unreachable it simply expires."""
@@ -66,9 +66,8 @@ class LeaseKeeper:
     def renew_all(self) -> None:
         for tenant, session_id in list(self._held()):
             try:
-                if not self.renew(tenant, session_id):
-                    log.warning("the lease of %s/%s was taken by another process; its next turn here is refused",
-                                tenant, session_id)
+                if not self.renew(tenant, session_id):  # spilled meanwhile, or lapsed: a turn will refuse it
+                    log.info("the lease of %s/%s is no longer ours", tenant, session_id)
             except StoreUnavailable as exc:
                 self._on_store_error()
                 log.warning("lease renewal for %s/%s failed; serving the live copy: %s", tenant, session_id, exc)

@@ -349,30 +349,32 @@ class SessionManager:
         other sessions go on.
         """
         key = (check_tenant(tenant), check_session_id(session_id))
-        with self._lock:
-            if key in self._live:
-                self._live.move_to_end(key)
-                return self._live[key]
-            loader = self._loaders.setdefault(key, threading.Lock())
-        try:
+        while True:
+            with self._lock:
+                if key in self._live:
+                    self._live.move_to_end(key)
+                    return self._live[key]
+                loader = self._loaders.setdefault(key, threading.Lock())
             with loader:
                 with self._lock:
                     if key in self._live:  # loaded by the thread this one waited for
                         return self._live[key]
-                session = self._load(key, create)
-        finally:
-            with self._lock:
-                if self._loaders.get(key) is loader:
-                    del self._loaders[key]
-        self._enforce_device_budget(keep=session)
-        return session
+                    if self._loaders.get(key) is not loader:
+                        continue  # that thread's load failed and retired its loader: start over
+                try:
+                    session = self._load(key, create)
+                finally:
+                    with self._lock:  # retired while held, so no waiter can load beside a newer loader
+                        del self._loaders[key]
+            self._enforce_device_budget(keep=session)
+            return session
 
     def _load(self, key: tuple[str, str], create: bool) -> Session:
         """Resume ``key`` from the store, or start it empty; the caller holds its loader lock."""
         tenant, session_id = key
+        self._spiller.wait(key)  # a write behind of this session lands (and gives its lease up) first
         self._leases.take(tenant, session_id, self.lease_wait)
         try:
-            self._spiller.wait(key)  # a write behind of this session lands first
             record = self._spiller.read(key)  # host tier first
         except SessionNotFound:
             if not create:
@@ -415,13 +417,19 @@ class SessionManager:
         key = (check_tenant(tenant), check_session_id(session_id))
         with self._lock:
             session = self._live.get(key)
-            if session is None and key in self._dormant:
-                return self._dormant[key].version  # already spilled (by the device budget, say)
+            dormant = self._dormant.get(key) if session is None else None
+        if dormant is not None:  # already spilled (by the device budget, say)
+            return self._settled(dormant) if durable else dormant.version
+        if session is None and key in self._spiller.pending():  # spilled behind; nobody holds its handle
+            failure = self._spiller.wait(key)  # its version is known once it has landed
+            if failure is not None:
+                raise failure
+            return self.store.version(*key)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} of tenant {tenant!r} is not live here")
         with session.lock:
             if self._live.get(key) is not session:  # spilled by another thread meanwhile
-                return session.version
+                return self._settled(session) if durable else session.version
             record = self._record_of(session)
             put = functools.partial(self._put_within_quota, replaced_bytes=session.stored_bytes)
             behind = False
@@ -443,6 +451,14 @@ class SessionManager:
             if not behind:  # else the lease is kept until the write lands (_written_behind)
                 self._release_lease(tenant, session_id)
             return version
+
+    def _settled(self, session: Session) -> int:
+        """The version a spilled session is durably stored as, once any write behind of it has landed
+        (raising what dropped it, if something did)."""
+        failure = self._spiller.wait((session.tenant, session.session_id))
+        if failure is not None:
+            raise failure
+        return session.version
 
     def prefetch(self, tenant: str, session_id: str) -> Future[None]:
         """Bring a stored session into the host-memory tier ahead of its turn (needs ``host_budget_bytes``).
@@ -599,10 +615,11 @@ class SessionManager:
             log.warning("lease renewal for %s/%s failed; serving the live copy: %s", session.tenant,
                         session.session_id, exc)
             return
-        if not renewed:  # our lease expired and another worker took the session: this copy is stale
+        if not renewed:  # our lease lapsed (and another worker may have written since): this copy is stale
             self._drop(session)
-            raise SessionBusy(f"session {session.session_id!r} of tenant {session.tenant!r} moved to another "
-                              "worker after this one's lease expired; its live copy here was dropped")
+            raise SessionBusy(f"session {session.session_id!r} of tenant {session.tenant!r} lost its lease (it "
+                              "lapsed while this process stalled, or another worker took the session); its live "
+                              "copy here was dropped")
 
     def _release_lease(self, tenant: str, session_id: str) -> None:
         self._leases.release(tenant, session_id)

@@ -4,9 +4,9 @@ A :class:`Spiller` writes a record to the store now (``durable``), or puts it in
 and writes it behind, on one writer thread, in spill order; it reads a record back from the
 host tier when that copy is the newest (a write still pending, or a clean copy whose version
 the store still holds), else from the store; and it prefetches records into the host tier
-ahead of their turn. Store outages on a write behind are retried until the store returns or
-the manager closes; a lost compare-and-set (another process wrote meanwhile) drops the copy,
-as a synchronous spill would have refused it.
+ahead of their turn. Store outages on a write behind are retried until the store returns, the
+manager closes or ``GIVE_UP_SECONDS`` pass; a lost compare-and-set (another process wrote
+meanwhile) drops the copy, as a synchronous spill would have refused it.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from agentmem.errors import AgentMemError, SessionNotFound, StoreUnavailable, VersionConflict
+from agentmem.errors import AgentMemError, SessionNotFound, StoreUnavailable
 from agentmem.host_tier import HostTier, Key
 from agentmem.record import CacheStore, SessionRecord
 
 log = logging.getLogger(__name__)
 
 RETRY_SECONDS = 1.0
+GIVE_UP_SECONDS = 300.0  # a store down longer than this drops a write behind (so exit never hangs on it)
 
 Put = Callable[[SessionRecord, "int | None"], int]  # writes a record (compare-and-set), returns its version
 
@@ -37,7 +38,7 @@ class Spiller:
         self._on_settled, self._on_store_error = on_settled, on_store_error
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentmem-write-behind")
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agentmem-prefetch")
-        self._pending: dict[Key, Future[None]] = {}
+        self._pending: dict[Key, Future[AgentMemError | None]] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
 
@@ -57,14 +58,21 @@ class Spiller:
 
     def pending(self) -> list[Key]:
         with self._lock:
-            return [key for key, future in self._pending.items() if not future.done()]
+            for key in [key for key, future in self._pending.items() if future.done()]:
+                del self._pending[key]
+            return list(self._pending)
 
-    def wait(self, key: Key) -> None:
-        """Return once no write behind of ``key`` is pending."""
+    def wait(self, key: Key) -> AgentMemError | None:
+        """Return once no write behind of ``key`` is pending: the error that dropped it, if one did."""
         with self._lock:
             future = self._pending.get(key)
-        if future is not None:
-            future.result()
+        if future is None:
+            return None
+        failure = future.result()
+        with self._lock:
+            if self._pending.get(key) is future:
+                del self._pending[key]
+        return failure
 
     def read(self, key: Key) -> SessionRecord:
         """The newest record of ``key``: the host tier's if it is that, else the store's."""
@@ -101,30 +109,27 @@ class Spiller:
         except SessionNotFound:
             return False
 
-    def _write(self, key: Key, record: SessionRecord, expected_version: int | None, put: Put) -> None:
+    def _write(self, key: Key, record: SessionRecord, expected_version: int | None, put: Put) -> AgentMemError | None:
+        """Store ``record``; None once it landed, else the error that dropped it (never acknowledged
+        as durable, so dropping loses nothing a caller was promised)."""
+        deadline = time.monotonic() + GIVE_UP_SECONDS
         try:
             while True:
                 try:
-                    version = put(record, expected_version)
-                    self.host.mark_clean(key, version)
-                    return
+                    self.host.mark_clean(key, put(record, expected_version))
+                    return None
                 except StoreUnavailable as exc:
                     self._on_store_error()
-                    if self._closing.is_set():
-                        log.error("write behind of %s/%s failed as the manager closed; it was never "
-                                  "acknowledged as durable and is lost: %s", *key, exc)
+                    if self._closing.is_set() or time.monotonic() > deadline:
+                        log.error("write behind of %s/%s failed until %s; it is dropped: %s", *key,
+                                  "the manager closed" if self._closing.is_set() else "it gave up", exc)
                         self.host.discard(key)
-                        return
+                        return exc
                     log.warning("write behind of %s/%s failed, retrying: %s", *key, exc)
                     time.sleep(RETRY_SECONDS)
-                except VersionConflict as exc:
-                    log.error("write behind of %s/%s lost to a newer version; this copy is dropped: %s", *key, exc)
+                except AgentMemError as exc:  # a newer version elsewhere, or the tenant's quota filled meanwhile
+                    log.error("write behind of %s/%s refused; it is dropped: %s", *key, exc)
                     self.host.discard(key)
-                    return
-                except AgentMemError as exc:  # e.g. the tenant's store quota, filled meanwhile
-                    log.error("write behind of %s/%s refused; never acknowledged as durable, it is dropped: %s",
-                              *key, exc)
-                    self.host.discard(key)
-                    return
+                    return exc
         finally:
             self._on_settled(key)

@@ -294,6 +294,26 @@ class RedisStore:
 
         return self._call(acquire)
 
+    def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
+        check_tenant(tenant)
+        check_session_id(session_id)
+        key, ttl_ms = _lease_key(tenant, session_id), max(1, int(ttl_seconds * 1000))
+
+        def renew() -> bool:
+            with self._redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(key)
+                    if pipe.get(key) != owner.encode():
+                        return False
+                    pipe.multi()
+                    pipe.set(key, owner, px=ttl_ms)
+                    pipe.execute()
+                    return True
+                except WatchError:
+                    return False
+
+        return self._call(renew)
+
     def release_lease(self, tenant: str, session_id: str, owner: str) -> None:
         key = _lease_key(tenant, session_id)
 

@@ -218,7 +218,8 @@ class SqlStore:
         try:
             version, replaced = self._publish(tenant, session_id, record, write_id, count, expected_version)
         except BaseException:
-            self._discard(tenant, session_id, write_id)
+            # Only if unpublished: a COMMIT that failed ambiguously may still have published them.
+            self._discard(tenant, session_id, write_id, unless_published=True)
             raise
         if replaced is not None:
             self._discard(tenant, session_id, replaced)
@@ -272,11 +273,14 @@ class SqlStore:
                 raise VersionConflict(f"session {tenant}/{session_id} changed during the write")
             return found + 1, current.write_id
 
-    def _discard(self, tenant: str, session_id: str, write_id: str) -> None:
+    def _discard(self, tenant: str, session_id: str, write_id: str, *, unless_published: bool = False) -> None:
         """Delete one write's chunks; if the store is down they are left for :meth:`prune`."""
+        query = delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id))
+        if unless_published:
+            query = query.where(~exists().where(*_key(tenant, session_id), sessions_table.c.write_id == write_id))
         try:
             with self._transaction() as conn:
-                conn.execute(delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id)))
+                conn.execute(query)
         except StoreUnavailable:
             pass
 
@@ -377,6 +381,14 @@ class SqlStore:
                 return True
         except IntegrityError:
             return False  # another owner created the lease row between our read and our insert
+
+    def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
+        t = leases_table.c
+        with self._transaction() as conn:
+            renewed = conn.execute(update(leases_table).where(
+                t.tenant == check_tenant(tenant), t.session_id == check_session_id(session_id), t.owner == owner,
+            ).values(expires_at=time.time() + ttl_seconds))
+            return renewed.rowcount == 1
 
     def release_lease(self, tenant: str, session_id: str, owner: str) -> None:
         t = leases_table.c

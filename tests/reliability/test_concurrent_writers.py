@@ -39,12 +39,14 @@ def test_a_stale_writer_after_lease_expiry_gets_version_conflict_not_a_lost_upda
         winner = second.session("t-1", tenant="acme")
         winner.chat("the winner's turn", max_new_tokens=4)
         won = second.spill("acme", "t-1")
-    stale.chat("the stale copy's turn", max_new_tokens=4)
+    # The stale copy is still live in first; spilling it (an eviction, say) must not win.
     with pytest.raises(VersionConflict):
         first.spill("acme", "t-1")
     record = second.store.get("acme", "t-1")
     assert record.version == won and "the winner's turn" in str(record.messages)
-    assert "the stale copy's turn" not in str(record.messages)
+    with pytest.raises(SessionBusy, match="lost its lease"):  # nor may it serve a turn
+        stale.chat("the stale copy's turn", max_new_tokens=4)
+    assert "the stale copy's turn" not in str(second.store.get("acme", "t-1").messages)
     second.close()
     first.store.close()
 
@@ -67,7 +69,7 @@ def test_a_stale_copy_whose_lease_was_taken_refuses_the_turn(small_engine, url):
     with first._leases.paused():  # a stalled process renews nothing
         time.sleep(0.5)
         second.session("t-1", tenant="acme").chat("the new owner's turn", max_new_tokens=4)  # lease taken
-    with pytest.raises(SessionBusy, match="moved to another worker"):
+    with pytest.raises(SessionBusy, match="lost its lease"):
         stale.chat("the stale copy's turn", max_new_tokens=4)
     assert first.stats()["live_sessions"] == 0  # the stale copy was dropped, not kept to conflict later
     second.close()

@@ -170,6 +170,18 @@ def test_leases_exclude_other_owners_until_released_or_expired(store):
     assert store.acquire_lease("acme", "s1", "worker-a", 30)  # expired: free again
 
 
+def test_renewal_extends_only_a_lease_the_owner_still_holds(store):
+    assert not store.renew_lease("acme", "s1", "worker-a", 30)  # holds none: nothing is created
+    assert store.acquire_lease("acme", "s1", "worker-b", 30)
+    assert store.acquire_lease("acme", "s2", "worker-a", 0.3)
+    assert store.renew_lease("acme", "s2", "worker-a", 30) and not store.renew_lease("acme", "s1", "worker-a", 30)
+    time.sleep(0.4)
+    assert not store.acquire_lease("acme", "s2", "worker-b", 30)  # renewed past its first expiry
+    store.release_lease("acme", "s2", "worker-a")
+    assert not store.renew_lease("acme", "s2", "worker-a", 30)  # released: renewal cannot bring it back
+    assert store.acquire_lease("acme", "s2", "worker-b", 30)
+
+
 def test_racing_writers_and_lease_takers_have_one_winner(store_url):
     stores = [open_store(store_url) for _ in range(4)]
     barrier = threading.Barrier(len(stores))

@@ -105,3 +105,21 @@ def test_host_tier_keeps_its_budgets_and_never_evicts_the_only_copy():
     assert not tier.put(record("acme", "b", bytes(5)), dirty=False)  # a clean copy never replaces a dirty one
     tier.mark_clean(("acme", "b"), 7)
     assert not tier.get(("acme", "b")).dirty and tier.get(("acme", "b")).record.version == 7
+
+
+def test_a_durable_spill_of_a_session_spilled_behind_waits_for_its_write(tiny, tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    store = CountingGatedStore(open_store(url))
+    with SessionManager(tiny, store, host_budget_bytes=64 * 2**20) as manager:
+        manager.session("s").chat("hello there", max_new_tokens=3)
+        store.gate.clear()
+        manager.spill("default", "s", durable=False)
+        assert store.writing.wait(30)
+        returned = []
+        durable = threading.Thread(target=lambda: returned.append(manager.spill("default", "s")))
+        durable.start()
+        durable.join(0.5)
+        assert durable.is_alive() and not returned  # not durable yet: it waits
+        store.gate.set()
+        durable.join(30)
+        assert returned == [1] and open_store(url).version("default", "s") == 1

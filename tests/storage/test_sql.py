@@ -82,3 +82,17 @@ def test_a_put_whose_staged_chunks_were_deleted_fails_and_changes_nothing(sql_ur
         assert store.get("acme", "s1").blob == b"v1" and store.get("acme", "s1").version == 1
     finally:
         store.close()
+
+
+def test_cleanup_after_a_failed_publish_never_deletes_published_chunks(sql_url):
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"published"))
+        with store._engine.connect() as conn:
+            write_id = conn.execute(select(sql.sessions_table.c.write_id)).scalar_one()
+        # What put() does when its COMMIT failed ambiguously: the write may have been published.
+        store._discard("acme", "s1", write_id, unless_published=True)
+        assert store.get("acme", "s1").blob == b"published"
+        store._discard("acme", "s1", "f" * 32, unless_published=True)  # an unpublished write's chunks go
+    finally:
+        store.close()
