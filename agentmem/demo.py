@@ -16,6 +16,7 @@ from agentmem.engine import Engine
 from agentmem.home import agentmem_home
 from agentmem.policy import BudgetPolicy
 from agentmem.sessions import SessionManager
+from agentmem.storage import read_header
 
 TENANT, SESSION = "demo", "ticket-4417"
 SYSTEM = "You are a patient customer-support agent for a parcel company."
@@ -71,6 +72,7 @@ def run_demo(*, model: str, max_new_tokens: int, echo: Callable[[str], None] = p
         resumed = manager.session(SESSION, tenant=TENANT, create=False)
         resume_s = time.perf_counter() - began
         stored_bytes = manager.store.usage(TENANT).bytes
+        stored_dtype = read_header(manager.store.get(TENANT, SESSION).blob)["storage_dtype"]
         reply = resumed.chat(QUESTION, max_new_tokens=max_new_tokens)
     echo(f"turn {len(TURNS) + 2} user: {QUESTION}\n       assistant: {reply.text.strip()[:120]}")
 
@@ -88,8 +90,9 @@ def run_demo(*, model: str, max_new_tokens: int, echo: Callable[[str], None] = p
         ("tokens read in the session", f"{compacted.logical_length}"),
         ("compactions", f"{stats['compactions']}"),
         ("tokens re-read on resume", f"0 + {reply.usage.prefilled_tokens} (the new message)"),
-        ("bytes live: compacted / uncompacted", f"{compacted.nbytes / 2**20:.1f} MiB / {full.nbytes / 2**20:.1f} MiB"),
-        ("bytes stored (fp16)", f"{stored_bytes / 2**20:.1f} MiB"),
+        ("bytes live: compacted / uncompacted", f"{compacted.allocated_nbytes / 2**20:.1f} MiB / "
+                                                f"{full.allocated_nbytes / 2**20:.1f} MiB"),
+        (f"bytes stored ({stored_dtype})", f"{stored_bytes / 2**20:.1f} MiB"),
         ("resume from SQLite vs re-prefill", f"{resume_s * 1e3:.0f} ms vs {reread_s * 1e3:.0f} ms "
                                              f"({reread_s / resume_s:.0f}x)"),
     ] + [(f"p(answer), {name}", f"{math.exp(lp):.3g}  (log {lp:.2f})") for name, lp in probabilities.items()]
