@@ -317,7 +317,7 @@ class SessionManager:
         self.policies = dict(policies or {})
         self.default_policy = default_policy or BudgetPolicy()
         self.device_budget_bytes = device_budget_bytes
-        self.lease_seconds, self.lease_wait = lease_seconds, lease_wait
+        self.lease_wait = lease_wait
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.metrics = Metrics()
         self._live: OrderedDict[tuple[str, str], Session] = OrderedDict()
@@ -378,11 +378,11 @@ class SessionManager:
             record = self._spiller.read(key)  # host tier first
         except SessionNotFound:
             if not create:
-                self._release_lease(tenant, session_id)
+                self._leases.release(tenant, session_id)
                 raise
             return self._adopt(tenant, session_id, self.engine.new_cache(), [], leased=True)
         except BaseException:
-            self._release_lease(tenant, session_id)
+            self._leases.release(tenant, session_id)
             raise
         engine = self.engine
         try:
@@ -399,7 +399,7 @@ class SessionManager:
                 session.stored_bytes = len(record.blob)
                 self._register(session)
         except BaseException:
-            self._release_lease(tenant, session_id)
+            self._leases.release(tenant, session_id)
             raise
         with self._lock:
             self._dormant.pop(key, None)
@@ -419,17 +419,19 @@ class SessionManager:
             session = self._live.get(key)
             dormant = self._dormant.get(key) if session is None else None
         if dormant is not None:  # already spilled (by the device budget, say)
-            return self._settled(dormant) if durable else dormant.version
+            if durable:
+                self._settle(key)
+            return dormant.version
         if session is None and key in self._spiller.pending():  # spilled behind; nobody holds its handle
-            failure = self._spiller.wait(key)  # its version is known once it has landed
-            if failure is not None:
-                raise failure
+            self._settle(key)  # its version is known once it has landed
             return self.store.version(*key)
         if session is None:
             raise SessionNotFound(f"session {session_id!r} of tenant {tenant!r} is not live here")
         with session.lock:
             if self._live.get(key) is not session:  # spilled by another thread meanwhile
-                return self._settled(session) if durable else session.version
+                if durable:
+                    self._settle(key)
+                return session.version
             record = self._record_of(session)
             put = functools.partial(self._put_within_quota, replaced_bytes=session.stored_bytes)
             behind = False
@@ -449,16 +451,14 @@ class SessionManager:
                 self._budget.notify_all()
             self.metrics.add("spills")
             if not behind:  # else the lease is kept until the write lands (_written_behind)
-                self._release_lease(tenant, session_id)
+                self._leases.release(tenant, session_id)
             return version
 
-    def _settled(self, session: Session) -> int:
-        """The version a spilled session is durably stored as, once any write behind of it has landed
-        (raising what dropped it, if something did)."""
-        failure = self._spiller.wait((session.tenant, session.session_id))
+    def _settle(self, key: tuple[str, str]) -> None:
+        """Return once any write behind of ``key`` has landed; raise what dropped it, if something did."""
+        failure = self._spiller.wait(key)
         if failure is not None:
             raise failure
-        return session.version
 
     def prefetch(self, tenant: str, session_id: str) -> Future[None]:
         """Bring a stored session into the host-memory tier ahead of its turn (needs ``host_budget_bytes``).
@@ -558,7 +558,7 @@ class SessionManager:
         """Sessions whose leases this process keeps: live ones, and those whose write behind is pending."""
         with self._lock:
             live = list(self._live)
-        return live + [key for key in self._spiller.pending() if key not in live]
+        return live + sorted(set(self._spiller.pending()).difference(live))
 
     def _adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]],
                *, leased: bool = False) -> Session:
@@ -571,7 +571,7 @@ class SessionManager:
         try:
             return self._register(Session(self, tenant, session_id, cache, messages, 0, time.time()))
         except BaseException:
-            self._release_lease(tenant, session_id)  # taken for this adoption, here or by the loader
+            self._leases.release(tenant, session_id)  # taken for this adoption, here or by the loader
             raise
 
     def _register(self, session: Session) -> Session:
@@ -621,9 +621,6 @@ class SessionManager:
                               "lapsed while this process stalled, or another worker took the session); its live "
                               "copy here was dropped")
 
-    def _release_lease(self, tenant: str, session_id: str) -> None:
-        self._leases.release(tenant, session_id)
-
     def _drop(self, session: Session) -> None:
         """Forget a live copy without writing it (it lost to a newer stored version)."""
         with self._budget:
@@ -631,7 +628,7 @@ class SessionManager:
                 del self._live[(session.tenant, session.session_id)]
             session.cache = self.engine.new_cache()
             self._budget.notify_all()
-        self._release_lease(session.tenant, session.session_id)
+        self._leases.release(session.tenant, session.session_id)
 
     def _live_bytes(self) -> int:
         with self._lock:
@@ -767,4 +764,4 @@ class SessionManager:
         with self._lock:
             back = key in self._live or key in self._loaders
         if not back:
-            self._release_lease(*key)
+            self._leases.release(*key)

@@ -20,6 +20,7 @@ and every logit uses it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -105,8 +106,16 @@ def _canonical(st_header: dict[str, Any]) -> bytes:
 def _chunk_sums(data: memoryview) -> list[str]:
     """XXH3-64 of every ``CHECKSUM_CHUNK`` bytes, hashed on several cores (xxhash releases the GIL)."""
     starts = range(0, max(1, len(data)), CHECKSUM_CHUNK)
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, len(starts))) as pool:
-        return list(pool.map(lambda start: xxhash.xxh3_64_hexdigest(data[start : start + CHECKSUM_CHUNK]), starts))
+    digest = lambda start: xxhash.xxh3_64_hexdigest(data[start : start + CHECKSUM_CHUNK])  # noqa: E731
+    if len(starts) == 1:  # most blobs of compacted sessions: no thread hand-off
+        return [digest(0)]
+    return list(_hashers().map(digest, starts))
+
+
+@functools.cache
+def _hashers() -> ThreadPoolExecutor:
+    """One pool for every checksum, made on first use (not one per encode or decode)."""
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="agentmem-xxh3")
 
 
 def read_header(blob: bytes) -> dict[str, Any]:

@@ -95,8 +95,10 @@ class RedisStore:
         ttl_ms = None if record.ttl_seconds is None else max(1, int(record.ttl_seconds * 1000))
 
         def register_and_store() -> None:
-            self._redis.sadd(writes_key, write_id)
-            self._redis.pexpire(writes_key, ORPHAN_TTL_MS)
+            with self._redis.pipeline(transaction=False) as pipe:
+                pipe.sadd(writes_key, write_id)
+                pipe.pexpire(writes_key, ORPHAN_TTL_MS)
+                pipe.execute()
             view = memoryview(blob)  # chunks are sent as views of the blob, never copied first
             for first in range(0, len(chunk_keys), _CHUNKS_PER_PIPELINE):
                 with self._redis.pipeline(transaction=False) as pipe:
@@ -277,20 +279,8 @@ class RedisStore:
         key, ttl_ms = _lease_key(tenant, session_id), max(1, int(ttl_seconds * 1000))
 
         def acquire() -> bool:
-            if self._redis.set(key, owner, nx=True, px=ttl_ms):
-                return True
-            with self._redis.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(key)
-                    holder = pipe.get(key)
-                    if holder is not None and holder.decode() != owner:
-                        return False
-                    pipe.multi()
-                    pipe.set(key, owner, px=ttl_ms)
-                    pipe.execute()
-                    return True
-                except WatchError:
-                    return False
+            return bool(self._redis.set(key, owner, nx=True, px=ttl_ms)) or self._extend_lease(key, owner, ttl_ms,
+                                                                                               take_free=True)
 
         return self._call(acquire)
 
@@ -298,21 +288,22 @@ class RedisStore:
         check_tenant(tenant)
         check_session_id(session_id)
         key, ttl_ms = _lease_key(tenant, session_id), max(1, int(ttl_seconds * 1000))
+        return self._call(lambda: self._extend_lease(key, owner, ttl_ms, take_free=False))
 
-        def renew() -> bool:
-            with self._redis.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(key)
-                    if pipe.get(key) != owner.encode():
-                        return False
-                    pipe.multi()
-                    pipe.set(key, owner, px=ttl_ms)
-                    pipe.execute()
-                    return True
-                except WatchError:
+    def _extend_lease(self, key: str, owner: str, ttl_ms: int, *, take_free: bool) -> bool:
+        """Set the lease to ``owner`` for ``ttl_ms`` if ``owner`` holds it (or, with ``take_free``, nobody does)."""
+        with self._redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(key)
+                holder = pipe.get(key)
+                if holder != owner.encode() and not (take_free and holder is None):
                     return False
-
-        return self._call(renew)
+                pipe.multi()
+                pipe.set(key, owner, px=ttl_ms)
+                pipe.execute()
+                return True
+            except WatchError:
+                return False
 
     def release_lease(self, tenant: str, session_id: str, owner: str) -> None:
         key = _lease_key(tenant, session_id)
