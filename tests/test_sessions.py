@@ -349,3 +349,11 @@ def test_a_turn_never_waits_for_another_sessions_store_io(tiny, tmp_path, stalle
         turn.join(60)
         assert finished, f"a turn on another session waited for a stuck {stalled}"
         assert manager.session("slow").messages[0]["content"] == "hello"
+
+
+def test_bad_manager_settings_are_typed_errors(tiny, tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    for bad, match in (({"host_budget_bytes": 0}, "host_budget_bytes"), ({"lease_seconds": 0}, "lease_seconds"),
+                       ({"lease_wait": -1}, "lease_wait")):
+        with pytest.raises(InvalidInput, match=match):
+            SessionManager(tiny, url, **bad)

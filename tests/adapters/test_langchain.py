@@ -85,6 +85,13 @@ def test_prefetch_warms_a_stored_session_so_its_turn_reads_no_store(store):
         model.prefetch("bad*id")
 
 
+def test_a_bad_host_budget_variable_is_named_in_the_error(monkeypatch):
+    for raw in ("abc", "0", "-5"):
+        monkeypatch.setenv("AGENTMEM_HOST_BUDGET_BYTES", raw)
+        with pytest.raises(InvalidInput, match="AGENTMEM_HOST_BUDGET_BYTES"):
+            shared.host_budget_bytes()
+
+
 def test_tenants_never_see_each_other(store):
     config = {"configurable": {"session_id": "shared-name"}}
     a = ChatAgentMem(store=store, tenant="tenant-a", max_tokens=8)

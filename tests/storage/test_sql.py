@@ -96,3 +96,18 @@ def test_cleanup_after_a_failed_publish_never_deletes_published_chunks(sql_url):
         store._discard("acme", "s1", "f" * 32, unless_published=True)  # an unpublished write's chunks go
     finally:
         store.close()
+
+
+def test_a_blob_missing_a_chunk_is_a_corrupt_session_not_a_short_read(sql_url, monkeypatch):
+    from agentmem.errors import CorruptSessionError
+
+    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"0123456789"))
+        with store._transaction() as conn:
+            conn.execute(chunks_table.delete().where(chunks_table.c.seq == 1))
+        with pytest.raises(CorruptSessionError, match="its row says 10"):
+            store.get("acme", "s1")
+    finally:
+        store.close()
