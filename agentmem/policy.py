@@ -26,9 +26,11 @@ class BudgetPolicy(BaseModel):
 
     name: str = "default"
     max_live_tokens: int = Field(4096, gt=0, description="physical rows that trigger compaction")
-    target_ratio: float | None = Field(4.0, description="compact the span to 1/ratio of its rows")
+    target_ratio: float | None = Field(4.0, description="compact the text a span stands for to 1 row per this many tokens")
     target_tokens: int | None = Field(None, ge=0, description="or to this many token-equivalents")
     keep_recent: int = Field(256, ge=1, description="most recent tokens kept raw (at least 1: decoding resumes from it)")
+    fill_after_compaction: float = Field(
+        0.5, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later turns")
     protect_system_prompt: bool = True
     method: str = "am-fast"
     queries: str = "repeat"
@@ -74,6 +76,21 @@ class BudgetPolicy(BaseModel):
         if self.target_tokens is not None and self.target_tokens + self.keep_recent >= self.max_live_tokens:
             raise ValueError("target_tokens + keep_recent must be below max_live_tokens, or compaction cannot help")
         return self
+
+    def compaction_target(self, logical_tokens: int, protected: int = 0) -> int:
+        """Token-equivalents (rows per layer and KV head) a compaction keeps of the span of a session
+        that has read ``logical_tokens``, ``protected`` of them a protected prefix.
+
+        The ratio applies to the tokens the span stands for, not to the rows it holds now:
+        re-compacting earlier compacted rows by the ratio again would squeeze the oldest text by
+        ratio², ratio³, … and keep a fixed (max_live_tokens − keep_recent) / ratio rows for all
+        of history however long it grows. Capped so that at most ``fill_after_compaction`` of
+        ``max_live_tokens`` stays live; at least one row per head.
+        """
+        span = max(0, logical_tokens - protected - self.keep_recent)
+        wanted = round(span / self.target_ratio) if self.target_ratio is not None else self.target_tokens
+        room = int(self.fill_after_compaction * self.max_live_tokens) - self.keep_recent - protected
+        return max(1, min(wanted, room))
 
     @classmethod
     def create(cls, **fields) -> BudgetPolicy:

@@ -676,11 +676,10 @@ class SessionManager:
         self._enforce_device_budget(keep=session)
 
     def _compact(self, policy: BudgetPolicy, cache: SessionCache, protect: int) -> SessionCache:
-        target = {"ratio": policy.target_ratio} if policy.target_ratio is not None else {
-            "target_tokens": policy.target_tokens}
         self.metrics.add("compactions")
         return compact(self.engine, cache, method=policy.method, queries=policy.queries,
-                       keep_recent=policy.keep_recent, protect_prefix=protect, **target)
+                       keep_recent=policy.keep_recent, protect_prefix=protect,
+                       target_tokens=policy.compaction_target(cache.logical_length, protect))
 
     def _enforce_device_budget(self, keep: Session) -> None:
         if self.device_budget_bytes is None:

@@ -72,6 +72,24 @@ def test_keeping_every_row_through_the_fitting_path_is_exact(llama, method):
     assert torch.allclose(llama.score(same, ids[159:]), llama.score(cache, ids[159:]), atol=1e-4)
 
 
+def test_held_out_positions_never_reach_the_fit_sample(llama):
+    """Queries reading held-out span positions still score rows but are never sampled for the fits."""
+    cache = llama.prefill(doc_ids(llama, 160))
+    plan = plan_span(cache, protect_prefix=0, keep_recent=0)
+    every = collect_reference(llama, cache, plan, "context", budget=160, max_queries=None, seed=0)
+    held = frozenset(range(40, 100))
+    rest = collect_reference(llama, cache, plan, "context", budget=160, max_queries=None, seed=0, held_out=held)
+    none = collect_reference(llama, cache, plan, "context", budget=160, max_queries=None, seed=0,
+                             held_out=frozenset(range(160)))
+    group = llama.num_heads // llama.num_kv_heads
+    outside = [t for t in range(160) if t not in held]
+    for a, b, c, s_a, s_b in zip(every.queries, rest.queries, none.queries, every.scores, rest.scores):
+        heads, _, dim = a.q.shape
+        assert torch.equal(b.q.reshape(heads, -1, group, dim), a.q.reshape(heads, 160, group, dim)[:, outside])
+        assert c.q.shape[1] == 0 and c.lse.shape[1] == 0
+        assert torch.equal(s_a, s_b)
+
+
 def test_fits_reduce_held_out_error_on_a_real_cache(engine):
     """On the embedded model and real text, fits lower the layer-output error on unseen queries."""
     ids = doc_ids(engine, 700)

@@ -84,6 +84,18 @@ def test_long_conversation_compacts_spills_and_resumes_in_a_new_process(engine, 
     assert result["stats"]["resumes"] == 1
 
 
+def test_compaction_target_applies_the_ratio_to_the_text_and_leaves_room():
+    policy = BudgetPolicy(max_live_tokens=4096, keep_recent=64, target_ratio=8)
+    assert policy.compaction_target(1064) == 125  # (1064 - 64) / 8, whatever the span holds now
+    assert policy.compaction_target(1064, protected=200) == 100
+    assert policy.compaction_target(100_000) == 2048 - 64  # at most half the budget stays live
+    assert policy.with_overrides(fill_after_compaction=0.75).compaction_target(100_000) == 3072 - 64
+    assert policy.with_overrides(target_tokens=300).compaction_target(100_000) == 300
+    assert policy.compaction_target(10, protected=5000) == 1  # nothing fits: one row per head, never zero
+    with pytest.raises(InvalidInput, match="fill_after_compaction"):
+        BudgetPolicy.create(fill_after_compaction=1.0)
+
+
 def test_policy_validation_and_loading(tmp_path):
     with pytest.raises(InvalidInput, match="keep_recent"):
         BudgetPolicy.create(max_live_tokens=100, keep_recent=200)
@@ -268,6 +280,10 @@ def test_online_compaction_during_a_long_generation(tiny, tmp_path):
             assert usage.live_tokens <= policy.max_live_tokens
             assert usage.logical_tokens == usage.prefilled_tokens + 200
             assert session.cache.token_ids[-200:] == reply.token_ids  # every generated token is in the cache
+            # The ratio applies to the text read so far, so later compactions keep more rows for
+            # the longer history, up to the share of the budget a compaction may leave live.
+            after = [e["rows_after"] for e in usage.compaction_events]
+            assert after[-1] > after[0] and max(after) <= policy.fill_after_compaction * policy.max_live_tokens
     finally:
         tiny.eos_token_ids = saved
 

@@ -124,9 +124,13 @@ class ReferenceRecorder:
 
     def result(self) -> Reference:
         scores = [s.masked_fill(~span.valid, float("-inf")) for s, span in zip(self.scores, self.plan.layers)]
-        queries = [LayerQueries(*(torch.cat(parts, dim=1) for parts in zip(*self._kept[i])))
-                   for i in range(len(self.plan.layers))]
-        return Reference(scores, queries)
+        return Reference(scores, [self._sampled(i) for i in range(len(self.plan.layers))])
+
+    def _sampled(self, layer_idx: int) -> LayerQueries:
+        if layer_idx in self._kept:
+            return LayerQueries(*(torch.cat(parts, dim=1) for parts in zip(*self._kept[layer_idx])))
+        keys = self.plan.layers[layer_idx].keys  # no query sampled (all held out): empty, fits are skipped
+        return LayerQueries(keys[:, :0], keys.new_zeros(keys.shape[0], 0, dtype=torch.float32), keys[:, :0])
 
 
 def check_source(source: str) -> list[str]:
@@ -138,30 +142,36 @@ def check_source(source: str) -> list[str]:
 
 
 def collect_reference(
-    engine, cache: SessionCache, plan: SpanPlan, source: str, *, budget: int, max_queries: int | None, seed: int
+    engine, cache: SessionCache, plan: SpanPlan, source: str, *, budget: int, max_queries: int | None, seed: int,
+    held_out: frozenset[int] = frozenset(),
 ) -> Reference:
     """Scores and a query sample of ``source`` (module doc), reading at most about ``budget`` tokens.
 
     ``max_queries`` caps the sample per KV head; it is also capped so that all layers'
-    samples fit in ``SAMPLE_BYTES``.
+    samples fit in ``SAMPLE_BYTES``. Queries reading a span position in ``held_out`` score
+    rows but are never sampled, so what the fits are validated on stays unseen by them.
     """
     parts = check_source(source)
     span_tokens = cache.token_ids[plan.start : plan.end]
     share = max(_CHUNK, budget // len(parts))
     room = engine.max_context - cache.logical_length
-    windows = [w[:room] for p in parts for w in _windows(engine, cache, span_tokens, p, share, seed)]
+    windows = [(w[:room], at[:room]) for p in parts for w, at in _windows(engine, cache, span_tokens, p, share, seed)]
     group = engine.num_heads // engine.num_kv_heads
-    total = group * sum(len(w) for w in windows)
+    eligible = torch.tensor([i not in held_out for _, at in windows for i in at], device="cpu")
+    candidates = eligible.repeat_interleave(group).nonzero()[:, 0]
     per_query = engine.num_layers * engine.num_kv_heads * (2 * engine.head_dim * cache.dtype.itemsize + 4)
-    keep = min(total, max(1, SAMPLE_BYTES // per_query), max_queries or total)
+    keep = min(len(candidates), max(1, SAMPLE_BYTES // per_query), max_queries or len(candidates))
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    sample = torch.randperm(total, generator=generator, device="cpu")[:keep].sort().values.to(cache.device)
-    recorder = ReferenceRecorder(plan, sample, group)
-    engine.observe(cache, windows, recorder)
+    chosen = candidates[torch.randperm(len(candidates), generator=generator, device="cpu")[:keep]]
+    recorder = ReferenceRecorder(plan, chosen.sort().values.to(cache.device), group)
+    engine.observe(cache, [w for w, _ in windows], recorder)
     return recorder.result()
 
 
-def _windows(engine, cache: SessionCache, span_tokens: list[int], source: str, budget: int, seed: int) -> list[list[int]]:
+def _windows(
+    engine, cache: SessionCache, span_tokens: list[int], source: str, budget: int, seed: int
+) -> list[tuple[list[int], list[int]]]:
+    """Token windows to read, each with the span position every token copies (-1: not from the span)."""
     encode = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     if source == "self-study":
         prompt = encode(SELF_STUDY_PROMPT)
@@ -171,20 +181,22 @@ def _windows(engine, cache: SessionCache, span_tokens: list[int], source: str, b
                                       top_p=0.95, seed=seed)
         finally:
             cache.truncate(mark)
-        return [prompt + written]
+        return [(prompt + written, [-1] * (len(prompt) + len(written)))]
     prompt = encode(REPEAT_PROMPT) if source == "repeat" else []
-    tokens = sample_chunks(span_tokens, budget)
-    return [prompt + tokens[i : i + WINDOW_TOKENS] for i in range(0, len(tokens), WINDOW_TOKENS)]
+    at = sample_positions(len(span_tokens), budget)
+    return [(prompt + [span_tokens[i] for i in at[k : k + WINDOW_TOKENS]], [-1] * len(prompt) + at[k : k + WINDOW_TOKENS])
+            for k in range(0, len(at), WINDOW_TOKENS)]
 
 
-def sample_chunks(tokens: list[int], budget: int) -> list[int]:
-    """``budget`` tokens as evenly spread contiguous chunks of the span (all of it if it fits)."""
-    if len(tokens) <= budget:
-        return list(tokens)
-    chunks = max(1, budget // _CHUNK)
-    stride = (len(tokens) - _CHUNK) / max(1, chunks - 1)
+def sample_positions(length: int, budget: int) -> list[int]:
+    """``budget`` positions of ``range(length)`` as evenly spread contiguous chunks (all of them if they fit)."""
+    if length <= budget:
+        return list(range(length))
+    size = min(_CHUNK, budget)
+    chunks = max(1, budget // size)
+    stride = (length - size) / max(1, chunks - 1)
     out: list[int] = []
     for i in range(chunks):
         start = int(round(i * stride))
-        out.extend(tokens[start : start + _CHUNK])
+        out.extend(range(start, start + size))
     return out

@@ -1,0 +1,167 @@
+"""Online compaction: a long reading session compacted again and again under a live-row budget.
+
+A session reads a real document (Python's docs, or a standard-library module: not written by
+us) in turns of ``TURN`` tokens. Whenever the next turn would take the live rows past
+``max_live_tokens``, the cache is compacted exactly as a :class:`~agentmem.SessionManager`
+would under that :class:`~agentmem.BudgetPolicy` (``policy.compaction_target``). At the end,
+its recall of the text is compared with *one* compaction of the full cache to the same final
+number of rows (same method, same ``keep_recent``).
+
+Recall probes: from each third of the document, ``PASSAGES`` passages of ``PASSAGE`` tokens,
+each cued by the ``CUE`` tokens before it ("Continue this passage from the text above"),
+scored teacher-forced. retention = (NLL_no_context − NLL) / (NLL_no_context − NLL_full), per
+third; ``online / one-shot`` is the mean retention of the online session over that of the
+one-shot compaction (the target is ≥ 0.9 for the policy's default method).
+
+Writes ``benchmarks/results/online.{md,json,png}``. Run: ``python benchmarks/online.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentmem import BudgetPolicy, Engine
+from agentmem.compaction import compact
+from agentmem.models import EMBEDDED
+from common import RESULTS, machine, stdlib_text, write_results
+
+TURN = 128
+PASSAGE, CUE, PASSAGES = 64, 16, 2
+PROMPT = "\n\nContinue this passage from the text above, word for word:\n"
+METHODS = ("global-eviction", "am-fast", "am")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    tokens: int
+    policy: BudgetPolicy
+
+
+SCENARIOS = (
+    Scenario("3k tokens, budget 1024, policy defaults", 3072, BudgetPolicy(max_live_tokens=1024)),
+    Scenario("4k tokens, budget 640, ratio 8, keep_recent 64", 4096,
+             BudgetPolicy(max_live_tokens=640, target_ratio=8, keep_recent=64)),
+)
+
+
+def documents() -> dict[str, str]:
+    """One prose and one code document, neither used by the fidelity benchmark."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return {"prose: Python docs": stdlib_text(), "code: argparse.py": (stdlib / "argparse.py").read_text()}
+
+
+def make_probes(tokenize, ids: list[int]) -> dict[str, list[tuple[list[int], int]]]:
+    """Per third of ``ids``: passages cued by the tokens before them (tokens to score, target length)."""
+    prompt = tokenize(PROMPT)
+    third = len(ids) // 3
+    probes = {}
+    for k, name in enumerate(("first", "middle", "last")):
+        starts = [k * third + (i + 1) * third // (PASSAGES + 1) for i in range(PASSAGES)]
+        probes[name] = [(prompt + ids[s - CUE : s + PASSAGE], PASSAGE) for s in starts]
+    return probes
+
+
+def probe_nll(engine: Engine, cache, probes) -> dict[str, float]:
+    return {name: sum(-engine.score(cache, t)[-n:].mean().item() for t, n in items) / len(items)
+            for name, items in probes.items()}
+
+
+def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> tuple[object, int, float]:
+    """The session after reading ``ids`` turn by turn; compactions done and seconds spent in them."""
+    cache, compactions, seconds = engine.new_cache(), 0, 0.0
+    for start in range(0, len(ids), TURN):
+        turn = ids[start : start + TURN]
+        if cache.physical_length + len(turn) > policy.max_live_tokens:
+            began = time.perf_counter()
+            cache = compact(engine, cache, method=policy.method, queries=policy.queries, keep_recent=policy.keep_recent,
+                            target_tokens=policy.compaction_target(cache.logical_length))
+            seconds += time.perf_counter() - began
+            compactions += 1
+        engine.prefill(turn, cache)
+    return cache, compactions, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--scenarios", type=int, nargs="+", default=list(range(len(SCENARIOS))),
+                        help="which scenarios (indices)")
+    args = parser.parse_args()
+    engine = Engine.load(EMBEDDED)
+    tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows = []
+    for scenario in [SCENARIOS[i] for i in args.scenarios]:
+        for doc, text in documents().items():
+            ids = tokenize(text)[: scenario.tokens]
+            probes = make_probes(tokenize, ids)
+            began = time.perf_counter()
+            full = engine.prefill(ids)
+            prefill_s = time.perf_counter() - began
+            reference = {"full": probe_nll(engine, full, probes), "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
+            for method in args.methods:
+                policy = scenario.policy.with_overrides(method=method)
+                online, count, online_s = read_online(engine, ids, policy)
+                began = time.perf_counter()
+                once = compact(engine, full, method=method, queries=policy.queries, keep_recent=policy.keep_recent,
+                               target_tokens=online.physical_length - policy.keep_recent)
+                once_s = time.perf_counter() - began
+                row = {"scenario": scenario.name, "doc": doc, "method": method, "compactions": count,
+                       "final rows": online.physical_length, "one-shot rows": once.physical_length}
+                for label, cache in (("online", online), ("one-shot", once)):
+                    nll = probe_nll(engine, cache, probes)
+                    for third, value in nll.items():
+                        full_nll, none_nll = reference["full"][third], reference["none"][third]
+                        row[f"{label} {third}"] = (none_nll - value) / (none_nll - full_nll)
+                    row[f"{label} mean"] = sum(row[f"{label} {t}"] for t in probes) / len(probes)
+                row["online / one-shot"] = row["online mean"] / row["one-shot mean"]
+                row.update({"online compaction s": online_s, "one-shot compaction s": once_s, "prefill s": prefill_s})
+                rows.append(row)
+                print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    table = [{k: r[k] for k in ("scenario", "doc", "method", "compactions", "final rows", "online first", "online middle",
+                                "online last", "online mean", "one-shot mean", "online / one-shot",
+                                "online compaction s", "prefill s")} for r in rows]
+    md = write_results("online", "Online compaction vs one compaction to the same size (embedded model; retention, "
+                                 "1 = as good as the full cache)", table,
+                       {"per third and one-shot detail": "benchmarks/results/online.json (rows)", "machine": machine(),
+                        "command": "python benchmarks/online.py"})
+    (RESULTS / "online.json").write_text(json.dumps({"rows": rows, "machine": machine()}, indent=2))
+    plot(rows)
+    print(md)
+
+
+def plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    docs = sorted({r["doc"] for r in rows})
+    fig, axes = plt.subplots(1, len(docs), figsize=(6 * len(docs), 4.5), sharey=True, squeeze=False)
+    for ax, doc in zip(axes[0], docs):
+        for method, marker in zip(METHODS, "os^"):
+            points = sorted((r["compactions"], r["online / one-shot"]) for r in rows if r["doc"] == doc and r["method"] == method)
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], f"-{marker}", label=method)
+        ax.axhline(0.9, color="grey", linestyle=":", label="target 0.9")
+        ax.set_title(doc)
+        ax.set_xlabel("compactions during the session")
+        ax.set_ylabel("online retention / one-shot retention")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylim(0, 1.1)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "online.png", dpi=120)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
