@@ -11,7 +11,9 @@ kvpress does). Three probes are scored with ``engine.score`` (mean NLL of their 
 
 retention = (NLL_no_context − NLL_method) / (NLL_no_context − NLL_full); 1 is lossless.
 NVIDIA's kvpress runs the same model, text, probes and ratios in its own virtual environment
-(it pins transformers < 5.3); see ``kvpress_runner.py``. Writes
+(it pins transformers < 5.3); see ``kvpress_runner.py`` (KVzip scores every context token;
+``compaction s`` is the compaction alone for every method, the context's prefill is
+``prefill s``). Writes
 ``benchmarks/results/fidelity.{md,json,png}``. Run: ``python benchmarks/fidelity.py``.
 """
 
@@ -77,6 +79,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--docs", type=int, nargs="+", default=[0, 1, 2, 3], help="which documents (indices)")
     parser.add_argument("--no-kvpress", action="store_true", help="skip the kvpress comparison")
+    parser.add_argument("--presses", nargs="+", default=list(KVPRESS_PRESSES), help="which kvpress presses")
     parser.add_argument("--update", action="store_true",
                         help="re-measure only --methods and merge them into the saved results")
     args = parser.parse_args()
@@ -107,7 +110,7 @@ def main() -> None:
                 print(f"  {ratio:3d}x {method:16s} {seconds:6.1f} s  " + "  ".join(
                     f"{k} {rows[-1][k]:.3f}" for k in ("next", "opening", "middle")), flush=True)
     if not args.no_kvpress:
-        rows += run_kvpress(jobs, args.ratios)
+        rows += run_kvpress(jobs, args.ratios, args.presses)
     if args.update:
         measured = {(r["doc"], r["method"], r["ratio"]) for r in rows}
         saved = json.loads((RESULTS / "fidelity.json").read_text())["rows"]
@@ -143,18 +146,18 @@ def summarise(rows: list[dict]) -> list[dict]:
             "ratio": ratio, "method": method, "next": mean("next"), "opening": mean("opening"),
             "middle": mean("middle"), "recall (opening+middle)/2": (mean("opening") + mean("middle")) / 2,
             "next NLL vs full": mean("nll next") / mean("full nll next"),
-            "compaction s": mean("seconds"), "KiB kept": mean("bytes") / 1024 if group[0]["bytes"] else float("nan"),
+            "compaction s": mean("seconds"), "prefill s": mean("prefill seconds"), "KiB kept": mean("bytes") / 1024 if group[0]["bytes"] else float("nan"),
         })
     return out
 
 
-def run_kvpress(jobs: list[dict], ratios: list[int]) -> list[dict]:
+def run_kvpress(jobs: list[dict], ratios: list[int], presses: list[str]) -> list[dict]:
     """The kvpress presses on the same model, text and probes, in the kvpress virtual environment."""
     python = ensure_kvpress_env()
     job_file = RESULTS / "kvpress_job.json"
     out_file = RESULTS / "kvpress_out.json"
     payload = {
-        "model": str(resolve_model_dir(EMBEDDED)), "ratios": ratios, "presses": list(KVPRESS_PRESSES),
+        "model": str(resolve_model_dir(EMBEDDED)), "ratios": ratios, "presses": presses,
         "docs": [{"doc": j["doc"], "context": j["context"], "probes": {k: list(v) for k, v in j["probes"].items()}}
                  for j in jobs],
     }
@@ -164,7 +167,7 @@ def run_kvpress(jobs: list[dict], ratios: list[int]) -> list[dict]:
     references = {j["doc"]: j["reference"] for j in jobs}
     for r in json.loads(out_file.read_text()):
         rows.append(_row(r["doc"], f"kvpress {r['press']}", r["ratio"], r["nll"], references[r["doc"]], r["seconds"], 0,
-                         float("nan")))
+                         r["prefill seconds"]))
     job_file.unlink()
     out_file.unlink()
     return rows

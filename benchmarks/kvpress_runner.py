@@ -3,6 +3,10 @@
 Reads a job (model folder, contexts as token ids, probes, ratios, press names), compresses each
 context with each press while prefilling, and scores every probe against the compressed
 cache at the context's logical positions, exactly as kvpress's own pipeline does for questions.
+``seconds`` is the press's own time: the prefill with the press minus a plain prefill of the
+same context (reported as ``prefill seconds``), the timing our methods get. KVzip is made to
+score every context token: kvpress finds where a context starts from the chat template and
+never scores the tokens before it, but these contexts are raw text with no template.
 Usage: ``python kvpress_runner.py JOB.json OUT.json``.
 """
 
@@ -54,17 +58,23 @@ def main() -> None:
     out = []
     for doc in job["docs"]:
         context = torch.tensor([doc["context"]])
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.model(input_ids=context, past_key_values=DynamicCache())
+        prefill = time.perf_counter() - start
         for ratio in job["ratios"]:
             for name in job["presses"]:
                 press = PRESSES[name](compression_ratio=1.0 - 1.0 / ratio)
                 cache = DynamicCache()
                 start = time.perf_counter()
                 with torch.no_grad(), press(model):
+                    if isinstance(press, KVzipPress):
+                        press.prefix_length = 0  # raw text, no chat template: every token is context
                     model.model(input_ids=context, past_key_values=cache)
-                seconds = time.perf_counter() - start
+                seconds = time.perf_counter() - start - prefill
                 nll = {probe: score(model, cache, context.shape[1], tokens, n) for probe, (tokens, n) in doc["probes"].items()}
                 out.append({"doc": doc["doc"], "press": name, "ratio": ratio, "nll": nll, "seconds": seconds,
-                            "kept": cache.get_seq_length()})
+                            "prefill seconds": prefill, "kept": cache.get_seq_length()})
                 print(f"  kvpress {ratio:3d}x {name:20s} kept {cache.get_seq_length():5d}  {nll}", flush=True)
     open(sys.argv[2], "w").write(json.dumps(out))
 

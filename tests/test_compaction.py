@@ -72,6 +72,19 @@ def test_keeping_every_row_through_the_fitting_path_is_exact(llama, method):
     assert torch.allclose(llama.score(same, ids[159:]), llama.score(cache, ids[159:]), atol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["global-eviction", "am-fast"])
+def test_global_selection_keeps_the_attention_sinks(llama, method):
+    from agentmem.compaction.methods import SINKS
+
+    cache = llama.prefill(doc_ids(llama, 160))
+    once = compact(llama, cache, ratio=4, method=method, keep_recent=0)
+    twice = compact(llama, llama.prefill(doc_ids(llama, 200)[160:], once), ratio=4, method=method, keep_recent=0)
+    for before, after in zip(cache.layers, twice.layers):
+        segment = after.segment(0)
+        for h in range(after.num_heads):
+            assert torch.equal(segment.keys[segment.head_slice(h)][:SINKS], before.tail_keys[h, :SINKS])
+
+
 def test_held_out_positions_never_reach_the_fit_sample(llama):
     """Queries reading held-out span positions still score rows but are never sampled for the fits."""
     cache = llama.prefill(doc_ids(llama, 160))

@@ -17,6 +17,7 @@ from agentmem.compaction.span import HeadChoice, SpanPlan, assemble, prefix_cach
 from agentmem.compaction.solvers import SpanAttention
 
 
+SINKS = 4  # first rows of a session every head keeps (attention sinks)
 VALIDATION_TOKENS = 256  # span tokens the end-to-end check re-reads (at most a quarter of the span)
 SUMMARY_PROMPT = "\n\nSummarise the text above in at most {words} words, keeping names, numbers and facts.\nSummary:"
 
@@ -76,8 +77,25 @@ def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadCh
     return out
 
 
+def _keep_sinks(job: Job, scores: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Scores with the session's first ``SINKS`` rows of every head made unbeatable, when the span holds them.
+
+    Every query puts much of its attention on the first tokens (attention sinks); a head that
+    loses them redistributes that mass over whatever it kept. KVzip never evicts them either.
+    """
+    if job.plan.start != 0:
+        return scores
+    out = []
+    for layer_scores, span in zip(scores, job.plan.layers):
+        first = span.valid & (span.valid.cumsum(1) <= SINKS)  # a head's first real rows, in position order
+        out.append(layer_scores.masked_fill(first, torch.finfo(layer_scores.dtype).max))
+    return out
+
+
 def _select(job: Job, scores: list[torch.Tensor], proportions: torch.Tensor | None, *, global_budget: bool):
-    """Row indices per layer and head: global top-k, or per-head top-k under proportional budgets."""
+    """Row indices per layer and head: global top-k (sinks kept), or per-head top-k under proportional budgets."""
+    if global_budget:
+        scores = _keep_sinks(job, scores)
     if global_budget and proportions is None:
         return budgets.global_top(scores, job.total)
     budget = budgets.proportional(job.counts, job.total, proportions)
