@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--scenarios", type=int, nargs="+", default=list(range(len(SCENARIOS))),
                         help="which scenarios (indices)")
+    parser.add_argument("--update", action="store_true", help="merge into the saved results instead of replacing them")
     args = parser.parse_args()
     engine = Engine.load(EMBEDDED)
     tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -125,6 +126,12 @@ def main() -> None:
                 row.update({"online compaction s": online_s, "one-shot compaction s": once_s, "prefill s": prefill_s})
                 rows.append(row)
                 print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.update:
+        measured = {(r["scenario"], r["doc"], r["method"]) for r in rows}
+        saved = json.loads((RESULTS / "online.json").read_text())["rows"]
+        rows = [r for r in saved if (r["scenario"], r["doc"], r["method"]) not in measured] + rows
+        scenarios, docs = [s.name for s in SCENARIOS], list(documents())
+        rows.sort(key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"]), METHODS.index(r["method"])))
     table = [{k: r[k] for k in ("scenario", "doc", "method", "compactions", "final rows", "online first", "online middle",
                                 "online last", "online mean", "one-shot mean", "online / one-shot",
                                 "online compaction s", "prefill s")} for r in rows]
