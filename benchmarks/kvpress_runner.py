@@ -4,7 +4,8 @@ Reads a job (model folder, contexts as token ids, probes, ratios, press names), 
 context with each press while prefilling, and scores every probe against the compressed
 cache at the context's logical positions, exactly as kvpress's own pipeline does for questions.
 ``seconds`` is the press's own time: the prefill with the press minus a plain prefill of the
-same context (reported as ``prefill seconds``), the timing our methods get. KVzip is made to
+same context (reported as ``prefill seconds``), the timing our methods get. That plain cache is
+also scored, as a control (ratio 1): it must retain what our full cache does. KVzip is made to
 score every context token: kvpress finds where a context starts from the chat template and
 never scores the tokens before it, but these contexts are raw text with no template.
 Usage: ``python kvpress_runner.py JOB.json OUT.json``.
@@ -58,10 +59,15 @@ def main() -> None:
     out = []
     for doc in job["docs"]:
         context = torch.tensor([doc["context"]])
+        plain = DynamicCache()
         start = time.perf_counter()
         with torch.no_grad():
-            model.model(input_ids=context, past_key_values=DynamicCache())
+            model.model(input_ids=context, past_key_values=plain)
         prefill = time.perf_counter() - start
+        # The control: this environment's uncompressed cache must score as our full cache does.
+        nll = {probe: score(model, plain, context.shape[1], tokens, n) for probe, (tokens, n) in doc["probes"].items()}
+        out.append({"doc": doc["doc"], "press": "none (control)", "ratio": 1, "nll": nll, "seconds": 0.0,
+                    "prefill seconds": prefill, "kept": plain.get_seq_length()})
         for ratio in job["ratios"]:
             for name in job["presses"]:
                 press = PRESSES[name](compression_ratio=1.0 - 1.0 / ratio)
