@@ -35,6 +35,10 @@ class CompactedSegment:
     ``keys``/``values`` are ``(R, head_dim)`` and ``beta`` is ``(R,)`` with
     ``R = sum(head_rows)``: rows ``[sum(head_rows[:h]), sum(head_rows[:h+1]))`` belong to KV
     head ``h``. Keys keep the RoPE rotation of the positions they came from.
+
+    ``scores`` ``(R,)`` float32 is what each row scored when a compaction chose it (the largest
+    share of a reference query's attention it received; -inf where unknown). A later compaction
+    ranks the row by it without re-reading the text the row stands for.
     """
 
     keys: torch.Tensor
@@ -42,13 +46,17 @@ class CompactedSegment:
     beta: torch.Tensor
     head_rows: tuple[int, ...]
     span: tuple[int, int]
+    scores: torch.Tensor | None = None  # None: unknown for every row
 
     def __post_init__(self) -> None:
         rows = sum(self.head_rows)
-        if self.keys.shape[0] != rows or self.values.shape[0] != rows or self.beta.shape != (rows,):
+        if self.scores is None:
+            object.__setattr__(self, "scores", torch.full((rows,), -math.inf, device=self.keys.device))
+        if (self.keys.shape[0] != rows or self.values.shape[0] != rows or self.beta.shape != (rows,)
+                or self.scores.shape != (rows,)):
             raise InvalidInput(
-                f"compacted segment rows disagree: head_rows sum to {rows}, keys "
-                f"{tuple(self.keys.shape)}, values {tuple(self.values.shape)}, beta {tuple(self.beta.shape)}"
+                f"compacted segment rows disagree: head_rows sum to {rows}, keys {tuple(self.keys.shape)}, "
+                f"values {tuple(self.values.shape)}, beta {tuple(self.beta.shape)}, scores {tuple(self.scores.shape)}"
             )
         if any(r < 0 for r in self.head_rows):
             raise InvalidInput(f"negative row count in head_rows {self.head_rows}")
@@ -66,7 +74,7 @@ class CompactedSegment:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.beta))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.beta, self.scores))
 
 
 @dataclass(frozen=True)
@@ -117,10 +125,13 @@ class LayerCache:
         # Uninitialised: every slot attention reads is written below or by stage().
         self._keys = torch.empty(heads, capacity, head_dim, dtype=dtype, device=device)
         self._values = torch.empty_like(self._keys)
-        # Additive logit bias of the prefix slots: β for real rows, -inf for padding.
+        # Additive logit bias of the prefix slots: β for real rows, -inf for padding; and the
+        # rows' recorded compaction scores (-inf on padding and unknowns). Both None without segments.
         self.bias: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
         if self.prefix_length:
             self.bias = torch.full((heads, self.prefix_length), -math.inf, dtype=dtype, device=device)
+            self.scores = torch.full((heads, self.prefix_length), -math.inf, dtype=torch.float32, device=device)
         offset = 0
         for seg in segments:
             keys, values, beta = (t.to(dtype) for t in (seg.keys, seg.values, seg.beta))
@@ -129,6 +140,7 @@ class LayerCache:
                 self._keys[h, offset : offset + n] = keys[start : start + n]
                 self._values[h, offset : offset + n] = values[start : start + n]
                 self.bias[h, offset : offset + n] = beta[start : start + n]
+                self.scores[h, offset : offset + n] = seg.scores[start : start + n]
                 # Padding slots get weight 0, but 0 * NaN garbage would still poison the output.
                 self._keys[h, offset + n : offset + seg.width] = 0
                 self._values[h, offset + n : offset + seg.width] = 0
@@ -162,13 +174,15 @@ class LayerCache:
 
     def segment(self, j: int) -> CompactedSegment:
         layout = self.layouts[j]
-        keys, values, beta = [], [], []
+        keys, values, beta, scores = [], [], [], []
         for h, n in enumerate(layout.head_rows):
             rows = slice(layout.offset, layout.offset + n)
             keys.append(self._keys[h, rows])
             values.append(self._values[h, rows])
             beta.append(self.bias[h, rows] if self.bias is not None else self._keys.new_zeros(0))
-        return CompactedSegment(torch.cat(keys), torch.cat(values), torch.cat(beta), layout.head_rows, layout.span)
+            scores.append(self.scores[h, rows] if self.scores is not None else self._keys.new_zeros(0, dtype=torch.float32))
+        return CompactedSegment(torch.cat(keys), torch.cat(values), torch.cat(beta), layout.head_rows, layout.span,
+                                torch.cat(scores))
 
     def slot_view(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Buffer slots ``[start, end)`` as ``(keys, values, prior)``: views plus a float32 ``(H, n)`` bias.
@@ -176,13 +190,25 @@ class LayerCache:
         ``prior`` is β on compacted rows, ``-inf`` on padding slots and 0 on raw rows, so
         ``isfinite(prior)`` marks the real rows. Keys and values are views of the buffer (no copy).
         """
-        if not 0 <= start <= end <= self.length:
-            raise InvalidInput(f"slots [{start}, {end}) outside the {self.length} occupied slots")
+        self._check_slots(start, end)
         prior = torch.zeros(self.num_heads, end - start, dtype=torch.float32, device=self._keys.device)
         biased = min(end, self.prefix_length)
         if start < biased:
             prior[:, : biased - start] = self.bias[:, start:biased]
         return self._keys[:, start:end], self._values[:, start:end], prior
+
+    def recorded_scores(self, start: int, end: int) -> torch.Tensor:
+        """Float32 ``(H, n)`` recorded scores of slots ``[start, end)``: -inf on raw rows, padding and unknowns."""
+        self._check_slots(start, end)
+        out = torch.full((self.num_heads, end - start), -math.inf, dtype=torch.float32, device=self._keys.device)
+        scored = min(end, self.prefix_length)
+        if start < scored:
+            out[:, : scored - start] = self.scores[:, start:scored]
+        return out
+
+    def _check_slots(self, start: int, end: int) -> None:
+        if not 0 <= start <= end <= self.length:
+            raise InvalidInput(f"slots [{start}, {end}) outside the {self.length} occupied slots")
 
     @property
     def rows_per_head(self) -> list[int]:
@@ -191,16 +217,16 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of real rows, as stored packed: keys, values and β of segments, plus the tail."""
+        """Bytes of real rows, as stored packed: keys, values, β and scores of segments, plus the tail."""
         row = self._keys.shape[-1] * self._keys.element_size()
-        compacted = sum(sum(seg.head_rows) for seg in self.layouts) * (2 * row + self._keys.element_size())
+        compacted = sum(sum(seg.head_rows) for seg in self.layouts) * (2 * row + self._keys.element_size() + 4)
         return 2 * self.tail_length * self.num_heads * row + compacted
 
     @property
     def allocated_nbytes(self) -> int:
         """Bytes actually held by the attention buffer, padding and spare capacity included."""
-        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return 2 * self._keys.numel() * self._keys.element_size() + bias
+        prefix = sum(0 if t is None else t.numel() * t.element_size() for t in (self.bias, self.scores))
+        return 2 * self._keys.numel() * self._keys.element_size() + prefix
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new ``(heads, n, head_dim)`` rows after the tail without committing them.
@@ -385,7 +411,7 @@ class SessionCache:
         for i, layer in enumerate(self.layers):
             segments_meta = []
             for j, seg in enumerate(layer.segments):
-                for part in ("keys", "values", "beta"):
+                for part in ("keys", "values", "beta", "scores"):
                     tensors[f"layers.{i}.segments.{j}.{part}"] = getattr(seg, part).detach().cpu().contiguous()
                 segments_meta.append({"head_rows": list(seg.head_rows), "span": list(seg.span)})
             tensors[f"layers.{i}.tail.keys"] = layer.tail_keys.detach().cpu().contiguous()
@@ -440,10 +466,10 @@ class SessionCache:
                 head_rows = tuple(int(r) for r in seg_meta["head_rows"])
                 if len(head_rows) != heads:
                     raise CorruptSessionError(f"layer {i} segment {j} has {len(head_rows)} heads, expected {heads}")
-                parts = {
-                    p: tensors[f"layers.{i}.segments.{j}.{p}"].to(device=device, dtype=dtype)
-                    for p in ("keys", "values", "beta")
-                }
+                name = f"layers.{i}.segments.{j}."
+                parts = {p: tensors[name + p].to(device=device, dtype=dtype) for p in ("keys", "values", "beta")}
+                if name + "scores" in tensors:  # caches exported before scores were recorded have none
+                    parts["scores"] = tensors[name + "scores"].to(device=device, dtype=torch.float32)
                 if parts["keys"].shape != (sum(head_rows), head_dim):
                     raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
                 try:
@@ -462,8 +488,9 @@ class SessionCache:
 
 
 def buffer_nbytes(prefix_slots: int, tail: int, *, heads: int, head_dim: int, element_size: int) -> int:
-    """Bytes a freshly built layer buffer allocates: keys and values of every slot, β of the prefix."""
-    return (2 * heads * head_dim * _round_up(prefix_slots + tail) + heads * prefix_slots) * element_size
+    """Bytes a freshly built layer buffer allocates: keys and values of every slot, β and float32 scores of the prefix."""
+    return (2 * heads * head_dim * _round_up(prefix_slots + tail) + heads * prefix_slots) * element_size + (
+        4 * heads * prefix_slots)
 
 
 def _round_up(n: int) -> int:

@@ -34,6 +34,8 @@ class BudgetPolicy(BaseModel):
     protect_system_prompt: bool = True
     method: str = "am-fast"
     queries: str = "repeat"
+    reread: Literal["new", "all"] = Field(
+        "new", description="what a compaction re-reads: only text not compacted before (new) or all of it (all)")
     max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
     max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
     max_host_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the host-memory tier")
@@ -91,6 +93,12 @@ class BudgetPolicy(BaseModel):
         wanted = round(span / self.target_ratio) if self.target_ratio is not None else self.target_tokens
         room = int(self.fill_after_compaction * self.max_live_tokens) - self.keep_recent - protected
         return max(1, min(wanted, room))
+
+    def compaction_arguments(self, logical_tokens: int, protected: int = 0) -> dict[str, object]:
+        """Keyword arguments of :func:`agentmem.compaction.compact` for a session that has read
+        ``logical_tokens``, ``protected`` of them a protected prefix (see :meth:`compaction_target`)."""
+        return {"method": self.method, "queries": self.queries, "reread": self.reread, "keep_recent": self.keep_recent,
+                "protect_prefix": protected, "target_tokens": self.compaction_target(logical_tokens, protected)}
 
     @classmethod
     def create(cls, **fields) -> BudgetPolicy:

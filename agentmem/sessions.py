@@ -677,9 +677,7 @@ class SessionManager:
 
     def _compact(self, policy: BudgetPolicy, cache: SessionCache, protect: int) -> SessionCache:
         self.metrics.add("compactions")
-        return compact(self.engine, cache, method=policy.method, queries=policy.queries,
-                       keep_recent=policy.keep_recent, protect_prefix=protect,
-                       target_tokens=policy.compaction_target(cache.logical_length, protect))
+        return compact(self.engine, cache, **policy.compaction_arguments(cache.logical_length, protect))
 
     def _enforce_device_budget(self, keep: Session) -> None:
         if self.device_budget_bytes is None:

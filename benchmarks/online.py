@@ -7,6 +7,11 @@ would under that :class:`~agentmem.BudgetPolicy` (``policy.compaction_target``).
 its recall of the text is compared with *one* compaction of the full cache to the same final
 number of rows (same method, same ``keep_recent``).
 
+Each method runs with ``reread="new"`` (the policy default: a compaction re-reads only text no
+compaction has scored yet, so its cost follows the live rows plus the new tokens) and with
+``reread="all"`` (every compaction re-reads all the text the session has read); the
+``re-read tokens`` column counts the span tokens all of a session's compactions read.
+
 Recall probes: from each third of the document, ``PASSAGES`` passages of ``PASSAGE`` tokens,
 each cued by the ``CUE`` tokens before it ("Continue this passage from the text above"),
 scored teacher-forced. retention = (NLL_no_context − NLL) / (NLL_no_context − NLL_full), per
@@ -29,6 +34,7 @@ import torch
 
 from agentmem import BudgetPolicy, Engine
 from agentmem.compaction import compact
+from agentmem.compaction.methods import REREAD
 from agentmem.models import EMBEDDED
 from common import RESULTS, machine, stdlib_text, write_results
 
@@ -74,6 +80,19 @@ def probe_nll(engine: Engine, cache, probes) -> dict[str, float]:
             for name, items in probes.items()}
 
 
+class ReadCounter:
+    """Counts the tokens compactions' reference passes read (``Engine.observe`` windows, prompts included)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.tokens = 0
+        self._observe = engine.observe
+        engine.observe = self  # the instance attribute shadows the method for this benchmark's engine
+
+    def __call__(self, cache, windows, recorder) -> None:
+        self.tokens += sum(len(w) for w in windows)
+        self._observe(cache, windows, recorder)
+
+
 def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> tuple[object, int, float]:
     """The session after reading ``ids`` turn by turn; compactions done and seconds spent in them."""
     cache, compactions, seconds = engine.new_cache(), 0, 0.0
@@ -81,8 +100,7 @@ def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> tuple[o
         turn = ids[start : start + TURN]
         if cache.physical_length + len(turn) > policy.max_live_tokens:
             began = time.perf_counter()
-            cache = compact(engine, cache, method=policy.method, queries=policy.queries, keep_recent=policy.keep_recent,
-                            target_tokens=policy.compaction_target(cache.logical_length))
+            cache = compact(engine, cache, **policy.compaction_arguments(cache.logical_length))
             seconds += time.perf_counter() - began
             compactions += 1
         engine.prefill(turn, cache)
@@ -92,11 +110,13 @@ def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> tuple[o
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--reread", nargs="+", default=list(REREAD), choices=REREAD)
     parser.add_argument("--scenarios", type=int, nargs="+", default=list(range(len(SCENARIOS))),
                         help="which scenarios (indices)")
     parser.add_argument("--update", action="store_true", help="merge into the saved results instead of replacing them")
     args = parser.parse_args()
     engine = Engine.load(EMBEDDED)
+    counter = ReadCounter(engine)
     tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rows = []
     for scenario in [SCENARIOS[i] for i in args.scenarios]:
@@ -107,15 +127,18 @@ def main() -> None:
             full = engine.prefill(ids)
             prefill_s = time.perf_counter() - began
             reference = {"full": probe_nll(engine, full, probes), "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
-            for method in args.methods:
-                policy = scenario.policy.with_overrides(method=method)
+            for method, reread in [(m, r) for m in args.methods for r in args.reread]:
+                policy = scenario.policy.with_overrides(method=method, reread=reread)
+                counter.tokens = 0
                 online, count, online_s = read_online(engine, ids, policy)
+                reread_tokens = counter.tokens
                 began = time.perf_counter()
                 once = compact(engine, full, method=method, queries=policy.queries, keep_recent=policy.keep_recent,
                                target_tokens=online.physical_length - policy.keep_recent)
                 once_s = time.perf_counter() - began
-                row = {"scenario": scenario.name, "doc": doc, "method": method, "compactions": count,
-                       "final rows": online.physical_length, "one-shot rows": once.physical_length}
+                row = {"scenario": scenario.name, "doc": doc, "method": method, "reread": reread, "compactions": count,
+                       "re-read tokens": reread_tokens, "final rows": online.physical_length,
+                       "one-shot rows": once.physical_length}
                 for label, cache in (("online", online), ("one-shot", once)):
                     nll = probe_nll(engine, cache, probes)
                     for third, value in nll.items():
@@ -127,14 +150,16 @@ def main() -> None:
                 rows.append(row)
                 print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     if args.update:
-        measured = {(r["scenario"], r["doc"], r["method"]) for r in rows}
+        key = lambda r: (r["scenario"], r["doc"], r["method"], r["reread"])  # noqa: E731
+        measured = {key(r) for r in rows}
         saved = json.loads((RESULTS / "online.json").read_text())["rows"]
-        rows = [r for r in saved if (r["scenario"], r["doc"], r["method"]) not in measured] + rows
+        rows = [r for r in saved if key(r) not in measured] + rows
         scenarios, docs = [s.name for s in SCENARIOS], list(documents())
-        rows.sort(key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"]), METHODS.index(r["method"])))
-    table = [{k: r[k] for k in ("scenario", "doc", "method", "compactions", "final rows", "online first", "online middle",
-                                "online last", "online mean", "one-shot mean", "online / one-shot",
-                                "online compaction s", "prefill s")} for r in rows]
+        rows.sort(key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"]), METHODS.index(r["method"]),
+                                 REREAD.index(r["reread"])))
+    table = [{k: r[k] for k in ("scenario", "doc", "method", "reread", "compactions", "final rows", "online first",
+                                "online middle", "online last", "online mean", "one-shot mean", "online / one-shot",
+                                "re-read tokens", "online compaction s", "prefill s")} for r in rows]
     md = write_results("online", "Online compaction vs one compaction to the same size (embedded model; retention, "
                                  "1 = as good as the full cache)", table,
                        {"per third and one-shot detail": "benchmarks/results/online.json (rows)", "machine": machine(),
@@ -153,10 +178,11 @@ def plot(rows: list[dict]) -> None:
     docs = sorted({r["doc"] for r in rows})
     fig, axes = plt.subplots(1, len(docs), figsize=(6 * len(docs), 4.5), sharey=True, squeeze=False)
     for ax, doc in zip(axes[0], docs):
-        for method, marker in zip(METHODS, "os^"):
-            points = sorted((r["compactions"], r["online / one-shot"]) for r in rows if r["doc"] == doc and r["method"] == method)
+        for (method, marker), (reread, line) in [(m, r) for m in zip(METHODS, "os^") for r in zip(REREAD, ("-", "--"))]:
+            points = sorted((r["compactions"], r["online / one-shot"]) for r in rows
+                            if r["doc"] == doc and r["method"] == method and r["reread"] == reread)
             if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], f"-{marker}", label=method)
+                ax.plot([p[0] for p in points], [p[1] for p in points], f"{line}{marker}", label=f"{method}, reread={reread}")
         ax.axhline(0.9, color="grey", linestyle=":", label="target 0.9")
         ax.set_title(doc)
         ax.set_xlabel("compactions during the session")

@@ -63,7 +63,7 @@ def encode_cache(cache: SessionCache, *, dtype: str = "auto") -> bytes:
     for name, tensor in tensors.items():
         if not tensor.is_floating_point():
             stored[name] = tensor
-        elif name.endswith(".beta"):
+        elif name.endswith((".beta", ".scores")):
             stored[name] = tensor.to(torch.float32)
         elif dtype == "int8":
             stored[name], stored[name + _SCALE_SUFFIX] = _quantize(tensor)

@@ -89,10 +89,10 @@ def test_held_out_positions_never_reach_the_fit_sample(llama):
     """Queries reading held-out span positions still score rows but are never sampled for the fits."""
     cache = llama.prefill(doc_ids(llama, 160))
     plan = plan_span(cache, protect_prefix=0, keep_recent=0)
-    every = collect_reference(llama, cache, plan, "context", budget=160, max_queries=None, seed=0)
+    every = collect_reference(llama, cache, plan, "context", start=0, budget=160, max_queries=None, seed=0)
     held = frozenset(range(40, 100))
-    rest = collect_reference(llama, cache, plan, "context", budget=160, max_queries=None, seed=0, held_out=held)
-    none = collect_reference(llama, cache, plan, "context", budget=160, max_queries=None, seed=0,
+    rest = collect_reference(llama, cache, plan, "context", start=0, budget=160, max_queries=None, seed=0, held_out=held)
+    none = collect_reference(llama, cache, plan, "context", start=0, budget=160, max_queries=None, seed=0,
                              held_out=frozenset(range(160)))
     group = llama.num_heads // llama.num_kv_heads
     outside = [t for t in range(160) if t not in held]
@@ -108,7 +108,7 @@ def test_fits_reduce_held_out_error_on_a_real_cache(engine):
     ids = doc_ids(engine, 700)
     cache = engine.prefill(ids[:600])
     plan = plan_span(cache, protect_prefix=0, keep_recent=0)
-    reference = collect_reference(engine, cache, plan, "repeat", budget=600, max_queries=None, seed=0)
+    reference = collect_reference(engine, cache, plan, "repeat", start=plan.start, budget=600, max_queries=None, seed=0)
     wins = {"values": 0, "chosen": 0, "chosen strictly": 0}
     total = 0
     for layer_idx in (4, 14, 24):
@@ -144,7 +144,7 @@ def test_fits_reduce_error_on_random_caches():
 
     heads, n, d, queries = 2, 200, 16, 800
     keys, values = torch.randn(heads, n, d), torch.randn(heads, n, d)
-    span = LayerSpan(keys, values, torch.zeros(heads, n), [], 0)
+    span = LayerSpan(keys, values, torch.zeros(heads, n), torch.full((heads, n), -math.inf), [], 0, 0)
     q = torch.randn(heads, queries, d) * 2
     logits = torch.bmm(q, keys.transpose(1, 2)) * d**-0.5
     out = torch.bmm(logits.softmax(-1), values)
@@ -175,6 +175,99 @@ def test_repeated_compaction_keeps_logical_positions(llama):
     assert torch.isfinite(llama.score(second, ids[359:])).all()
 
 
+def reference_tokens_read(engine, monkeypatch) -> list[int]:
+    """Patch ``engine.observe`` to log how many span tokens each compaction's reference re-reads."""
+    from agentmem.compaction.queries import REPEAT_PROMPT
+
+    prompt = len(engine.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
+    log: list[int] = []
+    observe = engine.observe
+    monkeypatch.setattr(engine, "observe", lambda cache, windows, recorder: (
+        log.append(sum(len(w) - prompt for w in windows)), observe(cache, windows, recorder))[1])
+    return log
+
+
+@pytest.mark.parametrize("method", ["global-eviction", "am-fast"])
+def test_incremental_compaction_reads_only_new_text_and_keeps_old_rows_as_they_were(llama, method, monkeypatch):
+    ids = doc_ids(llama, 400)
+    read = reference_tokens_read(llama, monkeypatch)
+    first = compact(llama, llama.prefill(ids[:200]), ratio=4, method=method, keep_recent=32)
+    assert read == [168]
+    assert all(torch.isfinite(seg.scores).all() for layer in first.layers for seg in layer.segments)
+    llama.prefill(ids[200:330], first)
+    everything = compact(llama, first, ratio=2, method=method, keep_recent=32, reread="all")
+    second = compact(llama, first, ratio=2, method=method, keep_recent=32)
+    assert read[1:] == [330 - 32, 330 - 32 - 168]  # "all" re-reads the history, "new" only the unscored text
+    assert everything.physical_length == second.physical_length
+    kept_old = 0
+    for before, after in zip(first.layers, second.layers):
+        old, new = before.segment(0), after.segment(0)
+        for h in range(after.num_heads):
+            rows_old, rows_new = old.head_slice(h), new.head_slice(h)
+            # A kept old row has its key bit for bit; its β and value must be as they were, its score no lower.
+            match = (new.keys[rows_new][:, None] == old.keys[rows_old][None]).all(-1).nonzero()
+            kept_old += len(match)
+            for i, j in match.tolist():
+                assert new.beta[rows_new][i] == old.beta[rows_old][j]
+                assert torch.equal(new.values[rows_new][i], old.values[rows_old][j])
+                assert new.scores[rows_new][i] >= old.scores[rows_old][j]
+        assert torch.isfinite(new.scores).all()
+    total = sum(sum(layer.segment(0).head_rows) for layer in second.layers)
+    assert 0 < kept_old < total  # old and new rows competed
+    assert torch.isfinite(llama.score(second, ids[329:])).all()
+
+
+def test_rows_compete_by_recorded_scores_when_no_new_text_is_left(llama, monkeypatch):
+    from agentmem.compaction.methods import SINKS
+
+    ids = doc_ids(llama, 200)
+    once = compact(llama, llama.prefill(ids), ratio=2, method="global-eviction", keep_recent=16)
+    read = reference_tokens_read(llama, monkeypatch)
+    twice = compact(llama, once, ratio=2, method="global-eviction", keep_recent=16)
+    assert read == []  # nothing to re-read: every span row has a recorded score
+    kept, dropped = [], []
+    for before, after in zip(once.layers, twice.layers):
+        old, new = before.segment(0), after.segment(0)
+        for h in range(after.num_heads):
+            keys_old, scores_old = old.keys[old.head_slice(h)], old.scores[old.head_slice(h)]
+            survived = (keys_old[:, None] == new.keys[new.head_slice(h)][None]).all(-1).any(1)
+            kept.append(scores_old[SINKS:][survived[SINKS:]])
+            dropped.append(scores_old[SINKS:][~survived[SINKS:]])
+    assert torch.cat(kept).min() >= torch.cat(dropped).max()
+    assert twice.physical_length < once.physical_length
+
+
+def test_rows_without_a_recorded_score_are_re_read(llama, monkeypatch):
+    ids = doc_ids(llama, 300)
+    read = reference_tokens_read(llama, monkeypatch)
+    first = compact(llama, llama.prefill(ids[:200]), ratio=4, method="window", keep_recent=32)
+    assert read == [] and all(seg.scores.eq(-math.inf).all() for layer in first.layers for seg in layer.segments)
+    compact(llama, llama.prefill(ids[200:260], first), ratio=2, method="am-fast", keep_recent=32)
+    assert read == [260 - 32]
+
+
+def test_incremental_path_keeping_every_row_is_exact(llama):
+    """Reference of the new text, fits of the raw rows only, old rows carried: with a budget of every row
+    the compacted cache must answer as the original does."""
+    from agentmem.compaction.methods import REGISTRY, Job
+
+    ids = doc_ids(llama, 300)
+    cache = compact(llama, llama.prefill(ids[:160]), ratio=4, method="am-fast", keep_recent=16)
+    llama.prefill(ids[160:260], cache)
+    plan = plan_span(cache, protect_prefix=0, keep_recent=16)
+    job = Job(llama, cache, plan, plan.rows, "repeat", None, 0, "new")
+    assert job.incremental
+    same = REGISTRY["am"].run(job)
+    assert sum(sum(layer.layouts[0].head_rows) for layer in same.layers) == plan.rows
+    assert torch.allclose(llama.score(same, ids[259:]), llama.score(cache, ids[259:]), atol=1e-4)
+
+
+def test_reread_must_be_new_or_all(llama):
+    cache = llama.prefill(doc_ids(llama, 100))
+    with pytest.raises(InvalidInput, match="reread"):
+        compact(llama, cache, ratio=2, reread="some")
+
+
 def test_packed_rows_cost_the_bytes_reported(llama):
     cache = llama.prefill(doc_ids(llama, 240))
     small = compact(llama, cache, ratio=6, method="am-fast", keep_recent=16)
@@ -182,7 +275,7 @@ def test_packed_rows_cost_the_bytes_reported(llama):
     expected = 0
     for layer in small.layers:
         for seg in layer.segments:
-            expected += sum(seg.head_rows) * (2 * small.head_dim + 1) * elt
+            expected += sum(seg.head_rows) * ((2 * small.head_dim + 1) * elt + 4)  # keys, values, β; float32 score
         expected += 2 * layer.tail_length * small.num_kv_heads * small.head_dim * elt
     assert small.nbytes == expected
     rows = [seg.head_rows for layer in small.layers for seg in layer.segments]

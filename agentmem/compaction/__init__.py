@@ -10,7 +10,7 @@ import math
 import torch
 
 from agentmem.cache import SessionCache
-from agentmem.compaction.methods import REGISTRY, Job
+from agentmem.compaction.methods import REGISTRY, REREAD, Job
 from agentmem.compaction.queries import check_source
 from agentmem.compaction.span import plan_span
 from agentmem.errors import InvalidInput
@@ -31,6 +31,7 @@ def compact(
     keep_recent: int = 256,
     protect_prefix: int = 0,
     head_budgets: torch.Tensor | str | None = None,
+    reread: str = "new",
     seed: int = 0,
 ) -> SessionCache:
     """Compact every row but the first ``protect_prefix`` tokens and the last ``keep_recent``.
@@ -41,6 +42,12 @@ def compact(
     fits the budget is returned unchanged (as a copy). ``head_budgets`` splits the budget by a
     calibrated ``(layers, kv_heads)`` table (or ``"calibrated"``: the profile shipped for the
     model); by default AM and global eviction choose rows globally per context.
+
+    Scoring methods (AM, global and top-attention eviction) record each kept row's score.
+    ``reread="new"`` (default) then re-reads only the text that no compaction has scored
+    yet: earlier rows compete by their recorded scores, and only new rows are fitted, so a
+    compaction costs the live rows plus the new tokens, not the whole history.
+    ``reread="all"`` re-reads all the text the span stands for and re-fits every row.
     """
     if method not in REGISTRY:
         raise InvalidInput(f"unknown compaction method {method!r}; choose one of {', '.join(REGISTRY)}")
@@ -53,6 +60,8 @@ def compact(
     for name, value in (("keep_recent", keep_recent), ("protect_prefix", protect_prefix)):
         if not isinstance(value, int) or value < 0:
             raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
+    if reread not in REREAD:
+        raise InvalidInput(f"reread must be one of {', '.join(REREAD)}, got {reread!r}")
     check_source(queries)
     engine.check_cache(cache)
     if isinstance(head_budgets, str):
@@ -66,6 +75,6 @@ def compact(
     total = round(plan.rows / ratio) if ratio is not None else target_tokens * heads
     if total >= plan.rows:
         return cache.clone()
-    job = Job(engine, cache, plan, total, queries, head_budgets, seed)
+    job = Job(engine, cache, plan, total, queries, head_budgets, seed, reread)
     with torch.inference_mode():
         return REGISTRY[method].run(job)

@@ -18,8 +18,12 @@ from agentmem.compaction.solvers import SpanAttention
 
 
 SINKS = 4  # first rows of a session every head keeps (attention sinks)
+REREAD = ("new", "all")
 VALIDATION_TOKENS = 256  # span tokens the end-to-end check re-reads (at most a quarter of the span)
 SUMMARY_PROMPT = "\n\nSummarise the text above in at most {words} words, keeping names, numbers and facts.\nSummary:"
+
+
+Chosen = tuple[list[list[HeadChoice]], list[torch.Tensor] | None]  # rows per layer and head, span scores if scored
 
 
 @dataclass
@@ -33,6 +37,22 @@ class Job:
     queries: str
     head_budgets: torch.Tensor | None
     seed: int
+    reread: str = "new"  # see compact(): "new" re-reads only text no compaction has scored yet
+
+    @property
+    def read_start(self) -> int:
+        """The first position whose text the reference queries re-read.
+
+        With ``reread="new"``, text whose rows all carry a recorded score is not re-read: the
+        rows are ranked by that score (and by what the new queries give them), so a compaction
+        costs the live rows plus the new tokens, not the whole history.
+        """
+        return self.plan.raw_start if self.reread == "new" and self.plan.scored else self.plan.start
+
+    @property
+    def incremental(self) -> bool:
+        """Whether earlier compacted rows are judged by their recorded scores instead of re-read."""
+        return self.read_start > self.plan.start
 
     @property
     def counts(self) -> list[list[int]]:
@@ -42,26 +62,31 @@ class Job:
     def scale(self) -> float:
         return self.engine.head_dim**-0.5
 
-    def span_tokens(self) -> list[int]:
-        return self.cache.token_ids[self.plan.start : self.plan.end]
+    def read_tokens(self) -> list[int]:
+        """The text the reference queries re-read (from :attr:`read_start` to the span's end)."""
+        return self.cache.token_ids[self.read_start : self.plan.end]
 
     def validation_positions(self) -> list[int]:
-        """Span positions the end-to-end check re-reads; the fits never see queries reading them."""
-        length = self.plan.end - self.plan.start
+        """Positions of :meth:`read_tokens` the end-to-end check re-reads; the fits never see queries reading them."""
+        length = self.plan.end - self.read_start
         return sample_positions(length, min(VALIDATION_TOKENS, length // 4))
 
     def reference(self, max_queries: int | None = None, held_out: list[int] = ()) -> Reference:
-        """Scores of every span row under reference queries reading the whole span, and a query sample.
+        """Scores of every span row under reference queries re-reading :meth:`read_tokens`, and a query sample.
 
-        Rows no query looks at cannot be judged, so the queries re-read all the text the span
-        stands for, earlier compacted rows included (re-reading only as many evenly spread
-        tokens as the span holds rows halved compaction time in ``benchmarks/online.py`` but
-        lost 0.10 of online retention on prose: compacted rows whose text was not re-read lost
-        to new ones). ``max_queries`` caps only the sample kept for fits, which never holds
-        queries reading the ``held_out`` positions.
+        Rows no query looks at cannot be judged, so the queries read every token of that text
+        (re-reading only an evenly spread subset of it lost 0.10 of online retention on prose in
+        ``benchmarks/online.py``: rows whose text was not re-read lost to new ones). In an
+        incremental compaction an earlier row scores the larger of its recorded score and what
+        the new queries give it: one scale for old and new rows. ``max_queries`` caps only the
+        sample kept for fits, which never holds queries reading the ``held_out`` positions.
         """
-        return collect_reference(self.engine, self.cache, self.plan, self.queries, budget=self.plan.end - self.plan.start,
-                                 max_queries=max_queries, seed=self.seed, held_out=frozenset(held_out))
+        reference = collect_reference(self.engine, self.cache, self.plan, self.queries, start=self.read_start,
+                                      budget=self.plan.end - self.read_start, max_queries=max_queries, seed=self.seed,
+                                      held_out=frozenset(held_out))
+        if self.incremental:
+            reference.scores = [torch.fmax(s, span.recorded) for s, span in zip(reference.scores, self.plan.layers)]
+        return reference
 
     def permutation(self, n: int) -> torch.Tensor:
         """A seeded random order of ``n`` items, on the cache's device."""
@@ -103,7 +128,7 @@ def _select(job: Job, scores: list[torch.Tensor], proportions: torch.Tensor | No
             for s, layer_budget in zip(scores, budget)]
 
 
-def window(job: Job) -> list[list[HeadChoice]]:
+def window(job: Job) -> Chosen:
     """StreamingLLM-style: the span's first 4 rows (attention sinks) and its most recent rows."""
     budget = budgets.proportional(job.counts, job.total, None)
     selection = []
@@ -114,40 +139,50 @@ def window(job: Job) -> list[list[HeadChoice]]:
             sinks = min(4, b)
             heads.append(torch.cat([rows[:sinks], rows[len(rows) - (b - sinks) :]]).unique())
         selection.append(heads)
-    return _unfitted(job, selection)
+    return _unfitted(job, selection), None
 
 
-def top_attention(job: Job) -> list[list[HeadChoice]]:
+def top_attention(job: Job) -> Chosen:
     """H2O/SnapKV-like eviction: each head keeps the same number of its most-attended rows."""
-    return _unfitted(job, _select(job, job.reference(max_queries=1).scores, None, global_budget=False))
+    scores = job.reference(max_queries=1).scores
+    return _unfitted(job, _select(job, scores, None, global_budget=False)), scores
 
 
-def global_eviction(job: Job) -> list[list[HeadChoice]]:
+def global_eviction(job: Job) -> Chosen:
     """KVzip-like: the most-attended rows over all layers and heads, no fitting."""
-    return _unfitted(job, _select(job, job.reference(max_queries=1).scores, job.head_budgets, global_budget=True))
+    scores = job.reference(max_queries=1).scores
+    return _unfitted(job, _select(job, scores, job.head_budgets, global_budget=True)), scores
 
 
-def attention_matching(
-    job: Job, *, max_queries: int | None = None, omp: bool = False, holdout: float = 0.2
-) -> list[list[HeadChoice]]:
+def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = False, holdout: float = 0.2) -> Chosen:
     """AM: global (or calibrated) budgets, rows by attention or OMP, validated β and value fits.
 
     Rows are scored by every reference query; ``max_queries`` caps (per KV head, random)
-    the sample the fits are solved and validated on. Layers are fitted one at a time.
+    the sample the fits are solved and validated on. Layers are fitted one at a time. In an
+    incremental compaction the queries read only the new text, so only the span's raw rows
+    are fitted (against the raw rows' attention); earlier compacted rows that stay keep
+    their β and values, which those queries cannot judge.
     """
     reference = job.reference(max_queries, held_out=job.validation_positions())
     selection = _select(job, reference.scores, job.head_budgets, global_budget=True)
     fitted, kept = [], []
     for span, queries, rows in zip(job.plan.layers, reference.queries, selection):
+        frozen = span.raw_offset if job.incremental else 0
+        target = span.raw() if frozen else span
+        old = [r[r < frozen] for r in rows]
+        new = [r[r >= frozen] - frozen for r in rows]
         order = job.permutation(queries.q.shape[1])
         cut = max(1, int(len(order) * holdout))
-        train = SpanAttention.of(span, queries.take(order[cut:]), job.scale)
-        held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
+        train = SpanAttention.of(target, queries.take(order[cut:]), job.scale)
+        held = SpanAttention.of(target, queries.take(order[:cut]), job.scale)
         if omp:
-            rows = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
-        kept.append(rows)
-        fitted.append(solvers.choose_fits(span, train, held, rows, fit=True))
-    return end_to_end_choice(job, [fitted, _unfitted(job, kept)])
+            new = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in new])]
+        kept.append([torch.cat([o, n + frozen]) for o, n in zip(old, new)])
+        choices = solvers.choose_fits(target, train, held, new, fit=True)
+        fitted.append([HeadChoice(torch.cat([o, c.index + frozen]), torch.cat([span.prior[h, o], c.beta]),
+                                  torch.cat([span.values[h, o].float(), c.values]))
+                       for h, (o, c) in enumerate(zip(old, choices))])
+    return end_to_end_choice(job, [fitted, _unfitted(job, kept)]), reference.scores
 
 
 def end_to_end_choice(job: Job, candidates: list[list[list[HeadChoice]]]) -> list[list[HeadChoice]]:
@@ -161,10 +196,10 @@ def end_to_end_choice(job: Job, candidates: list[list[list[HeadChoice]]]) -> lis
     solved on would win by overfitting.
     """
     tokenize = lambda text: job.engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    span = job.span_tokens()
-    probe = tokenize(REPEAT_PROMPT) + [span[i] for i in job.validation_positions()]
+    text, positions = job.read_tokens(), job.validation_positions()
+    probe = tokenize(REPEAT_PROMPT) + [text[i] for i in positions]
     room = job.engine.max_context - job.cache.logical_length
-    if len(candidates) == 1 or room < len(probe):
+    if len(candidates) == 1 or not positions or room < len(probe):
         return candidates[0]
     nll = [-job.engine.score(assemble(job.cache, job.plan, c), probe).mean().item() for c in candidates]
     return candidates[min(range(len(candidates)), key=nll.__getitem__)]
@@ -192,7 +227,7 @@ def summary(job: Job, *, tokens: int | None = None) -> SessionCache:
     beta = torch.zeros(len(written), device=cache.device)
     rows = [[HeadChoice(index, beta, layer.tail_values[h].float())
              for h in range(cache.num_kv_heads)] for layer in prefix.layers]
-    summary_plan = SpanPlan(plan.start, plan.end, plan.protected_raw, plan.recent,
+    summary_plan = SpanPlan(plan.start, plan.raw_start, plan.end, plan.protected_raw, plan.recent,
                             [span_of_rows(layer, span.kept_segments) for layer, span in zip(prefix.layers, plan.layers)])
     return assemble(cache, summary_plan, rows)
 
@@ -208,9 +243,9 @@ def summary_then_am(job: Job) -> SessionCache:
                    keep_recent=job.plan.recent, protect_prefix=job.plan.start, seed=job.seed)
 
 
-def _rows(choose: Callable[[Job], list[list[HeadChoice]]]) -> Callable[[Job], SessionCache]:
+def _rows(choose: Callable[[Job], Chosen]) -> Callable[[Job], SessionCache]:
     """A row-selecting method as a cache builder."""
-    return lambda job: assemble(job.cache, job.plan, choose(job))
+    return lambda job: assemble(job.cache, job.plan, *choose(job))
 
 
 @dataclass(frozen=True)

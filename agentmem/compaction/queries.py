@@ -142,17 +142,21 @@ def check_source(source: str) -> list[str]:
 
 
 def collect_reference(
-    engine, cache: SessionCache, plan: SpanPlan, source: str, *, budget: int, max_queries: int | None, seed: int,
-    held_out: frozenset[int] = frozenset(),
+    engine, cache: SessionCache, plan: SpanPlan, source: str, *, start: int, budget: int, max_queries: int | None,
+    seed: int, held_out: frozenset[int] = frozenset(),
 ) -> Reference:
-    """Scores and a query sample of ``source`` (module doc), reading at most about ``budget`` tokens.
+    """Scores and a query sample of ``source`` (module doc) for the span's text from position
+    ``start`` on, reading at most about ``budget`` tokens (nothing when that text is empty).
 
     ``max_queries`` caps the sample per KV head; it is also capped so that all layers'
-    samples fit in ``SAMPLE_BYTES``. Queries reading a span position in ``held_out`` score
-    rows but are never sampled, so what the fits are validated on stays unseen by them.
+    samples fit in ``SAMPLE_BYTES``. Queries reading a position in ``held_out`` (counted from
+    ``start``) score rows but are never sampled, so what the fits are validated on stays
+    unseen by them.
     """
     parts = check_source(source)
-    span_tokens = cache.token_ids[plan.start : plan.end]
+    span_tokens = cache.token_ids[start : plan.end]
+    if not span_tokens:
+        return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device=cache.device), 1).result()
     share = max(_CHUNK, budget // len(parts))
     room = engine.max_context - cache.logical_length
     windows = [(w[:room], at[:room]) for p in parts for w, at in _windows(engine, cache, span_tokens, p, share, seed)]

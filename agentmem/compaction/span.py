@@ -23,18 +23,37 @@ from agentmem.cache import CompactedSegment, LayerCache, SessionCache
 
 @dataclass
 class LayerSpan:
-    """One layer's span slots: ``keys``/``values`` ``(H, n, d)`` buffer views, ``prior`` ``(H, n)`` float32."""
+    """One layer's span slots: ``keys``/``values`` ``(H, n, d)`` buffer views, ``prior`` ``(H, n)`` float32.
+
+    ``recorded`` ``(H, n)`` holds the scores earlier compactions recorded for their rows (-inf
+    on raw rows, padding and rows without one); slots from ``raw_offset`` on are raw rows.
+    """
 
     keys: torch.Tensor
     values: torch.Tensor
     prior: torch.Tensor
+    recorded: torch.Tensor
     kept_segments: list[CompactedSegment]
     slot_start: int  # the span's first slot in the layer buffer
+    raw_offset: int  # the span's first raw slot, relative to slot_start
 
     @classmethod
     def of(cls, layer: LayerCache, start: int, end: int, kept: list[CompactedSegment]) -> LayerSpan:
         keys, values, prior = layer.slot_view(start, end)
-        return cls(keys, values, prior, kept, start)
+        raw_offset = min(end, max(start, layer.prefix_length)) - start
+        return cls(keys, values, prior, layer.recorded_scores(start, end), kept, start, raw_offset)
+
+    def raw(self) -> LayerSpan:
+        """The span's raw rows alone, as a span of their own (views, no copy)."""
+        cut = slice(self.raw_offset, None)
+        return LayerSpan(self.keys[:, cut], self.values[:, cut], self.prior[:, cut], self.recorded[:, cut],
+                         self.kept_segments, self.slot_start + self.raw_offset, 0)
+
+    @property
+    def scored(self) -> bool:
+        """Whether every compacted row of the span has a recorded score."""
+        rows = self.valid[:, : self.raw_offset]
+        return bool(torch.isfinite(self.recorded[:, : self.raw_offset])[rows].all())
 
     @property
     def valid(self) -> torch.Tensor:
@@ -55,6 +74,7 @@ class SpanPlan:
     """The span of every layer plus the token bookkeeping shared by all layers."""
 
     start: int  # first logical position covered by the span
+    raw_start: int  # the position of the span's first raw row: what came before it is compacted
     end: int  # one past the last
     protected_raw: int  # raw tail rows kept as an identity segment (protected prefix)
     recent: int  # raw tail rows kept as they are
@@ -63,6 +83,11 @@ class SpanPlan:
     @property
     def rows(self) -> int:
         return sum(layer.rows for layer in self.layers)
+
+    @property
+    def scored(self) -> bool:
+        """Whether every compacted row in the span carries a recorded score."""
+        return all(layer.scored for layer in self.layers)
 
 
 def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> SpanPlan | None:
@@ -84,7 +109,7 @@ def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> 
         return None
     old_starts = [seg.span[0] for seg in cache.layers[0].layouts if seg.span[1] > protect_prefix]
     start = min(old_starts + [tail_start + protected_raw])
-    return SpanPlan(start, length - recent, protected_raw, recent, layers)
+    return SpanPlan(start, tail_start + protected_raw, length - recent, protected_raw, recent, layers)
 
 
 @dataclass
@@ -96,16 +121,23 @@ class HeadChoice:
     values: torch.Tensor  # (t, d)
 
 
-def assemble(cache: SessionCache, plan: SpanPlan, choices: list[list[HeadChoice]]) -> SessionCache:
-    """A new cache: kept segments, the protected raw rows, the compacted span, the recent rows."""
+def assemble(
+    cache: SessionCache, plan: SpanPlan, choices: list[list[HeadChoice]], scores: list[torch.Tensor] | None = None
+) -> SessionCache:
+    """A new cache: kept segments, the protected raw rows, the compacted span, the recent rows.
+
+    ``scores`` ``(H, n)`` per layer, when the method scored the span's rows, are recorded with
+    the rows kept (see :class:`CompactedSegment`).
+    """
     layers = []
     protected_start = cache.logical_length - cache.layers[0].tail_length
-    for layer, span, heads in zip(cache.layers, plan.layers, choices):
+    for i, (layer, span, heads) in enumerate(zip(cache.layers, plan.layers, choices)):
         dtype = layer.tail_keys.dtype
         segments = list(span.kept_segments)
         if plan.protected_raw:
             segments.append(_identity_segment(layer, plan.protected_raw, protected_start))
         keys = torch.cat([span.keys[h, c.index] for h, c in enumerate(heads)])
+        layer_scores = None if scores is None else torch.cat([scores[i][h, c.index] for h, c in enumerate(heads)])
         segments.append(
             CompactedSegment(
                 keys=keys.to(dtype),
@@ -113,6 +145,7 @@ def assemble(cache: SessionCache, plan: SpanPlan, choices: list[list[HeadChoice]
                 beta=torch.cat([c.beta for c in heads]).to(dtype),
                 head_rows=tuple(len(c.index) for c in heads),
                 span=(plan.start, plan.end),
+                scores=layer_scores,
             )
         )
         recent = slice(layer.tail_length - plan.recent, layer.tail_length)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 
 import pytest
@@ -35,7 +36,7 @@ def cache(llama) -> SessionCache:
         rows = (3, 5)
         keys = torch.cat([layer.tail_keys[h, : rows[h]] for h in range(2)])
         values = torch.cat([layer.tail_values[h, : rows[h]] for h in range(2)])
-        seg = CompactedSegment(keys, values, torch.linspace(-2, 2, 8), rows, (0, 40))
+        seg = CompactedSegment(keys, values, torch.linspace(-2, 2, 8), rows, (0, 40), torch.linspace(0.01, 0.9, 8))
         layers.append(LayerCache([seg], layer.tail_keys[:, 40:], layer.tail_values[:, 40:]))
     return SessionCache(layers, full.token_ids, full.fingerprint)
 
@@ -64,6 +65,23 @@ def test_lossy_dtypes_within_documented_tolerance(cache, dtype):
     blob = encode_cache(cache, dtype=dtype)
     assert read_header(blob)["storage_dtype"] == dtype
     assert_close(cache, decode_cache(blob), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "int8"])
+def test_recorded_scores_are_stored_exactly_in_every_dtype(cache, dtype):
+    """Later compactions rank rows by these scores; a lossy storage dtype must not reorder them."""
+    scores = [seg.scores for layer in cache.layers for seg in layer.segments]
+    decoded = decode_cache(encode_cache(cache, dtype=dtype))
+    assert all(torch.equal(a, seg.scores) for a, layer in zip(scores, decoded.layers) for seg in layer.segments)
+    assert all(torch.isfinite(a).all() for a in scores)
+
+
+def test_caches_exported_before_scores_were_recorded_load_unscored(cache):
+    tensors, meta = cache.to_tensors()
+    older = {name: t for name, t in tensors.items() if not name.endswith(".scores")}
+    restored = SessionCache.from_tensors(older, meta)
+    assert all(seg.scores.eq(-math.inf).all() for layer in restored.layers for seg in layer.segments)
+    assert torch.equal(restored.layers[0].segment(0).beta, cache.layers[0].segment(0).beta)
 
 
 def test_smaller_dtypes_make_smaller_blobs(cache):
