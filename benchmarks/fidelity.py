@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -33,7 +34,7 @@ import torch
 from agentmem import Engine
 from agentmem.compaction import compact
 from agentmem.models import EMBEDDED, resolve_model_dir
-from common import RESULTS, machine, write_results
+from common import RESULTS, machine, markdown_table, write_results
 
 CONTEXT, NEXT, PASSAGE, CUE = 1536, 160, 128, 16
 RATIOS = (4, 10, 20, 50)
@@ -46,16 +47,24 @@ HERE = Path(__file__).resolve().parent
 
 
 def documents() -> dict[str, str]:
-    """Two prose and two code documents from the Python installation itself."""
+    """Four prose and four code documents from the Python installation itself (none written here)."""
     from pydoc_data.topics import topics
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     return {
         "docs: compound statements": topics["compound"],
         "docs: the debugger": topics["debugger"],
+        "docs: the execution model": topics["execmodel"],
+        "docs: the import system": topics["import"],
         "code: textwrap.py": (stdlib / "textwrap.py").read_text(),
         "code: json/decoder.py": (stdlib / "json" / "decoder.py").read_text(),
+        "code: heapq.py": (stdlib / "heapq.py").read_text(),
+        "code: shlex.py": (stdlib / "shlex.py").read_text(),
     }
+
+
+def kind(doc: str) -> str:
+    return "code" if doc.startswith("code") else "prose"
 
 
 def make_probes(tokenize, ids: list[int]) -> dict[str, tuple[list[int], int]]:
@@ -77,7 +86,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ratios", type=int, nargs="+", default=list(RATIOS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
-    parser.add_argument("--docs", type=int, nargs="+", default=[0, 1, 2, 3], help="which documents (indices)")
+    parser.add_argument("--docs", type=int, nargs="+", default=list(range(len(documents()))),
+                        help="which documents (indices)")
     parser.add_argument("--no-kvpress", action="store_true", help="skip the kvpress comparison")
     parser.add_argument("--presses", nargs="+", default=list(KVPRESS_PRESSES), help="which kvpress presses")
     parser.add_argument("--update", action="store_true",
@@ -106,7 +116,8 @@ def main() -> None:
                 small = compact(engine, full, ratio=ratio, method=method, keep_recent=0)
                 seconds = time.perf_counter() - start
                 nll = probe_nll(engine, small, probes)
-                rows.append(_row(doc, method, ratio, nll, reference, seconds, small.nbytes, prefill_s))
+                kept = sum(sum(layer.rows_per_head) for layer in small.layers)
+                rows.append(_row(doc, method, ratio, nll, reference, seconds, small.nbytes, prefill_s, kept))
                 print(f"  {ratio:3d}x {method:16s} {seconds:6.1f} s  " + "  ".join(
                     f"{k} {rows[-1][k]:.3f}" for k in ("next", "opening", "middle")), flush=True)
     if not args.no_kvpress:
@@ -115,39 +126,84 @@ def main() -> None:
         measured = {(r["doc"], r["method"], r["ratio"]) for r in rows}
         saved = json.loads((RESULTS / "fidelity.json").read_text())["rows"]
         rows = [r for r in saved if (r["doc"], r["method"], r["ratio"]) not in measured] + rows
-    summary = summarise(rows)
+    summary, ablation, mismatched = summarise(rows), ablate(rows), kept_mismatches(rows, engine)
     md = write_results("fidelity", "Compaction fidelity on the embedded model (retention; 1 = as good as the full cache)",
                        summary, {"per document": "benchmarks/results/fidelity.json (rows)", "machine": machine(),
                                  "command": "python benchmarks/fidelity.py"})
-    (RESULTS / "fidelity.json").write_text(json.dumps({"summary": summary, "rows": rows, "machine": machine()}, indent=2))
+    md += ("\n## Ablation: selection only (global-eviction) vs selection + fits (am, am-fast), same rows\n\n"
+           f"{markdown_table(ablation)}\n")
+    (RESULTS / "fidelity.md").write_text(md)
+    (RESULTS / "fidelity.json").write_text(json.dumps(
+        {"summary": summary, "ablation": ablation, "rows": rows, "machine": machine()}, indent=2))
     plot(summary)
     print(md)
+    if mismatched:
+        sys.exit("kvpress kept a different number of rows than we did:\n" + "\n".join(mismatched))
 
 
-def _row(doc, method, ratio, nll, reference, seconds, nbytes, prefill_s) -> dict:
+def kept_mismatches(rows: list[dict], engine: Engine) -> list[str]:
+    """kvpress rows whose kept row count differs from ours (same document and ratio) by more than 1%.
+
+    Presses that keep the same tokens in every head round to whole tokens: one token per
+    (layer, KV head) is the finest step they have, so that much is allowed too.
+    """
+    ours = {(r["doc"], r["ratio"]): r["rows kept"] for r in rows if r["method"] == "global-eviction"}
+    step = engine.num_layers * engine.num_kv_heads
+    return [f"{r['doc']} {r['ratio']}x {r['method']}: {r['rows kept']} rows vs our {ours[r['doc'], r['ratio']]}"
+            for r in rows if r["method"].startswith("kvpress") and r["ratio"] > 1 and (r["doc"], r["ratio"]) in ours
+            and abs(r["rows kept"] - ours[r["doc"], r["ratio"]]) > max(0.01 * ours[r["doc"], r["ratio"]], step)]
+
+
+def _row(doc, method, ratio, nll, reference, seconds, nbytes, prefill_s, kept) -> dict:
     row = {"doc": doc, "method": method, "ratio": ratio}
     for probe, value in nll.items():
         full, none = reference["full"][probe], reference["none"][probe]
         row[probe] = (none - value) / (none - full)
         row[f"nll {probe}"] = value
         row[f"full nll {probe}"] = full
-    row.update({"seconds": seconds, "bytes": nbytes, "prefill seconds": prefill_s})
+    row.update({"seconds": seconds, "bytes": nbytes, "prefill seconds": prefill_s, "rows kept": kept,
+                "recall": (row["opening"] + row["middle"]) / 2})
     return row
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Mean retention per (method, ratio) over documents; recall = mean of opening and middle."""
+    """Mean retention per (method, ratio) over documents, with the spread of recall (= mean of opening and middle)."""
     out = []
     keys = sorted({(r["method"], r["ratio"]) for r in rows}, key=lambda k: (k[1], k[0]))
     for method, ratio in keys:
         group = [r for r in rows if (r["method"], r["ratio"]) == (method, ratio)]
-        mean = lambda key: sum(r[key] for r in group) / len(group)  # noqa: E731
+        mean = lambda key: statistics.fmean(r[key] for r in group)  # noqa: E731
+        recalls = [r["recall"] for r in group]
         out.append({
-            "ratio": ratio, "method": method, "next": mean("next"), "opening": mean("opening"),
-            "middle": mean("middle"), "recall (opening+middle)/2": (mean("opening") + mean("middle")) / 2,
+            "ratio": ratio, "method": method, "docs": len(group), "next": mean("next"), "opening": mean("opening"),
+            "middle": mean("middle"), "recall": mean("recall"),
+            "recall sd": statistics.stdev(recalls) if len(recalls) > 1 else 0.0, "recall min": min(recalls),
             "next NLL vs full": mean("nll next") / mean("full nll next"),
-            "compaction s": mean("seconds"), "prefill s": mean("prefill seconds"), "KiB kept": mean("bytes") / 1024 if group[0]["bytes"] else float("nan"),
+            "compaction s": mean("seconds"), "prefill s": mean("prefill seconds"), "rows kept": mean("rows kept"),
         })
+    return out
+
+
+def ablate(rows: list[dict]) -> list[dict]:
+    """Per ratio and kind of text: what the fits add to the rows global eviction selects (AM selects the same)."""
+    out = []
+    for ratio in sorted({r["ratio"] for r in rows}):
+        for text in ("prose", "code"):
+            recall = {m: [r["recall"] for r in rows if (r["method"], r["ratio"]) == (m, ratio) and kind(r["doc"]) == text]
+                      for m in ("global-eviction", "am", "am-fast", "kvpress kvzip")}
+            if not recall["global-eviction"] or not recall["am"]:
+                continue
+            base = statistics.fmean(recall["global-eviction"])
+            row = {"ratio": ratio, "text": text, "docs": len(recall["am"]), "selection only": base}
+            for method in ("am", "am-fast"):
+                if recall[method]:
+                    row[f"{method}"] = statistics.fmean(recall[method])
+                    row[f"{method} − selection"] = statistics.fmean(recall[method]) - base
+                    row[f"{method} − selection, worst doc"] = min(
+                        a - b for a, b in zip(recall[method], recall["global-eviction"]))
+            if recall["kvpress kvzip"]:
+                row["am − kvzip"] = statistics.fmean(recall["am"]) - statistics.fmean(recall["kvpress kvzip"])
+            out.append(row)
     return out
 
 
@@ -167,7 +223,7 @@ def run_kvpress(jobs: list[dict], ratios: list[int], presses: list[str]) -> list
     references = {j["doc"]: j["reference"] for j in jobs}
     for r in json.loads(out_file.read_text()):
         rows.append(_row(r["doc"], f"kvpress {r['press']}", r["ratio"], r["nll"], references[r["doc"]], r["seconds"], 0,
-                         r["prefill seconds"]))
+                         r["prefill seconds"], r["kept"]))
     job_file.unlink()
     out_file.unlink()
     return rows
@@ -193,19 +249,23 @@ def plot(summary: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
-    for ax, key in zip(axes, ("recall (opening+middle)/2", "next")):
-        for method in sorted({r["method"] for r in summary}):
-            points = sorted((r["ratio"], r[key]) for r in summary if r["method"] == method)
-            style = "-o" if method.startswith("am") else ("--s" if method.startswith("kvpress") else ":^")
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=method, linewidth=2 if method == "am" else 1)
+    methods = sorted({r["method"] for r in summary if r["ratio"] > 1})
+    colours = plt.get_cmap("tab20")(range(len(methods)))
+    for ax, key in zip(axes, ("recall", "next")):
+        for method, colour, marker in zip(methods, colours, "os^vD<>ph*Xd8P"):
+            points = sorted((r["ratio"], r[key]) for r in summary if r["method"] == method and r["ratio"] > 1)
+            ours = not method.startswith("kvpress")
+            ax.plot([p[0] for p in points], [p[1] for p in points], "-" if ours else "--", marker=marker, color=colour,
+                    label=method, linewidth=2.2 if method.startswith("am") else 1)
         ax.set_xscale("log")
-        ax.set_xticks(sorted({r["ratio"] for r in summary}))
+        ax.set_xticks(sorted({r["ratio"] for r in summary if r["ratio"] > 1}))
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_ylim(-0.1, 1.05)  # a method below -0.1 (worse than no context) is off the chart, as the table says
         ax.set_xlabel("compaction ratio")
         ax.set_ylabel(f"retention: {key}")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="lower left")
+    axes[1].legend(fontsize=7, loc="lower left", ncol=2)
     fig.suptitle("Retention vs compaction ratio, SmolLM2-135M, Python docs and sources")
     fig.tight_layout()
     fig.savefig(RESULTS / "fidelity.png", dpi=120)

@@ -51,6 +51,16 @@ def score(model, cache: DynamicCache, context_length: int, tokens: list[int], n_
     return -logprobs[-n_target:].mean().item()
 
 
+def kept_rows(model, cache: DynamicCache) -> int:
+    """Rows the cache keeps over all layers and KV heads. KVzip (like AdaKV) keeps every row and
+    masks the evicted ones in attention; those do not count."""
+    total = 0
+    for decoder, layer in zip(model.model.layers, cache.layers):
+        masked = getattr(decoder.self_attn, "masked_key_indices", None)
+        total += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] - (0 if masked is None else len(masked[0]))
+    return total
+
+
 def main() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -67,7 +77,7 @@ def main() -> None:
         # The control: this environment's uncompressed cache must score as our full cache does.
         nll = {probe: score(model, plain, context.shape[1], tokens, n) for probe, (tokens, n) in doc["probes"].items()}
         out.append({"doc": doc["doc"], "press": "none (control)", "ratio": 1, "nll": nll, "seconds": 0.0,
-                    "prefill seconds": prefill, "kept": plain.get_seq_length()})
+                    "prefill seconds": prefill, "kept": kept_rows(model, plain)})
         for ratio in job["ratios"]:
             for name in job["presses"]:
                 press = PRESSES[name](compression_ratio=1.0 - 1.0 / ratio)
@@ -78,10 +88,11 @@ def main() -> None:
                         press.prefix_length = 0  # raw text, no chat template: every token is context
                     model.model(input_ids=context, past_key_values=cache)
                 seconds = time.perf_counter() - start - prefill
+                kept = kept_rows(model, cache)  # before scoring: the next prefill clears a press's mask
                 nll = {probe: score(model, cache, context.shape[1], tokens, n) for probe, (tokens, n) in doc["probes"].items()}
                 out.append({"doc": doc["doc"], "press": name, "ratio": ratio, "nll": nll, "seconds": seconds,
-                            "prefill seconds": prefill, "kept": cache.get_seq_length()})
-                print(f"  kvpress {ratio:3d}x {name:20s} kept {cache.get_seq_length():5d}  {nll}", flush=True)
+                            "prefill seconds": prefill, "kept": kept})
+                print(f"  kvpress {ratio:3d}x {name:20s} kept {kept:6d} rows  {nll}", flush=True)
     open(sys.argv[2], "w").write(json.dumps(out))
 
 

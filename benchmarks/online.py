@@ -55,6 +55,8 @@ SCENARIOS = (
     Scenario("3k tokens, budget 1024, policy defaults", 3072, BudgetPolicy(max_live_tokens=1024)),
     Scenario("4k tokens, budget 640, ratio 8, keep_recent 64", 4096,
              BudgetPolicy(max_live_tokens=640, target_ratio=8, keep_recent=64)),
+    # The embedded model reads 8,192 positions; the one-shot compaction's reference needs ~2k of them.
+    Scenario("6k tokens, budget 1536, policy defaults", 6144, BudgetPolicy(max_live_tokens=1536)),
 )
 
 
