@@ -1,21 +1,40 @@
-"""agentmem: live, compacted, resumable KV caches for long-running agent sessions."""
+"""agentmem: live, compacted, resumable KV caches for long-running agent sessions.
 
-from agentmem.cache import CompactedSegment, LayerCache, SessionCache
-from agentmem.engine import Engine
-from agentmem.errors import AgentMemError
-from agentmem.policy import BudgetPolicy
-from agentmem.sessions import Reply, Session, SessionManager, Usage
+The public names below are imported on first use (PEP 562), so ``import agentmem`` — and
+the command line's ``--help`` and store commands — never pay for importing torch.
+"""
 
-__all__ = [
-    "AgentMemError",
-    "BudgetPolicy",
-    "CompactedSegment",
-    "Engine",
-    "LayerCache",
-    "Reply",
-    "Session",
-    "SessionCache",
-    "SessionManager",
-    "Usage",
-]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentmem.cache import CompactedSegment, LayerCache, SessionCache
+    from agentmem.engine import Engine
+    from agentmem.errors import AgentMemError
+    from agentmem.policy import BudgetPolicy
+    from agentmem.sessions import Reply, Session, SessionManager, Usage
+
+_HOMES = {
+    "AgentMemError": "agentmem.errors",
+    "BudgetPolicy": "agentmem.policy",
+    "CompactedSegment": "agentmem.cache",
+    "Engine": "agentmem.engine",
+    "LayerCache": "agentmem.cache",
+    "Reply": "agentmem.sessions",
+    "Session": "agentmem.sessions",
+    "SessionCache": "agentmem.cache",
+    "SessionManager": "agentmem.sessions",
+    "Usage": "agentmem.sessions",
+}
+__all__ = sorted(_HOMES)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'agentmem' has no attribute {name!r}")
+    value = getattr(import_module(_HOMES[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

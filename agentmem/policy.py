@@ -35,7 +35,8 @@ class BudgetPolicy(BaseModel):
     method: str = "am-fast"
     queries: str = "repeat"
     reread: Literal["new", "all"] = Field(
-        "new", description="what a compaction re-reads: only text not compacted before (new) or all of it (all)")
+        "all", description="what a compaction re-reads: all the text its span stands for (all: best retention, "
+                           "cost grows with history) or only text not compacted before (new: bounded cost, loses old text)")
     max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
     max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
     max_host_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the host-memory tier")

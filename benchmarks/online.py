@@ -7,10 +7,10 @@ would under that :class:`~agentmem.BudgetPolicy` (``policy.compaction_target``).
 its recall of the text is compared with *one* compaction of the full cache to the same final
 number of rows (same method, same ``keep_recent``).
 
-Each method runs with ``reread="new"`` (the policy default: a compaction re-reads only text no
-compaction has scored yet, so its cost follows the live rows plus the new tokens) and with
-``reread="all"`` (every compaction re-reads all the text the session has read); the
-``re-read tokens`` column counts the span tokens all of a session's compactions read.
+Each method runs with ``reread="all"`` (the policy default: every compaction re-reads all the
+text its span stands for) and with ``reread="new"`` (a compaction re-reads only text no
+compaction has scored yet, so its cost follows the live rows plus the new tokens); the
+``re-read tokens`` column counts the tokens all of a session's compactions read (prompts included).
 
 Recall probes: from each third of the document, ``PASSAGES`` passages of ``PASSAGE`` tokens,
 each cued by the ``CUE`` tokens before it ("Continue this passage from the text above"),

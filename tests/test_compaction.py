@@ -191,12 +191,12 @@ def reference_tokens_read(engine, monkeypatch) -> list[int]:
 def test_incremental_compaction_reads_only_new_text_and_keeps_old_rows_as_they_were(llama, method, monkeypatch):
     ids = doc_ids(llama, 400)
     read = reference_tokens_read(llama, monkeypatch)
-    first = compact(llama, llama.prefill(ids[:200]), ratio=4, method=method, keep_recent=32)
+    first = compact(llama, llama.prefill(ids[:200]), ratio=4, method=method, keep_recent=32, reread="new")
     assert read == [168]
     assert all(torch.isfinite(seg.scores).all() for layer in first.layers for seg in layer.segments)
     llama.prefill(ids[200:330], first)
     everything = compact(llama, first, ratio=2, method=method, keep_recent=32, reread="all")
-    second = compact(llama, first, ratio=2, method=method, keep_recent=32)
+    second = compact(llama, first, ratio=2, method=method, keep_recent=32, reread="new")
     assert read[1:] == [330 - 32, 330 - 32 - 168]  # "all" re-reads the history, "new" only the unscored text
     assert everything.physical_length == second.physical_length
     kept_old = 0
@@ -223,7 +223,7 @@ def test_rows_compete_by_recorded_scores_when_no_new_text_is_left(llama, monkeyp
     ids = doc_ids(llama, 200)
     once = compact(llama, llama.prefill(ids), ratio=2, method="global-eviction", keep_recent=16)
     read = reference_tokens_read(llama, monkeypatch)
-    twice = compact(llama, once, ratio=2, method="global-eviction", keep_recent=16)
+    twice = compact(llama, once, ratio=2, method="global-eviction", keep_recent=16, reread="new")
     assert read == []  # nothing to re-read: every span row has a recorded score
     kept, dropped = [], []
     for before, after in zip(once.layers, twice.layers):
@@ -242,7 +242,7 @@ def test_rows_without_a_recorded_score_are_re_read(llama, monkeypatch):
     read = reference_tokens_read(llama, monkeypatch)
     first = compact(llama, llama.prefill(ids[:200]), ratio=4, method="window", keep_recent=32)
     assert read == [] and all(seg.scores.eq(-math.inf).all() for layer in first.layers for seg in layer.segments)
-    compact(llama, llama.prefill(ids[200:260], first), ratio=2, method="am-fast", keep_recent=32)
+    compact(llama, llama.prefill(ids[200:260], first), ratio=2, method="am-fast", keep_recent=32, reread="new")
     assert read == [260 - 32]
 
 

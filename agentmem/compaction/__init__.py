@@ -31,7 +31,7 @@ def compact(
     keep_recent: int = 256,
     protect_prefix: int = 0,
     head_budgets: torch.Tensor | str | None = None,
-    reread: str = "new",
+    reread: str = "all",
     seed: int = 0,
 ) -> SessionCache:
     """Compact every row but the first ``protect_prefix`` tokens and the last ``keep_recent``.
@@ -44,10 +44,12 @@ def compact(
     model); by default AM and global eviction choose rows globally per context.
 
     Scoring methods (AM, global and top-attention eviction) record each kept row's score.
-    ``reread="new"`` (default) then re-reads only the text that no compaction has scored
-    yet: earlier rows compete by their recorded scores, and only new rows are fitted, so a
-    compaction costs the live rows plus the new tokens, not the whole history.
-    ``reread="all"`` re-reads all the text the span stands for and re-fits every row.
+    ``reread="all"`` (default) re-reads all the text the span stands for and re-fits every
+    row: the cost of a compaction grows with the session's history. ``reread="new"`` re-reads
+    only the text no compaction has scored yet: earlier rows compete by their recorded scores
+    and only new rows are fitted, so a compaction costs the live rows plus the new tokens —
+    but rows ranked by stale scores lose more of the oldest text with every compaction
+    (``benchmarks/results/online.md``).
     """
     if method not in REGISTRY:
         raise InvalidInput(f"unknown compaction method {method!r}; choose one of {', '.join(REGISTRY)}")

@@ -37,7 +37,7 @@ class Job:
     queries: str
     head_budgets: torch.Tensor | None
     seed: int
-    reread: str = "new"  # see compact(): "new" re-reads only text no compaction has scored yet
+    reread: str = "all"  # see compact(): "new" re-reads only text no compaction has scored yet
 
     @property
     def read_start(self) -> int:
