@@ -128,3 +128,21 @@ def test_doctor_reports_each_check_and_fails_on_a_dead_store(tmp_path):
 def test_bench_dispatches_to_the_benchmark_script():
     result = CliRunner().invoke(app, ["bench", "resume", "--help"])
     assert result.exit_code == 0
+
+
+def test_help_and_store_commands_do_not_import_torch(tmp_path):
+    """``--help`` and listing a store answer without the seconds torch takes to import."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from agentmem.cli import app\n"
+        f"for args in (['--help'], ['sessions', 'list', '--store', 'sqlite:///{tmp_path}/s.db']):\n"
+        "    result = CliRunner().invoke(app, args)\n"
+        "    assert result.exit_code == 0, result.output\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

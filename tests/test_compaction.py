@@ -217,13 +217,14 @@ def test_incremental_compaction_reads_only_new_text_and_keeps_old_rows_as_they_w
     assert torch.isfinite(llama.score(second, ids[329:])).all()
 
 
-def test_rows_compete_by_recorded_scores_when_no_new_text_is_left(llama, monkeypatch):
+@pytest.mark.parametrize("method", ["global-eviction", "am-fast"])
+def test_rows_compete_by_recorded_scores_when_no_new_text_is_left(llama, method, monkeypatch):
     from agentmem.compaction.methods import SINKS
 
     ids = doc_ids(llama, 200)
-    once = compact(llama, llama.prefill(ids), ratio=2, method="global-eviction", keep_recent=16)
+    once = compact(llama, llama.prefill(ids), ratio=2, method=method, keep_recent=16)
     read = reference_tokens_read(llama, monkeypatch)
-    twice = compact(llama, once, ratio=2, method="global-eviction", keep_recent=16, reread="new")
+    twice = compact(llama, once, ratio=2, method=method, keep_recent=16, reread="new")
     assert read == []  # nothing to re-read: every span row has a recorded score
     kept, dropped = [], []
     for before, after in zip(once.layers, twice.layers):

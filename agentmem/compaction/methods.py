@@ -13,7 +13,7 @@ import torch
 from agentmem.compaction import budgets, solvers
 from agentmem.compaction.queries import REPEAT_PROMPT, Reference, collect_reference, sample_positions
 from agentmem.cache import SessionCache
-from agentmem.compaction.span import HeadChoice, SpanPlan, assemble, prefix_cache, span_of_rows
+from agentmem.compaction.span import HeadChoice, LayerSpan, SpanPlan, assemble, prefix_cache, span_of_rows
 from agentmem.compaction.solvers import SpanAttention
 
 
@@ -96,10 +96,11 @@ class Job:
 
 def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadChoice]]:
     """Keep the selected rows as they are (β = their prior, original values)."""
-    out = []
-    for layer, heads in zip(job.plan.layers, selection):
-        out.append([HeadChoice(rows, layer.prior[h, rows], layer.values[h, rows]) for h, rows in enumerate(heads)])
-    return out
+    return [_as_they_are(span, heads) for span, heads in zip(job.plan.layers, selection)]
+
+
+def _as_they_are(span: LayerSpan, heads: list[torch.Tensor]) -> list[HeadChoice]:
+    return [HeadChoice(rows, span.prior[h, rows], span.values[h, rows]) for h, rows in enumerate(heads)]
 
 
 def _keep_sinks(job: Job, scores: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -178,6 +179,9 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
         if omp:
             new = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in new])]
         kept.append([torch.cat([o, n + frozen]) for o, n in zip(old, new)])
+        if not any(len(n) for n in new):  # only earlier rows kept (no new text left): nothing to fit
+            fitted.append(_as_they_are(span, kept[-1]))
+            continue
         choices = solvers.choose_fits(target, train, held, new, fit=True)
         fitted.append([HeadChoice(torch.cat([o, c.index + frozen]), torch.cat([span.prior[h, o], c.beta]),
                                   torch.cat([span.values[h, o].float(), c.values]))
