@@ -78,8 +78,19 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from agentmem import __version__
+
+        typer.echo(f"agentmem {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="print the version and exit"),
+) -> None:
     """agentmem command line."""
 
 

@@ -146,3 +146,10 @@ def test_help_and_store_commands_do_not_import_torch(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_version_prints_the_package_version():
+    from agentmem import __version__
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"agentmem {__version__}"
