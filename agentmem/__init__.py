@@ -6,8 +6,9 @@ the command line's ``--help`` and store commands — never pay for importing tor
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING
+
+from agentmem.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from agentmem.cache import CompactedSegment, LayerCache, SessionCache
@@ -31,10 +32,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str) -> object:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'agentmem' has no attribute {name!r}")
-    value = getattr(import_module(_HOMES[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = lazy_attributes(__name__, _HOMES)

@@ -190,25 +190,22 @@ class LayerCache:
         ``prior`` is β on compacted rows, ``-inf`` on padding slots and 0 on raw rows, so
         ``isfinite(prior)`` marks the real rows. Keys and values are views of the buffer (no copy).
         """
-        self._check_slots(start, end)
-        prior = torch.zeros(self.num_heads, end - start, dtype=torch.float32, device=self._keys.device)
-        biased = min(end, self.prefix_length)
-        if start < biased:
-            prior[:, : biased - start] = self.bias[:, start:biased]
+        prior = self._prefix_rows(self.bias, start, end, raw=0.0)
         return self._keys[:, start:end], self._values[:, start:end], prior
 
     def recorded_scores(self, start: int, end: int) -> torch.Tensor:
         """Float32 ``(H, n)`` recorded scores of slots ``[start, end)``: -inf on raw rows, padding and unknowns."""
-        self._check_slots(start, end)
-        out = torch.full((self.num_heads, end - start), -math.inf, dtype=torch.float32, device=self._keys.device)
-        scored = min(end, self.prefix_length)
-        if start < scored:
-            out[:, : scored - start] = self.scores[:, start:scored]
-        return out
+        return self._prefix_rows(self.scores, start, end, raw=-math.inf)
 
-    def _check_slots(self, start: int, end: int) -> None:
+    def _prefix_rows(self, per_slot: torch.Tensor | None, start: int, end: int, *, raw: float) -> torch.Tensor:
+        """Float32 ``(H, n)`` of a per-prefix-slot table (β or scores) over slots ``[start, end)``, ``raw`` on tail rows."""
         if not 0 <= start <= end <= self.length:
             raise InvalidInput(f"slots [{start}, {end}) outside the {self.length} occupied slots")
+        out = torch.full((self.num_heads, end - start), raw, dtype=torch.float32, device=self._keys.device)
+        in_prefix = min(end, self.prefix_length)
+        if start < in_prefix:
+            out[:, : in_prefix - start] = per_slot[:, start:in_prefix]
+        return out
 
     @property
     def rows_per_head(self) -> list[int]:

@@ -11,12 +11,12 @@
 from __future__ import annotations
 
 import os
-from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentmem.errors import InvalidInput, StoreUnavailable
 from agentmem.home import agentmem_home
+from agentmem.lazy import lazy_attributes
 from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
 from agentmem.storage.redis_client import is_redis_url
 
@@ -30,7 +30,10 @@ if TYPE_CHECKING:
         read_header,
     )
 
-_CODEC_NAMES = ("STORAGE_CHOICES", "STORAGE_DTYPES", "decode_cache", "decoded_nbytes", "encode_cache", "read_header")
+# The codec's names are imported on first use: opening a store to list sessions needs no torch.
+__getattr__ = lazy_attributes(__name__, dict.fromkeys(
+    ("STORAGE_CHOICES", "STORAGE_DTYPES", "decode_cache", "decoded_nbytes", "encode_cache", "read_header"),
+    "agentmem.storage.codec"))
 
 __all__ = [
     "STORAGE_CHOICES",
@@ -47,13 +50,6 @@ __all__ = [
     "open_store",
     "read_header",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """The codec's names, imported on first use: opening a store to list sessions needs no torch."""
-    if name not in _CODEC_NAMES:
-        raise AttributeError(f"module 'agentmem.storage' has no attribute {name!r}")
-    return getattr(import_module("agentmem.storage.codec"), name)
 
 
 def default_url() -> str:

@@ -5,6 +5,7 @@ Each method turns a :class:`SpanPlan` into per-layer, per-head :class:`HeadChoic
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,13 +40,14 @@ class Job:
     seed: int
     reread: str = "all"  # see compact(): "new" re-reads only text no compaction has scored yet
 
-    @property
+    @functools.cached_property
     def read_start(self) -> int:
         """The first position whose text the reference queries re-read.
 
         With ``reread="new"``, text whose rows all carry a recorded score is not re-read: the
         rows are ranked by that score (and by what the new queries give them), so a compaction
-        costs the live rows plus the new tokens, not the whole history.
+        costs the live rows plus the new tokens, not the whole history. Cached: deciding it
+        checks every layer's recorded scores.
         """
         return self.plan.raw_start if self.reread == "new" and self.plan.scored else self.plan.start
 
