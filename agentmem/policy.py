@@ -33,7 +33,7 @@ class BudgetPolicy(BaseModel):
         0.5, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later turns")
     protect_system_prompt: bool = True
     method: str = "am-fast"
-    queries: str = "repeat"
+    queries: str = Field("repeat+tail", description="reference queries a compaction asks of the span (see agentmem.compaction.queries)")
     reread: Literal["new", "all"] = Field(
         "all", description="what a compaction re-reads: all the text its span stands for (all: best retention, "
                            "cost grows with history) or only text not compacted before (new: bounded cost, loses old text)")

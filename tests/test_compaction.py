@@ -9,7 +9,7 @@ import torch
 from pydoc_data.topics import topics
 
 from agentmem.compaction import METHODS, compact
-from agentmem.compaction.queries import collect_reference
+from agentmem.compaction.queries import DEFAULT_SOURCE, collect_reference
 from agentmem.compaction.solvers import (
     SpanAttention,
     choose_fits,
@@ -20,6 +20,7 @@ from agentmem.compaction.solvers import (
 )
 from agentmem.compaction.span import plan_span
 from agentmem.errors import InvalidInput
+from agentmem.policy import BudgetPolicy
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +104,25 @@ def test_held_out_positions_never_reach_the_fit_sample(llama):
         assert torch.equal(s_a, s_b)
 
 
+def test_tail_source_re_reads_the_span_end_as_a_continuation(llama, monkeypatch):
+    """``repeat+tail``: the whole span after the instruction, then its last TAIL_TOKENS tokens
+    read plainly; queries of both are sampled for the fits (none held out)."""
+    from agentmem.compaction.queries import REPEAT_PROMPT, TAIL_TOKENS
+
+    cache = llama.prefill(doc_ids(llama, 420))
+    plan = plan_span(cache, protect_prefix=0, keep_recent=20)
+    windows: list[list[int]] = []
+    observe = llama.observe
+    monkeypatch.setattr(llama, "observe", lambda c, w, r: (windows.extend(w), observe(c, w, r))[1])
+    reference = collect_reference(llama, cache, plan, "repeat+tail", start=0, budget=400, max_queries=None, seed=0)
+    span = cache.token_ids[:400]
+    prompt = llama.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
+    assert windows == [prompt + span, span[-TAIL_TOKENS:]]
+    group = llama.num_heads // llama.num_kv_heads
+    assert all(q.q.shape[1] == (len(prompt) + 400 + TAIL_TOKENS) * group for q in reference.queries)
+    assert BudgetPolicy().queries == DEFAULT_SOURCE == "repeat+tail"
+
+
 def test_fits_reduce_held_out_error_on_a_real_cache(engine):
     """On the embedded model and real text, fits lower the layer-output error on unseen queries."""
     ids = doc_ids(engine, 700)
@@ -175,15 +195,17 @@ def test_repeated_compaction_keeps_logical_positions(llama):
     assert torch.isfinite(llama.score(second, ids[359:])).all()
 
 
-def reference_tokens_read(engine, monkeypatch) -> list[int]:
-    """Patch ``engine.observe`` to log how many span tokens each compaction's reference re-reads."""
+def reference_tokens_read(engine, monkeypatch) -> list[list[int]]:
+    """Patch ``engine.observe`` to log, per compaction, the span tokens each reference window re-reads
+    (the default sources: a "repeat" window, after its instruction, then a "tail" window)."""
     from agentmem.compaction.queries import REPEAT_PROMPT
 
-    prompt = len(engine.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
-    log: list[int] = []
+    prompt = engine.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
+    log: list[list[int]] = []
     observe = engine.observe
     monkeypatch.setattr(engine, "observe", lambda cache, windows, recorder: (
-        log.append(sum(len(w) - prompt for w in windows)), observe(cache, windows, recorder))[1])
+        log.append([len(w) - len(prompt) if w[: len(prompt)] == prompt else len(w) for w in windows]),
+        observe(cache, windows, recorder))[1])
     return log
 
 
@@ -192,12 +214,12 @@ def test_incremental_compaction_reads_only_new_text_and_keeps_old_rows_as_they_w
     ids = doc_ids(llama, 400)
     read = reference_tokens_read(llama, monkeypatch)
     first = compact(llama, llama.prefill(ids[:200]), ratio=4, method=method, keep_recent=32, reread="new")
-    assert read == [168]
+    assert read == [[168, 168]]  # the span once after "repeat", and its tail (all of it: < 256 tokens)
     assert all(torch.isfinite(seg.scores).all() for layer in first.layers for seg in layer.segments)
     llama.prefill(ids[200:330], first)
     everything = compact(llama, first, ratio=2, method=method, keep_recent=32, reread="all")
     second = compact(llama, first, ratio=2, method=method, keep_recent=32, reread="new")
-    assert read[1:] == [330 - 32, 330 - 32 - 168]  # "all" re-reads the history, "new" only the unscored text
+    assert read[1:] == [[298, 256], [130, 130]]  # "all" re-reads the history (298), "new" only the unscored text
     assert everything.physical_length == second.physical_length
     kept_old = 0
     for before, after in zip(first.layers, second.layers):
@@ -244,7 +266,7 @@ def test_rows_without_a_recorded_score_are_re_read(llama, monkeypatch):
     first = compact(llama, llama.prefill(ids[:200]), ratio=4, method="window", keep_recent=32)
     assert read == [] and all(seg.scores.eq(-math.inf).all() for layer in first.layers for seg in layer.segments)
     compact(llama, llama.prefill(ids[200:260], first), ratio=2, method="am-fast", keep_recent=32, reread="new")
-    assert read == [260 - 32]
+    assert read == [[260 - 32, 260 - 32]]
 
 
 def test_incremental_path_keeping_every_row_is_exact(llama):

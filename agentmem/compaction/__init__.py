@@ -11,7 +11,7 @@ import torch
 
 from agentmem.cache import SessionCache
 from agentmem.compaction.methods import REGISTRY, REREAD, Job
-from agentmem.compaction.queries import check_source
+from agentmem.compaction.queries import DEFAULT_SOURCE, check_source
 from agentmem.compaction.span import plan_span
 from agentmem.errors import InvalidInput
 
@@ -27,7 +27,7 @@ def compact(
     ratio: float | None = None,
     target_tokens: int | None = None,
     method: str = "am",
-    queries: str = "repeat",
+    queries: str = DEFAULT_SOURCE,
     keep_recent: int = 256,
     protect_prefix: int = 0,
     head_budgets: torch.Tensor | str | None = None,
@@ -42,6 +42,10 @@ def compact(
     fits the budget is returned unchanged (as a copy). ``head_budgets`` splits the budget by a
     calibrated ``(layers, kv_heads)`` table (or ``"calibrated"``: the profile shipped for the
     model); by default AM and global eviction choose rows globally per context.
+
+    ``queries`` names the reference queries rows are scored and fitted by
+    (:mod:`~agentmem.compaction.queries`): the default ``repeat+tail`` asks what a later
+    recall of the text asks (a copy of it) and what a continuation asks (its end read again).
 
     Scoring methods (AM, global and top-attention eviction) record each kept row's score.
     ``reread="all"`` (default) re-reads all the text the span stands for and re-fits every
