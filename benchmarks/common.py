@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +30,17 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def command_line() -> str:
+    """How this benchmark was run, flags included, as a user would type it from the repository root."""
+    return " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *map(shlex.quote, sys.argv[1:])])
+
+
+def commands_after(name: str) -> str:
+    """The commands that made ``results/<name>.json`` and then this ``--update`` run, in order."""
+    saved = json.loads((RESULTS / f"{name}.json").read_text())
+    return f"{saved.get('command', '?')}; then {command_line()}"
 
 
 def machine() -> dict[str, object]:

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from agentmem import CompactedSegment, Engine, LayerCache, SessionCache
 from agentmem.engine import PREFILL_CHUNK
-from common import machine, median_seconds, stdlib_text, write_results
+from common import command_line, machine, median_seconds, stdlib_text, write_results
 
 
 def half_compacted(cache: SessionCache, seed: int = 0) -> SessionCache:
@@ -109,7 +109,7 @@ def main() -> None:
             "plain SDPA prefill tokens/s": round(n / plain_prefill_s, 1),
             "prefill tokens": full.logical_length,
             "machine": machine(),
-            "command": "python benchmarks/engine.py",
+            "command": command_line(),
         },
     )
     print(md)

@@ -34,7 +34,7 @@ import torch
 from agentmem import Engine
 from agentmem.compaction import compact
 from agentmem.models import EMBEDDED, resolve_model_dir
-from common import RESULTS, machine, markdown_table, write_results
+from common import RESULTS, command_line, commands_after, machine, markdown_table, write_results
 
 CONTEXT, NEXT, PASSAGE, CUE = 1536, 160, 128, 16
 RATIOS = (4, 10, 20, 50)
@@ -127,14 +127,15 @@ def main() -> None:
         saved = json.loads((RESULTS / "fidelity.json").read_text())["rows"]
         rows = [r for r in saved if (r["doc"], r["method"], r["ratio"]) not in measured] + rows
     summary, ablation, mismatched = summarise(rows), ablate(rows), kept_mismatches(rows, engine)
+    command = commands_after("fidelity") if args.update else command_line()
     md = write_results("fidelity", "Compaction fidelity on the embedded model (retention; 1 = as good as the full cache)",
                        summary, {"per document": "benchmarks/results/fidelity.json (rows)", "machine": machine(),
-                                 "command": "python benchmarks/fidelity.py"})
+                                 "command": command})
     md += ("\n## Ablation: selection only (global-eviction) vs selection + fits (am, am-fast), same rows\n\n"
            f"{markdown_table(ablation)}\n")
     (RESULTS / "fidelity.md").write_text(md)
     (RESULTS / "fidelity.json").write_text(json.dumps(
-        {"summary": summary, "ablation": ablation, "rows": rows, "machine": machine()}, indent=2))
+        {"summary": summary, "ablation": ablation, "rows": rows, "machine": machine(), "command": command}, indent=2))
     plot(summary)
     print(md)
     if mismatched:

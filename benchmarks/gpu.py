@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from agentmem import Engine, attention
 from agentmem.compaction import compact
 from agentmem.models import embedded_model_dir
-from common import RESULTS, machine, markdown_table, stdlib_text, write_results
+from common import RESULTS, command_line, machine, markdown_table, stdlib_text, write_results
 
 SHAPES = {
     # Llama-3.1-8B: 32 layers, 32 query / 8 KV heads, head_dim 128, 128 KiB of bf16 KV per token.
@@ -216,7 +216,7 @@ def main() -> None:
     compaction = [r for r in rows if "method" in r]
     title = (f"Scale on {machine()['cuda'] or 'CPU'}: {args.model or args.shape}, {str(dtype).removeprefix('torch.')}, "
              f"compaction at {args.ratio:g}x (keep_recent 256)")
-    extra = {"machine": machine(), "command": "python benchmarks/gpu.py " + " ".join(sys.argv[1:]), "commit": _commit()}
+    extra = {"machine": machine(), "command": command_line(), "commit": _commit()}
     md = write_results(name, title, prefill, extra)
     md = md.replace("\nmachine: ", "\n## Compaction\n\n" + markdown_table(compaction) + "\n\nmachine: ", 1)
     (RESULTS / f"{name}.md").write_text(md)

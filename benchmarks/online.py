@@ -36,7 +36,7 @@ from agentmem import BudgetPolicy, Engine
 from agentmem.compaction import compact
 from agentmem.compaction.methods import REREAD
 from agentmem.models import EMBEDDED
-from common import RESULTS, machine, stdlib_text, write_results
+from common import RESULTS, command_line, commands_after, machine, stdlib_text, write_results
 
 TURN = 128
 PASSAGE, CUE, PASSAGES = 64, 16, 2
@@ -162,11 +162,12 @@ def main() -> None:
     table = [{k: r[k] for k in ("scenario", "doc", "method", "reread", "compactions", "final rows", "online first",
                                 "online middle", "online last", "online mean", "one-shot mean", "online / one-shot",
                                 "re-read tokens", "online compaction s", "prefill s")} for r in rows]
+    command = commands_after("online") if args.update else command_line()
     md = write_results("online", "Online compaction vs one compaction to the same size (embedded model; retention, "
                                  "1 = as good as the full cache)", table,
                        {"per third and one-shot detail": "benchmarks/results/online.json (rows)", "machine": machine(),
-                        "command": "python benchmarks/online.py"})
-    (RESULTS / "online.json").write_text(json.dumps({"rows": rows, "machine": machine()}, indent=2))
+                        "command": command})
+    (RESULTS / "online.json").write_text(json.dumps({"rows": rows, "machine": machine(), "command": command}, indent=2))
     plot(rows)
     print(md)
 

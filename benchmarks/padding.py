@@ -21,7 +21,7 @@ import json
 from agentmem import Engine
 from agentmem.compaction import compact
 from agentmem.models import EMBEDDED
-from common import RESULTS, machine, write_results
+from common import RESULTS, command_line, machine, write_results
 from fidelity import CONTEXT, RATIOS, documents
 
 
@@ -48,7 +48,7 @@ def main() -> None:
                         "full cache allocated MiB": mean["full allocated MiB"]})
     md = write_results("padding", f"Compacted rows vs allocated slots (embedded model, {engine.num_kv_heads} KV heads, "
                                   f"{len(texts)} documents)", summary,
-                       {"machine": machine(), "command": "python benchmarks/padding.py"})
+                       {"machine": machine(), "command": command_line()})
     (RESULTS / "padding.json").write_text(json.dumps({"summary": summary, "rows": per_doc, "machine": machine()}, indent=2))
     plot(summary)
     print(md)

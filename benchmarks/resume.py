@@ -29,7 +29,7 @@ from agentmem.record import SessionRecord
 from agentmem.storage import STORAGE_CHOICES, decode_cache, encode_cache, open_store, read_header
 from agentmem.storage.local_redis import LocalRedis
 from agentmem.storage.redis import _chunk_key, _meta_key
-from common import RESULTS, machine, median_seconds, stdlib_text, write_results
+from common import RESULTS, command_line, machine, median_seconds, stdlib_text, write_results
 
 NEW_MESSAGE = "\nQuestion: what does the text above say about exceptions?"
 
@@ -116,8 +116,7 @@ def main() -> None:
             store.close()
     stored = read_header(blob)["storage_dtype"]
     md = write_results("resume", f"Resume from a store vs re-prefill (embedded SmolLM2-135M, {stored} blobs)", rows,
-                       {"machine": machine(), "command": "python benchmarks/resume.py" + (
-                           f" --storage-dtype {args.storage_dtype}" if args.storage_dtype != "auto" else "")})
+                       {"machine": machine(), "command": command_line()})
     plot(rows)
     print(md)
 

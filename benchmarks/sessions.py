@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from agentmem import BudgetPolicy, Engine, SessionManager
-from common import RESULTS, machine, write_results
+from common import RESULTS, command_line, machine, write_results
 
 
 def customer_messages(rng: random.Random, count: int) -> list[str]:
@@ -80,7 +80,7 @@ def main() -> None:
     md = write_results("sessions", f"{args.sessions} support sessions x {args.turns} turns through one manager "
                                    "(embedded model, SQLite)",
                        rows, {"policy": policy.model_dump(), "machine": machine(),
-                              "command": "python benchmarks/sessions.py"})
+                              "command": command_line()})
     plot(latencies, timeline, budget)
     print(md)
 
