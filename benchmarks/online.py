@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--reread", nargs="+", default=list(REREAD), choices=REREAD)
     parser.add_argument("--scenarios", type=int, nargs="+", default=list(range(len(SCENARIOS))),
                         help="which scenarios (indices)")
+    parser.add_argument("--queries", help="reference queries (default: the policy's)")
     parser.add_argument("--update", action="store_true", help="merge into the saved results instead of replacing them")
     args = parser.parse_args()
     engine = Engine.load(EMBEDDED)
@@ -130,7 +131,8 @@ def main() -> None:
             prefill_s = time.perf_counter() - began
             reference = {"full": probe_nll(engine, full, probes), "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
             for method, reread in [(m, r) for m in args.methods for r in args.reread]:
-                policy = scenario.policy.with_overrides(method=method, reread=reread)
+                policy = scenario.policy.with_overrides(method=method, reread=reread,
+                                                        queries=args.queries or scenario.policy.queries)
                 counter.tokens = 0
                 online, count, online_s = read_online(engine, ids, policy)
                 reread_tokens = counter.tokens
@@ -138,7 +140,8 @@ def main() -> None:
                 once = compact(engine, full, method=method, queries=policy.queries, keep_recent=policy.keep_recent,
                                target_tokens=online.physical_length - policy.keep_recent)
                 once_s = time.perf_counter() - began
-                row = {"scenario": scenario.name, "doc": doc, "method": method, "reread": reread, "compactions": count,
+                row = {"scenario": scenario.name, "doc": doc, "method": method, "queries": policy.queries,
+                       "reread": reread, "compactions": count,
                        "re-read tokens": reread_tokens, "final rows": online.physical_length,
                        "one-shot rows": once.physical_length}
                 for label, cache in (("online", online), ("one-shot", once)):
@@ -152,14 +155,16 @@ def main() -> None:
                 rows.append(row)
                 print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     if args.update:
-        key = lambda r: (r["scenario"], r["doc"], r["method"], r["reread"])  # noqa: E731
+        key = lambda r: (r["scenario"], r["doc"], r["method"], r["queries"], r["reread"])  # noqa: E731
         measured = {key(r) for r in rows}
         saved = json.loads((RESULTS / "online.json").read_text())["rows"]
+        for r in saved:
+            r.setdefault("queries", "repeat")  # rows measured before the query source was recorded
         rows = [r for r in saved if key(r) not in measured] + rows
         scenarios, docs = [s.name for s in SCENARIOS], list(documents())
         rows.sort(key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"]), METHODS.index(r["method"]),
-                                 REREAD.index(r["reread"])))
-    table = [{k: r[k] for k in ("scenario", "doc", "method", "reread", "compactions", "final rows", "online first",
+                                 r["queries"], REREAD.index(r["reread"])))
+    table = [{k: r[k] for k in ("scenario", "doc", "method", "queries", "reread", "compactions", "final rows", "online first",
                                 "online middle", "online last", "online mean", "one-shot mean", "online / one-shot",
                                 "re-read tokens", "online compaction s", "prefill s")} for r in rows]
     command = commands_after("online") if args.update else command_line()
@@ -181,11 +186,15 @@ def plot(rows: list[dict]) -> None:
     docs = sorted({r["doc"] for r in rows})
     fig, axes = plt.subplots(1, len(docs), figsize=(6 * len(docs), 4.5), sharey=True, squeeze=False)
     for ax, doc in zip(axes[0], docs):
-        for (method, marker), (reread, line) in [(m, r) for m in zip(METHODS, "os^") for r in zip(REREAD, ("-", "--"))]:
-            points = sorted((r["compactions"], r["online / one-shot"]) for r in rows
-                            if r["doc"] == doc and r["method"] == method and r["reread"] == reread)
+        sources = sorted({r["queries"] for r in rows})
+        for (method, marker), (reread, line), (queries, colour) in [
+            (m, r, q) for m in zip(METHODS, "os^") for r in zip(REREAD, ("-", "--")) for q in zip(sources, ("C0", "C1", "C2"))
+        ]:
+            points = sorted((r["compactions"], r["online / one-shot"]) for r in rows if r["doc"] == doc
+                            and (r["method"], r["reread"], r["queries"]) == (method, reread, queries))
             if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], f"{line}{marker}", label=f"{method}, reread={reread}")
+                ax.plot([p[0] for p in points], [p[1] for p in points], f"{line}{marker}", color=colour,
+                        label=f"{method}, reread={reread}, queries={queries}")
         ax.axhline(0.9, color="grey", linestyle=":", label="target 0.9")
         ax.set_title(doc)
         ax.set_xlabel("compactions during the session")
