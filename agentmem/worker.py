@@ -154,10 +154,12 @@ class SpillWorker:
                 version = put(record, session.version)
                 self.spiller.cache(record.model_copy(update={"version": version}))
             session.version, session.stored_bytes = version, len(record.blob)
+            if not behind:  # else the lease is kept until the write lands (written_behind)
+                # Released while the session is still live here, so no load of it in this
+                # process can take the lease (ours already) before this release drops it.
+                self.leases.release(*key)
             self._free(session, self.registry.park)  # a revive reloads it
             self.metrics.add("spills")
-            if not behind:  # else the lease is kept until the write lands (written_behind)
-                self.leases.release(*key)
             return version
 
     def settle(self, key: Key) -> None:
@@ -172,9 +174,13 @@ class SpillWorker:
             self.leases.release(*key)
 
     def drop(self, session: Session) -> None:
-        """Forget a live copy without writing it (it lost to a newer stored version, or its lease)."""
-        self._free(session, self.registry.remove)
+        """Forget a live copy without writing it (it lost to a newer stored version, or its lease).
+
+        The lease goes first, as in :meth:`spill`: a load of the session in this process cannot
+        start while it is live, so it cannot take the lease just before this release drops it.
+        """
         self.leases.release(session.tenant, session.session_id)
+        self._free(session, self.registry.remove)
 
     def _free(self, session: Session, unregister: Callable[[Session], None]) -> None:
         """Release ``session``'s device memory, then take it out of the live set with ``unregister``.
