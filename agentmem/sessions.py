@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -245,6 +246,7 @@ class SessionManager:
 
     def _touch(self, session: Session) -> None:
         """Mark ``session`` used and confirm its lease; a copy whose lease was lost is dropped, not served."""
+        session.last_used = time.monotonic()
         self._registry.touch(session)
         if not self._leases.confirm(session.tenant, session.session_id):
             # Our lease lapsed (and another worker may have written since): this copy is stale.
