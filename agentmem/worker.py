@@ -251,8 +251,7 @@ class SpillWorker:
                 try:
                     evicted |= session is not None and self._spill_idle(session)
                 except StoreUnavailable as exc:
-                    self.metrics.add("store_errors")
-                    log.error("cannot spill while the store is unavailable: %s", exc)
+                    self._store_down(exc)
                     return evicted
                 if self.ledger.excess(need) <= 0:
                     return evicted
@@ -264,9 +263,13 @@ class SpillWorker:
                 if self._spill_idle(session):
                     return
             except StoreUnavailable as exc:
-                self.metrics.add("store_errors")
-                log.error("cannot spill while the store is unavailable: %s", exc)
+                self._store_down(exc)
                 return
+
+    def _store_down(self, exc: StoreUnavailable) -> None:
+        """Eviction stops while the store is down: counted and logged, the turn that triggered it goes on."""
+        self.metrics.add("store_errors")
+        log.error("cannot spill while the store is unavailable: %s", exc)
 
     def _spill_idle(self, victim: Session) -> bool:
         """Spill ``victim`` behind (compacting first where its policy says so) if no thread is using it.
