@@ -55,6 +55,16 @@ class LeaseKeeper:
         """Extend a lease we hold; False if we hold none any more (it lapsed, or another process took it)."""
         return self.store.renew_lease(tenant, session_id, self.owner, self.seconds)
 
+    def confirm(self, tenant: str, session_id: str) -> bool:
+        """Renew before a turn; False only if the lease is no longer ours. A store outage must not stop
+        a live session, so an unreachable store counts as still ours (and as a store error)."""
+        try:
+            return self.renew(tenant, session_id)
+        except StoreUnavailable as exc:
+            self._on_store_error()
+            log.warning("lease renewal for %s/%s failed; serving the live copy: %s", tenant, session_id, exc)
+            return True
+
     def release(self, tenant: str, session_id: str) -> None:
         """Give the lease up; if the store is unreachable it simply expires."""
         try:
@@ -65,12 +75,8 @@ class LeaseKeeper:
 
     def renew_all(self) -> None:
         for tenant, session_id in list(self._held()):
-            try:
-                if not self.renew(tenant, session_id):  # spilled meanwhile, or lapsed: a turn will refuse it
-                    log.info("the lease of %s/%s is no longer ours", tenant, session_id)
-            except StoreUnavailable as exc:
-                self._on_store_error()
-                log.warning("lease renewal for %s/%s failed; serving the live copy: %s", tenant, session_id, exc)
+            if not self.confirm(tenant, session_id):  # spilled meanwhile, or lapsed: a turn will refuse it
+                log.info("the lease of %s/%s is no longer ours", tenant, session_id)
 
     @contextmanager
     def paused(self) -> Iterator[None]:

@@ -317,27 +317,24 @@ def test_compactions_are_counted_once(tiny, tmp_path):
 
 
 class GatedStore:
-    """A real store whose reads and writes of one session wait at a gate: a slow resume or spill."""
+    """A real store whose ``gated`` calls for one session wait at a gate: a slow resume, spill or release."""
 
-    def __init__(self, store, session_id: str) -> None:
-        self._store, self._session_id = store, session_id
+    def __init__(self, store, session_id: str, gated: tuple[str, ...] = ("get", "put")) -> None:
+        self._store, self._session_id, self._gated = store, session_id, gated
         self.entered, self.gate = threading.Event(), threading.Event()
 
-    def _wait(self, session_id: str) -> None:
-        if session_id == self._session_id:
-            self.entered.set()
-            assert self.gate.wait(60)
-
-    def get(self, tenant, session_id):
-        self._wait(session_id)
-        return self._store.get(tenant, session_id)
-
-    def put(self, tenant, session_id, record, **kwargs):
-        self._wait(session_id)
-        return self._store.put(tenant, session_id, record, **kwargs)
-
     def __getattr__(self, name):
-        return getattr(self._store, name)
+        call = getattr(self._store, name)
+        if name not in self._gated:
+            return call
+
+        def gated(tenant, session_id, *args, **kwargs):
+            if session_id == self._session_id:
+                self.entered.set()
+                assert self.gate.wait(60)
+            return call(tenant, session_id, *args, **kwargs)
+
+        return gated
 
 
 @pytest.mark.parametrize("stalled", ["resume", "spill"])
@@ -365,6 +362,68 @@ def test_a_turn_never_waits_for_another_sessions_store_io(tiny, tmp_path, stalle
         turn.join(60)
         assert finished, f"a turn on another session waited for a stuck {stalled}"
         assert manager.session("slow").messages[0]["content"] == "hello"
+
+
+def test_a_turn_under_a_device_budget_never_waits_for_another_sessions_stuck_resume(tiny, tmp_path):
+    from agentmem.storage import open_store
+
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'probe.db'}") as probe:
+        probe.session("probe").chat("hello", max_new_tokens=2)
+        one_session = probe.stats()["live_bytes"]
+    store = GatedStore(open_store(f"sqlite:///{tmp_path / 's.db'}"), "slow")
+    store.gate.set()
+    # Room for one session and a bit: the fast turn below must grow its buffer, so it needs room.
+    with SessionManager(tiny, store, device_budget_bytes=one_session * 3 // 2) as manager:
+        manager.session("slow").chat("hello", max_new_tokens=2)
+        manager.spill("default", "slow")
+        fast = manager.session("fast")
+        fast.chat("hello", max_new_tokens=2)
+        store.gate.clear()
+        resume = threading.Thread(target=lambda: manager.session("slow"))
+        resume.start()
+        assert store.entered.wait(30)  # the resume's store read is stuck
+        done = threading.Event()
+        turn = threading.Thread(target=lambda: (fast.chat("again, at length", max_new_tokens=80), done.set()))
+        turn.start()
+        finished = done.wait(60)
+        store.gate.set()
+        resume.join(60)
+        turn.join(60)
+        assert finished, "a turn waited for room while another session's resume was stuck in the store"
+        assert manager.session("slow").messages[0]["content"] == "hello"
+        assert manager.stats()["live_bytes"] <= manager.device_budget_bytes + one_session
+
+
+def test_a_session_resumed_while_its_spill_releases_the_lease_keeps_its_lease(tiny, tmp_path):
+    """A spill gives the lease up while the session is still live, so a turn that resumes the session
+    at that moment takes the lease after the release, never before it (which would lose it)."""
+    from agentmem.storage import open_store
+
+    store = GatedStore(open_store(f"sqlite:///{tmp_path / 's.db'}"), "s", gated=("release_lease",))
+    with SessionManager(tiny, store) as manager:
+        session = manager.session("s")
+        session.chat("hello", max_new_tokens=2)
+        spill = threading.Thread(target=lambda: manager.spill("default", "s"))
+        spill.start()
+        assert store.entered.wait(30)  # the spill is giving the lease up
+        errors = []
+
+        def turn() -> None:
+            try:
+                manager.session("s").chat("again", max_new_tokens=2)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        first = threading.Thread(target=turn)
+        first.start()
+        time.sleep(0.3)  # the turn is under way (resuming, or waiting for the session)
+        store.gate.set()
+        spill.join(30)
+        first.join(60)
+        turn()  # the lease is still this manager's: a later turn is served too
+        assert not errors, errors
+        assert [m["content"] for m in manager.session("s").messages if m["role"] == "user"] == [
+            "hello", "again", "again"]
 
 
 def test_bad_manager_settings_are_typed_errors(tiny, tmp_path):

@@ -1,0 +1,129 @@
+"""The registry of one manager's sessions by (tenant, session id): which are live, in what LRU order,
+which are being loaded, and which spilled handles callers may still hold.
+
+It only keeps the books, under one short lock, and never calls out while holding it: loading,
+spilling and evicting happen in the spill/load worker. A session's state is one of
+
+- *live*: in memory, in LRU order; a spill of it holds the session's own lock, so a turn on it
+  waits for the spill (and then brings it back) while other sessions go on;
+- *loading*: one thread is resuming it; others asking for it wait for that thread alone;
+- *spilled*: not live here; a handle a caller still holds is kept (weakly) so that resuming
+  the session revives that very object.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from agentmem.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from agentmem.session import Session
+
+Key = tuple[str, str]
+
+
+class Registry:
+    """Live sessions in LRU order, loads under way and spilled handles; see the module docstring. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._live: OrderedDict[Key, Session] = OrderedDict()
+        self._spilled: weakref.WeakValueDictionary[Key, Session] = weakref.WeakValueDictionary()
+        self._loaders: dict[Key, threading.Lock] = {}  # one per session being loaded
+        self._lock = threading.Lock()
+
+    def live_or_load(self, key: Key, load: Callable[[], Session]) -> tuple[Session, bool]:
+        """The live session of ``key`` (marked most recently used), else what ``load()`` returns.
+
+        One thread per key runs ``load`` (without the registry lock: it does I/O); threads
+        asking for the same key meanwhile wait for it and get its session, or, if it failed,
+        try themselves. Returns the session and whether this call loaded it.
+        """
+        while True:
+            with self._lock:
+                if key in self._live:
+                    self._live.move_to_end(key)
+                    return self._live[key], False
+                loader = self._loaders.setdefault(key, threading.Lock())
+            with loader:
+                with self._lock:
+                    if key in self._live:  # loaded by the thread this one waited for
+                        return self._live[key], False
+                    if self._loaders.get(key) is not loader:
+                        continue  # that thread's load failed and retired its loader: start over
+                try:
+                    return load(), True
+                finally:
+                    with self._lock:  # retired while held, so no waiter can load beside a newer loader
+                        del self._loaders[key]
+
+    def add(self, session: Session) -> None:
+        """Make ``session`` live (most recently used); a live session of the same key is an error."""
+        key = (session.tenant, session.session_id)
+        with self._lock:
+            if key in self._live:
+                raise InvalidInput(f"session {session.session_id!r} of tenant {session.tenant!r} already exists")
+            self._live[key] = session
+            self._spilled.pop(key, None)
+
+    def get(self, key: Key) -> Session | None:
+        with self._lock:
+            return self._live.get(key)
+
+    def is_live(self, session: Session) -> bool:
+        """Whether this very object is the live session of its key (not a spilled or replaced handle)."""
+        with self._lock:
+            return self._live.get((session.tenant, session.session_id)) is session
+
+    def touch(self, session: Session) -> None:
+        """Mark ``session`` most recently used."""
+        with self._lock:
+            if self._live.get(key := (session.tenant, session.session_id)) is session:
+                self._live.move_to_end(key)
+
+    def park(self, session: Session) -> None:
+        """``session`` was spilled: no longer live, its handle remembered for a resume to revive."""
+        key = (session.tenant, session.session_id)
+        with self._lock:
+            if self._live.get(key) is session:
+                del self._live[key]
+            self._spilled[key] = session
+
+    def remove(self, session: Session) -> None:
+        """Forget ``session`` if it is the live one of its key (a stale copy dropped, say)."""
+        with self._lock:
+            if self._live.get(key := (session.tenant, session.session_id)) is session:
+                del self._live[key]
+
+    def forget(self, key: Key) -> Session | None:
+        """Forget ``key`` entirely (deleted): its live session, if any, is returned."""
+        with self._lock:
+            self._spilled.pop(key, None)
+            return self._live.pop(key, None)
+
+    def spilled(self, key: Key) -> Session | None:
+        """The handle of a spilled session a caller still holds, if any."""
+        with self._lock:
+            return self._spilled.get(key)
+
+    def busy(self, key: Key) -> bool:
+        """Whether ``key`` is live or being loaded here (so this process keeps its lease)."""
+        with self._lock:
+            return key in self._live or key in self._loaders
+
+    def sessions(self, tenant: str | None = None) -> list[Session]:
+        """Live sessions (of ``tenant``, or all), least recently used first."""
+        with self._lock:
+            return [s for s in self._live.values() if tenant is None or s.tenant == tenant]
+
+    def keys(self) -> list[Key]:
+        with self._lock:
+            return list(self._live)
+
+    def live_bytes(self) -> int:
+        """What the live caches' buffers hold: the bytes the device budget counts."""
+        return sum(s.cache.allocated_nbytes for s in self.sessions())

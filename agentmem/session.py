@@ -1,0 +1,259 @@
+"""One live conversation: its turns, read incrementally into its cache and compacted within budget.
+
+A :class:`Session` is what callers hold; the :class:`~agentmem.sessions.SessionManager` that
+made it keeps it live, spills it and brings it back. Each turn reads only the tokens the cache
+does not hold yet (``engine.chat_delta``), compacts the cache when it crosses the tenant's
+``max_live_tokens`` (before reading, and during a long generation), and holds room in the
+manager's device budget for what its buffers grow by.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agentmem.cache import SessionCache
+from agentmem.engine import Engine
+from agentmem.errors import BudgetExceeded, HistoryDivergence, InvalidInput
+from agentmem.policy import BudgetPolicy
+
+if TYPE_CHECKING:
+    from agentmem.sessions import SessionManager
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class Usage:
+    """What one turn cost: tokens read, reused, generated; compactions; the cache afterwards."""
+
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    compactions: int = 0
+    live_tokens: int = 0
+    logical_tokens: int = 0
+    live_bytes: int = 0
+    reprefilled_tokens: int = 0  # read again because the caller's history diverged from the session's
+    finish_reason: str = "stop"
+    compaction_events: list[dict[str, Any]] = field(default_factory=list)  # rows before/after, seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Reply:
+    """A finished turn: its text, what it cost, and the generated token ids."""
+
+    text: str
+    usage: Usage
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Session:
+    """One live conversation; calls on it are serialised by its lock."""
+
+    def __init__(self, manager: SessionManager, tenant: str, session_id: str, cache: SessionCache,
+                 messages: list[dict[str, Any]], version: int, created_at: float) -> None:
+        self.manager, self.tenant, self.session_id = manager, tenant, session_id
+        self.cache, self._messages, self.version, self.created_at = cache, messages, version, created_at
+        self.lock = threading.RLock()
+        self.last_used = time.monotonic()
+        self._last_reply_ids: list[int] = []
+        self._tools: list[dict[str, Any]] | None = None  # tools the last turn was rendered with
+        self.stored_bytes = 0  # size of its blob in the store; the lease makes this copy the only writer
+
+    @property
+    def policy(self) -> BudgetPolicy:
+        return self.manager.policy_for(self.tenant)
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return [dict(m) for m in self._messages]
+
+    def chat(self, message_or_messages: str | Mapping[str, Any] | Sequence[Mapping[str, Any]], **generation) -> Reply:
+        """Add a user turn (a string or message) or pass the whole conversation (a list); reply to it."""
+        pieces, usage = [], None
+        for item in self.stream(message_or_messages, **generation):
+            if isinstance(item, Usage):
+                usage = item
+            else:
+                pieces.append(item)
+        return Reply("".join(pieces), usage, self._last_reply_ids)
+
+    def stream(self, message_or_messages, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
+               seed: int | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+               reply_prefix: str = "") -> Iterator[str | Usage]:
+        """Like :meth:`chat`, yielding text pieces as they are generated and finally the :class:`Usage`.
+
+        ``tools`` (OpenAI-style function specs) are rendered into the prompt (see
+        :mod:`agentmem.tools`); ``reply_prefix`` is text the reply is made to start with (read
+        as part of the prompt, yielded first, and part of the stored reply).
+        """
+        with self.lock:
+            self.manager._revive(self)
+            self.manager._touch(self)
+            usage = Usage()
+            conversation = self._conversation(message_or_messages)
+            self._tools = list(tools) if tools else None
+            delta = self._reconcile(conversation, usage)
+            delta += self.manager.engine.tokenizer(reply_prefix, add_special_tokens=False,
+                                                   split_special_tokens=True)["input_ids"] if reply_prefix else []
+            self._check_context(len(delta) + max_new_tokens)
+            if self.cache.physical_length + len(delta) > self.policy.max_live_tokens:
+                self._compact(usage)
+            usage.reused_tokens = self.cache.logical_length
+            usage.prefilled_tokens += len(delta)
+            generated: list[int] = []
+            shown = ""
+            growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
+            with self.manager._room(growth, keep=self):
+                if reply_prefix:
+                    yield reply_prefix
+                for token in self._generate(delta, usage, max_new_tokens, temperature=temperature, top_p=top_p,
+                                            top_k=top_k, stop=stop, seed=seed):
+                    generated.append(token)
+                    text = _visible(self.manager.engine, generated, stop)
+                    if len(text) > len(shown) and not text.endswith("\ufffd"):
+                        yield text[len(shown):]
+                        shown = text
+            text = _visible(self.manager.engine, generated, stop, final=True)
+            if len(text) > len(shown):
+                yield text[len(shown):]
+            eos = self.manager.engine.eos_token_ids
+            stopped = text != _visible(self.manager.engine, generated, None)
+            usage.finish_reason = "stop" if generated and (generated[-1] in eos or stopped) else "length"
+            content = reply_prefix + self.manager.engine.tokenizer.decode([t for t in generated if t not in eos])
+            self._messages = conversation + [{"role": "assistant", "content": content}]
+            self._last_reply_ids = generated
+            usage.generated_tokens = len(generated)
+            usage.live_tokens, usage.logical_tokens = self.cache.physical_length, self.cache.logical_length
+            usage.live_bytes = self.cache.allocated_nbytes
+            self.manager._record_turn(self, usage)
+            yield usage
+
+    def fork(self, new_id: str) -> Session:
+        """A new session of the same tenant starting from this one's cache and messages."""
+        with self.lock:
+            self.manager._revive(self)
+            forked = self.manager._adopt(self.tenant, new_id, self.cache.clone(), self.messages)
+        self.manager._enforce_device_budget(keep=forked)
+        return forked
+
+    # ------------------------------------------------------------------------ internals
+
+    def _conversation(self, given) -> list[dict[str, Any]]:
+        if isinstance(given, str):
+            return self._messages + [{"role": "user", "content": given}]
+        if isinstance(given, Mapping):
+            return self._messages + [dict(given)]
+        if isinstance(given, Sequence) and given:
+            return [dict(m) if isinstance(m, Mapping) else m for m in given]
+        raise InvalidInput("chat takes a string, a message mapping or a non-empty list of messages")
+
+    def _reconcile(self, conversation: list[dict[str, Any]], usage: Usage) -> list[int]:
+        """Tokens to read so the cache holds ``conversation``; re-reads from a divergence, visibly."""
+        engine = self.manager.engine
+        try:
+            delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
+        except HistoryDivergence as diverged:
+            self._rewind(diverged.common_tokens, usage)
+            delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
+        if not delta and self.cache.logical_length:
+            # The cache already holds the whole prompt (a regenerated reply): the last token is
+            # read again, since generation needs its logits.
+            self._rewind(self.cache.logical_length - 1, usage)
+            delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
+        return delta
+
+    def _rewind(self, keep_tokens: int, usage: Usage) -> None:
+        """Drop what the cache holds after its first ``keep_tokens`` tokens, counting what must be re-read."""
+        held = self.cache.logical_length
+        if keep_tokens >= held - self.cache.layers[0].tail_length:
+            self.cache.truncate(keep_tokens)
+        else:  # the cut reaches into compacted rows: only a full re-read is exact
+            self.cache = self.manager.engine.new_cache()
+        usage.reprefilled_tokens += held - self.cache.logical_length
+
+    def _check_context(self, needed: int) -> None:
+        limit = self.policy.max_context_tokens
+        if limit is not None and self.cache.logical_length + needed > limit:
+            raise BudgetExceeded(
+                f"session {self.tenant}/{self.session_id} holds {self.cache.logical_length} tokens; "
+                f"{needed} more would exceed the policy's max_context_tokens={limit}"
+            )
+
+    def _compact(self, usage: Usage) -> None:
+        policy = self.policy
+        if policy.on_over_budget == "reject":
+            raise BudgetExceeded(
+                f"session {self.tenant}/{self.session_id} has {self.cache.physical_length} live tokens; "
+                f"max_live_tokens={policy.max_live_tokens} and the policy rejects instead of compacting"
+            )
+        usage.compaction_events.append(self._compact_with(policy))
+        usage.compactions += 1
+
+    def compact(self, **overrides: Any) -> dict[str, Any]:
+        """Compact now, with the tenant's policy or these fields of it overridden
+        (``target_ratio``, ``target_tokens``, ``method``, ``keep_recent`` …); returns the event."""
+        with self.lock:
+            self.manager._revive(self)
+            return self._compact_with(self.policy.with_overrides(**overrides))
+
+    def _compact_with(self, policy: BudgetPolicy) -> dict[str, Any]:
+        before, began = self.cache.physical_length, time.perf_counter()
+        self.cache = self.manager._compact(policy, self.cache, self._system_tokens())
+        return {
+            "rows_before": before, "rows_after": self.cache.physical_length,
+            "logical_tokens": self.cache.logical_length, "seconds": round(time.perf_counter() - began, 4),
+            "method": policy.method,
+        }
+
+    def _system_tokens(self) -> int:
+        """Tokens of the leading system prompt (protected from compaction when the policy says so)."""
+        if not self.policy.protect_system_prompt or not self._messages or self._messages[0]["role"] != "system":
+            return 0
+        engine = self.manager.engine
+        system = engine.chat_delta(engine.new_cache(), self._messages[:1], tools=self._tools)
+        return min(len(system), self.cache.logical_length)
+
+    def _generate(self, prompt: list[int], usage: Usage, max_new_tokens: int, **sampling) -> Iterator[int]:
+        """Generate, compacting whenever the live rows reach the budget (online compaction).
+
+        When a round of decoding fills the budget mid-reply, its last token is taken back out
+        of the cache, the cache is compacted, and decoding resumes from that token.
+        """
+        engine, limit = self.manager.engine, self.policy.max_live_tokens
+        produced: list[int] = []
+        while len(produced) < max_new_tokens:
+            room = max(1, limit - self.cache.physical_length - len(prompt))
+            step = min(max_new_tokens - len(produced), room)
+            count = 0
+            for token in engine.stream(self.cache, prompt, max_new_tokens=step, **sampling):
+                produced.append(token)
+                count += 1
+                yield token
+            ended = count < step or produced[-1] in engine.eos_token_ids
+            if ended or _visible(engine, produced, sampling.get("stop"), final=True) != _visible(engine, produced, None):
+                return
+            if len(produced) < max_new_tokens:
+                self.cache.truncate(self.cache.logical_length - 1)
+                prompt = [produced[-1]]
+                self._compact(usage)
+
+
+def _visible(engine: Engine, ids: list[int], stop: Sequence[str] | None, final: bool = False) -> str:
+    """Decoded reply text, cut at the first stop string; while streaming, a possible stop prefix is held back."""
+    text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    for s in stop or ():
+        if s in text:
+            return text[: text.index(s)]
+    if not final and stop:
+        hold = max(len(s) for s in stop) - 1
+        return text[: max(0, len(text) - hold)]
+    return text

@@ -1,0 +1,302 @@
+"""The spill/load worker: moves sessions between the device and the store, and evicts to keep budgets.
+
+Everything slow — store reads and writes, encoding and decoding, compaction before a spill,
+lease waits — happens here, outside every manager-wide lock: the registry and the ledger are
+only consulted and updated, each under its own short lock. A spill holds the spilled
+session's own lock (a turn on it waits, then brings it back); a load is the one loader of its
+key (threads asking for that session wait for it); turns on other sessions go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from agentmem.cache import SessionCache
+from agentmem.engine import Engine
+from agentmem.errors import (
+    AgentMemError,
+    BudgetExceeded,
+    InvalidInput,
+    SessionNotFound,
+    StoreUnavailable,
+    VersionConflict,
+)
+from agentmem.leases import LeaseKeeper
+from agentmem.ledger import DeviceLedger, Key
+from agentmem.metrics import Metrics
+from agentmem.policy import BudgetPolicy
+from agentmem.quota import StoreQuota
+from agentmem.record import SessionRecord
+from agentmem.registry import Registry
+from agentmem.session import Session
+from agentmem.spill import Spiller
+from agentmem.storage import decode_cache, decoded_nbytes, encode_cache, read_header
+
+log = logging.getLogger(__name__)
+
+ROOM_POLL_SECONDS = 0.25  # a thread waiting for device room looks again at least this often
+NewSession = Callable[[str, str, SessionCache, list[dict[str, Any]], int, float], Session]
+Compact = Callable[[BudgetPolicy, SessionCache, int], SessionCache]
+
+
+class SpillWorker:
+    """Loads, adopts, spills, evicts and drops sessions of one manager; see the module docstring.
+
+    ``ledger`` is None when the manager has no device budget. ``new_session`` builds a
+    :class:`Session` bound to the manager; ``compact`` compacts a cache under a policy,
+    counting it.
+    """
+
+    def __init__(self, engine: Engine, registry: Registry, ledger: DeviceLedger | None, spiller: Spiller,
+                 leases: LeaseKeeper, quota: StoreQuota, policy_for: Callable[[str], BudgetPolicy], metrics: Metrics,
+                 new_session: NewSession, compact: Compact, lease_wait: float) -> None:
+        self.engine, self.registry, self.ledger, self.spiller = engine, registry, ledger, spiller
+        self.leases, self.quota, self.policy_for, self.metrics = leases, quota, policy_for, metrics
+        self._new_session, self._compact = new_session, compact
+        self.lease_wait = lease_wait
+
+    # ------------------------------------------------------------------------ bringing sessions live
+
+    def load(self, key: Key, create: bool) -> Session:
+        """Resume ``key`` from the host tier or the store, or start it empty; the caller is its one loader."""
+        tenant, session_id = key
+        self.spiller.wait(key)  # a write behind of this session lands (and gives its lease up) first
+        self.leases.take(tenant, session_id, self.lease_wait)
+        try:
+            record = self.spiller.read(key)  # host tier first
+        except SessionNotFound:
+            if not create:
+                self.leases.release(tenant, session_id)
+                raise
+            return self.adopt(tenant, session_id, self.engine.new_cache(), [], leased=True)
+        except BaseException:
+            self.leases.release(tenant, session_id)
+            raise
+        engine = self.engine
+        try:
+            # Room is reserved before the cache is decoded onto the device, so loaders that
+            # wait for room hold no memory the budget does not count.
+            with self.room(decoded_nbytes(read_header(record.blob), engine.dtype), key):
+                cache = decode_cache(record.blob, fingerprint=engine.fingerprint, device=engine.device,
+                                     dtype=engine.dtype)
+                session = self.registry.spilled(key) or self._new_session(tenant, session_id, cache, [], 0,
+                                                                          record.created_at)
+                session.cache, session._messages, session.version = cache, list(record.messages), record.version
+                session.stored_bytes = len(record.blob)
+                self._register(session)
+        except BaseException:
+            self.leases.release(tenant, session_id)
+            raise
+        self.metrics.add("resumes")
+        return session
+
+    def adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]],
+              *, leased: bool = False) -> Session:
+        """A new live session holding ``cache`` (taking its lease unless the caller holds it already)."""
+        if self.registry.get((tenant, session_id)) is not None:
+            raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists")
+        if not leased:
+            self.leases.take(tenant, session_id, self.lease_wait)
+        try:
+            return self._register(self._new_session(tenant, session_id, cache, messages, 0, time.time()))
+        except BaseException:
+            self.leases.release(tenant, session_id)  # taken for this adoption, here or by the loader
+            raise
+
+    def _register(self, session: Session) -> Session:
+        """Make ``session`` live, first spilling the tenant's LRU idle session if it is at ``max_sessions``."""
+        policy = self.policy_for(session.tenant)
+        if policy.max_sessions is not None:
+            mine = self.registry.sessions(session.tenant)
+            if len(mine) >= policy.max_sessions:
+                if policy.on_over_budget == "reject":
+                    raise BudgetExceeded(
+                        f"tenant {session.tenant!r} has {len(mine)} live sessions; max_sessions={policy.max_sessions}"
+                    )
+                self._evict_one(s for s in mine if s is not session)
+        self.registry.add(session)
+        return session
+
+    # ------------------------------------------------------------------------ spilling
+
+    def spill(self, key: Key, durable: bool) -> int:
+        """Drop ``key``'s live session from the device; the version it is stored as (see ``SessionManager.spill``)."""
+        session = self.registry.get(key)
+        spilled = self.registry.spilled(key) if session is None else None
+        if spilled is not None:  # already spilled (by the device budget, say)
+            if durable:
+                self.settle(key)
+            return spilled.version
+        if session is None and key in self.spiller.pending():  # spilled behind; nobody holds its handle
+            self.settle(key)  # its version is known once it has landed
+            return self.spiller.store.version(*key)
+        if session is None:
+            raise SessionNotFound(f"session {key[1]!r} of tenant {key[0]!r} is not live here")
+        with session.lock:
+            if not self.registry.is_live(session):  # spilled by another thread meanwhile
+                if durable:
+                    self.settle(key)
+                return session.version
+            record = self._record_of(session)
+            put = functools.partial(self.quota.put, replaced_bytes=session.stored_bytes)
+            behind = False
+            if not durable:
+                self.quota.check(record, session.stored_bytes)  # refused now, not in the background
+                behind = self.spiller.write_behind(record, session.version, put)
+            if behind:
+                version = session.version + 1  # what the queued compare-and-set will make it
+            else:
+                version = put(record, session.version)
+                self.spiller.cache(record.model_copy(update={"version": version}))
+            session.version, session.stored_bytes = version, len(record.blob)
+            if not behind:  # else the lease is kept until the write lands (written_behind)
+                # Released while the session is still live here, so no load of it in this
+                # process can take the lease (ours already) before this release drops it.
+                self.leases.release(*key)
+            self._free(session, self.registry.park)  # a revive reloads it
+            self.metrics.add("spills")
+            return version
+
+    def settle(self, key: Key) -> None:
+        """Return once any write behind of ``key`` has landed; raise what dropped it, if something did."""
+        failure = self.spiller.wait(key)
+        if failure is not None:
+            raise failure
+
+    def written_behind(self, key: Key) -> None:
+        """A write behind landed (or failed): give the lease up unless the session is live or loading again."""
+        if not self.registry.busy(key):
+            self.leases.release(*key)
+
+    def drop(self, session: Session) -> None:
+        """Forget a live copy without writing it (it lost to a newer stored version, or its lease).
+
+        The lease goes first, as in :meth:`spill`: a load of the session in this process cannot
+        start while it is live, so it cannot take the lease just before this release drops it.
+        """
+        self.leases.release(session.tenant, session.session_id)
+        self._free(session, self.registry.remove)
+
+    def _free(self, session: Session, unregister: Callable[[Session], None]) -> None:
+        """Release ``session``'s device memory, then take it out of the live set with ``unregister``.
+
+        The cache goes first, so the live bytes counted never exceed what is held; waiters
+        for room look again.
+        """
+        session.cache = self.engine.new_cache()
+        unregister(session)
+        if self.ledger is not None:
+            self.ledger.freed()
+
+    def _record_of(self, session: Session) -> SessionRecord:
+        policy = self.policy_for(session.tenant)
+        return SessionRecord(
+            tenant=session.tenant, session_id=session.session_id, model_fingerprint=self.engine.fingerprint,
+            logical_length=session.cache.logical_length, token_ids=session.cache.token_ids, messages=session.messages,
+            policy=policy.name, created_at=session.created_at, updated_at=time.time(),
+            ttl_seconds=policy.ttl_seconds, blob=encode_cache(session.cache, dtype=policy.storage_dtype),
+        )
+
+    # ------------------------------------------------------------------------ the device budget
+
+    @contextmanager
+    def room(self, need: int, key: Key) -> Iterator[None]:
+        """Hold ``need`` bytes of the device budget while ``key``'s cache grows (or loads) by up to that much.
+
+        Idle sessions are spilled to make room (never ``key``'s, nor any holding room); when
+        nothing can be spilled, the ledger grants it over budget only to a thread alone.
+        """
+        if self.ledger is None:
+            yield
+            return
+        while (reservation := self.ledger.try_reserve(need, key)) is None:
+            if self.evict(need, keep=key):  # spills write: no lock held
+                continue
+            if (reservation := self.ledger.reserve_if_alone(need, key)) is not None:
+                break
+            self.ledger.wait(ROOM_POLL_SECONDS)
+        try:
+            yield
+        finally:
+            self.ledger.release(reservation)
+
+    def enforce(self, keep: Session) -> None:
+        """Spill idle sessions until live bytes fit the device budget again (``keep`` stays)."""
+        if self.ledger is None or self.ledger.excess() <= 0:
+            return
+        if self.policy_for(keep.tenant).on_over_budget == "reject" and len(self.registry.keys()) == 1:
+            return  # nothing else to spill; the session's own budget is its policy's business
+        self.evict(0, keep=(keep.tenant, keep.session_id))
+
+    def evict(self, need: int, keep: Key) -> bool:
+        """Spill the ledger's victims, least recently used first, until ``need`` more bytes fit; whether any
+        were spilled. Victims busy in another thread, or refused by their quota, are passed over for the
+        next; a store outage stops eviction (sessions stay live, over budget) rather than failing the turn."""
+        tried: set[Key] = set()
+        evicted = False
+        while True:
+            lru = [(k, s.cache.allocated_nbytes) for s in self.registry.sessions()
+                   if (k := (s.tenant, s.session_id)) != keep and k not in tried]
+            victims = self.ledger.victims(lru, need)
+            if not victims:
+                return evicted
+            for key in victims:
+                tried.add(key)
+                session = self.registry.get(key)
+                try:
+                    evicted |= session is not None and self._spill_idle(session)
+                except StoreUnavailable as exc:
+                    self._store_down(exc)
+                    return evicted
+                if self.ledger.excess(need) <= 0:
+                    return evicted
+
+    def _evict_one(self, candidates: Iterable[Session]) -> None:
+        """Spill the first of ``candidates`` (least recently used first) that is idle and spillable."""
+        for session in candidates:
+            try:
+                if self._spill_idle(session):
+                    return
+            except StoreUnavailable as exc:
+                self._store_down(exc)
+                return
+
+    def _store_down(self, exc: StoreUnavailable) -> None:
+        """Eviction stops while the store is down: counted and logged, the turn that triggered it goes on."""
+        self.metrics.add("store_errors")
+        log.error("cannot spill while the store is unavailable: %s", exc)
+
+    def _spill_idle(self, victim: Session) -> bool:
+        """Spill ``victim`` behind (compacting first where its policy says so) if no thread is using it.
+
+        Returns whether it left the device: False if it is busy or its spill was refused (it
+        stays live, whole). A stale copy (another worker wrote or deleted the session since) is
+        dropped. :class:`StoreUnavailable` propagates, the victim kept whole.
+        """
+        if not victim.lock.acquire(blocking=False):
+            return False  # busy in another thread: not idle
+        original = victim.cache
+        try:
+            policy = self.policy_for(victim.tenant)
+            if policy.on_over_budget == "compact" and victim.cache.physical_length > policy.keep_recent:
+                victim.cache = self._compact(policy, victim.cache, victim._system_tokens())
+            self.spill((victim.tenant, victim.session_id), durable=False)  # behind, where a host tier is
+            return True
+        except StoreUnavailable:
+            victim.cache = original  # compacted only to be spilled: keep it whole while it stays live
+            raise
+        except (VersionConflict, SessionNotFound) as exc:
+            log.error("dropping the stale live copy of %s/%s: %s", victim.tenant, victim.session_id, exc)
+            self.drop(victim)
+            return True
+        except AgentMemError as exc:  # e.g. its tenant's store quota is full
+            victim.cache = original
+            log.warning("cannot spill %s/%s: %s", victim.tenant, victim.session_id, exc)
+            return False
+        finally:
+            victim.lock.release()
