@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agentmem.cache import SessionCache
-from agentmem.compaction import compact
+from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine
 from agentmem.errors import (
     AgentMemError,
@@ -221,10 +221,19 @@ class Session:
 
     def compact(self, **overrides: Any) -> dict[str, Any]:
         """Compact now, with the tenant's policy or these fields of it overridden
-        (``target_ratio``, ``target_tokens``, ``method``, ``keep_recent`` …); returns the event."""
+        (``target_ratio``, ``target_tokens``, ``method``, ``keep_recent`` …); returns the event.
+
+        The last ``keep_recent`` tokens and the protected system prompt stay raw (see
+        :func:`~agentmem.compaction.compact`); when that leaves nothing to shrink,
+        :class:`~agentmem.errors.CompactionUnreachable` says so and the cache is unchanged.
+        """
         with self.lock:
             self.manager._revive(self)
-            return self._compact_with(self.policy.with_overrides(**overrides))
+            policy = self.policy.with_overrides(**overrides)
+            protect = self._system_tokens()
+            check_reachable(self.cache, target_tokens=policy.compaction_target(self.cache.logical_length, protect),
+                            keep_recent=policy.keep_recent, protect_prefix=protect)
+            return self._compact_with(policy)
 
     def _compact_with(self, policy: BudgetPolicy) -> dict[str, Any]:
         before, began = self.cache.physical_length, time.perf_counter()
@@ -495,6 +504,20 @@ class SessionManager:
         removed = self.store.delete(tenant, session_id)
         self.store.release_lease(tenant, session_id, self.owner)
         return removed or live is not None
+
+    def release(self, tenant: str, session_id: str) -> None:
+        """Give a live session up without writing it: the store keeps what it had (or nothing).
+
+        For callers that changed nothing worth a new version — a session opened and left
+        without a turn, a compaction that could not help — so closing the manager, which spills
+        every live session, does not store it.
+        """
+        key = (check_tenant(tenant), check_session_id(session_id))
+        with self._lock:
+            session = self._live.get(key)
+        if session is not None:
+            with session.lock:
+                self._drop(session)
 
     def list(self, tenant: str) -> list[dict[str, Any]]:
         """Every session of ``tenant``: stored ones with their size, live ones marked live."""

@@ -10,12 +10,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentmem.errors import InvalidInput, StoreUnavailable
-from agentmem.home import agentmem_home
+from agentmem.home import default_store_url as default_url
 from agentmem.lazy import lazy_attributes
 from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
 from agentmem.storage.redis_client import is_redis_url
@@ -50,11 +49,6 @@ __all__ = [
     "open_store",
     "read_header",
 ]
-
-
-def default_url() -> str:
-    """``$AGENTMEM_STORE`` if set, else SQLite at ``$AGENTMEM_HOME/sessions.db``."""
-    return os.environ.get("AGENTMEM_STORE") or f"sqlite:///{agentmem_home() / 'sessions.db'}"
 
 
 def open_store(url: str | None = None) -> CacheStore:
