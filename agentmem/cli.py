@@ -229,7 +229,8 @@ def _chat_turn(live: Session, message: str | list[dict[str, str]], **generation:
                 typer.echo(piece, nl=False)
     except KeyboardInterrupt:
         pieces.close()  # the session's lock and budget are released; the cache holds the partial turn
-        return _discard_turn(live, before)
+        _discard_turn(live, before)
+        return False
     typer.echo("")
     reread = f", re-read {usage.reprefilled_tokens} (the history had changed)" if usage.reprefilled_tokens else ""
     typer.echo(f"  [read {usage.prefilled_tokens} new tokens, reused {usage.reused_tokens}{reread}; "
@@ -243,7 +244,7 @@ def _chat_turn(live: Session, message: str | list[dict[str, str]], **generation:
     return True
 
 
-def _discard_turn(live: Session, before: int) -> bool:
+def _discard_turn(live: Session, before: int) -> None:
     """Take an interrupted turn back out of the cache: the session is as it was before the message.
 
     The session's messages never include an unfinished turn. The cache can drop tokens that
@@ -257,7 +258,6 @@ def _discard_turn(live: Session, before: int) -> bool:
     except InvalidInput:
         typer.echo("\n  [interrupted: reply discarded; it was partly compacted into the cache already, so the "
                    "next turn re-reads the conversation]", err=True)
-    return False
 
 
 def _leave(manager: SessionManager, live: Session, turns: int, where: str) -> None:

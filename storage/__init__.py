@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,9 +54,11 @@ __all__ = [
 
 def open_store(url: str | None = None) -> CacheStore:
     """Open the store at ``url`` (default: SQLite under ``$AGENTMEM_HOME``)."""
+    source = " (from $AGENTMEM_STORE)" if url is None and os.environ.get("AGENTMEM_STORE") else ""
     url = url or default_url()
     if not isinstance(url, str) or "://" not in url and not url.startswith("sqlite:"):
-        raise InvalidInput(f"store URL {url!r} is not a URL; try sqlite:///path/sessions.db or redis://host:6379/0")
+        raise InvalidInput(f"store URL {url!r}{source} is not a URL; try sqlite:///path/sessions.db or "
+                           "redis://host:6379/0")
     if is_redis_url(url):
         from agentmem.storage.redis import RedisStore
 

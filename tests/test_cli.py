@@ -344,3 +344,14 @@ def test_a_bad_environment_variable_is_named(monkeypatch):
     monkeypatch.setenv("AGENTMEM_MAX_LIVE_TOKENS", "abc")
     result = CliRunner().invoke(app, ["policy", "show"])
     assert result.exit_code == 1 and "AGENTMEM_MAX_LIVE_TOKENS='abc'" in result.output
+    monkeypatch.delenv("AGENTMEM_MAX_LIVE_TOKENS")
+    monkeypatch.setenv("AGENTMEM_STORE", "sessions.db")
+    result = CliRunner().invoke(app, ["sessions", "list"])
+    assert result.exit_code == 1 and "from $AGENTMEM_STORE" in result.output
+
+
+def test_the_langchain_adapter_uses_the_shared_default_tenant():
+    from agentmem.adapters.langchain import ChatAgentMem
+    from agentmem.home import DEFAULT_TENANT
+
+    assert ChatAgentMem().tenant == DEFAULT_TENANT
