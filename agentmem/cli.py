@@ -148,7 +148,7 @@ def demo(
     model: str = ModelOpt,
     device: Optional[str] = DeviceOpt,
     dtype: str = DtypeOpt,
-    max_new_tokens: int = typer.Option(48, help="tokens generated per reply at most"),
+    max_new_tokens: int = typer.Option(32, help="tokens generated per reply at most"),
     repeats: int = typer.Option(5, help="runs timed for each timing shown (their median is shown)"),
 ) -> None:
     """A support session on the embedded model and the default store: compacts, spills, restarts, resumes by ID."""

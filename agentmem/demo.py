@@ -66,11 +66,11 @@ def run_demo(*, model: str, max_new_tokens: int, repeats: int = 5, engine_option
             _show_turn(echo, turn, text, reply, max_new_tokens)
             usage = reply.usage
             for event in usage.compaction_events:
-                echo(f"{INDENT}budget crossed: compacted {event['rows_before']} rows to {event['rows_after']} "
-                     f"({event['method']}, {event['seconds']:.1f} s)")
-            echo(f"{INDENT}read {usage.prefilled_tokens} new tokens and reused {usage.reused_tokens} from the "
-                 f"cache ({time.perf_counter() - began:.1f} s); the session has read {usage.logical_tokens} "
-                 f"tokens and holds them in {usage.live_tokens} rows")
+                _say(echo, f"budget crossed: compacted {event['rows_before']} rows to {event['rows_after']} "
+                           f"({event['method']}, {event['seconds']:.1f} s)")
+            _say(echo, f"read {usage.prefilled_tokens} new tokens, reused {usage.reused_tokens} already in the "
+                       f"cache, wrote {usage.generated_tokens} ({time.perf_counter() - began:.1f} s); the session has "
+                       f"read {usage.logical_tokens} tokens and holds them in {usage.live_tokens} rows")
         messages = session.messages
         compacted = session.cache.clone()
         compactions = manager.stats()["compactions"]
@@ -82,8 +82,8 @@ def run_demo(*, model: str, max_new_tokens: int, repeats: int = 5, engine_option
         stored_dtype = read_header(manager.store.get(DEFAULT_TENANT, SESSION).blob)["storage_dtype"]
         reply = resumed.chat(QUESTION, max_new_tokens=max_new_tokens)
     _show_turn(echo, len(TURNS) + 2, QUESTION, reply, max_new_tokens)
-    echo(f"{INDENT}(SmolLM2-135M is a very small model: it often answers beside the point and cannot be "
-         "expected to name the city. Whether the session still holds the fact is measured below instead.)")
+    _say(echo, "(SmolLM2-135M is a very small model: it often answers beside the point and cannot be expected "
+               "to name the city. Whether the session still holds the fact is measured below instead.)")
 
     history = engine.chat_delta(engine.new_cache(), messages)
     reread_s = statistics.median(_time_prefill(engine, history) for _ in range(repeats))
@@ -97,7 +97,7 @@ def run_demo(*, model: str, max_new_tokens: int, repeats: int = 5, engine_option
     rows = [
         ("tokens read in the session", f"{compacted.logical_length}"),
         ("compactions", f"{compactions}"),
-        ("rows held per layer and head", f"{compacted.physical_length} (1 per token uncompacted: "
+        ("rows held per layer and head", f"{compacted.physical_length} (uncompacted, one per token: "
                                          f"{full.physical_length})"),
         ("tokens re-read on resume", f"0, plus the {reply.usage.prefilled_tokens} of the new message"),
         ("bytes live: compacted / uncompacted", f"{compacted.allocated_nbytes / 2**20:.1f} MiB / "
@@ -112,10 +112,11 @@ def run_demo(*, model: str, max_new_tokens: int, repeats: int = 5, engine_option
     echo("")
     for key, value in rows:
         echo(f"  {key:<{width}}  {value}")
-    echo(f"\np(answer) is the probability the model gives the answer {ANSWER.strip()!r} to {QUESTION!r}, "
-         "read from its own output distribution (teacher-forced), compared with a session that was never told "
-         "the city. Much above 1x means the session still holds the fact.\n"
-         f"The session stays in the store: agentmem sessions list (tenant {DEFAULT_TENANT!r}).")
+    echo("")
+    echo(textwrap.fill(f"p(answer) is the probability the model gives the answer {ANSWER.strip()!r} to {QUESTION!r}, "
+                       "read from its own output distribution (teacher-forced), compared with a session that was "
+                       "never told the city: above 1x, the session still holds the fact.", 100))
+    echo(f"The session stays in the store: agentmem sessions list (tenant {DEFAULT_TENANT!r}).")
 
 
 def _show_turn(echo: Callable[[str], None], turn: int, user: str, reply: Reply, max_new_tokens: int) -> None:
@@ -125,6 +126,11 @@ def _show_turn(echo: Callable[[str], None], turn: int, user: str, reply: Reply, 
         text = text.rsplit(" ", 1)[0] + f" … [stopped at the {max_new_tokens}-token reply limit]"
     echo(textwrap.fill(user, 100, initial_indent=f"\nturn {turn:<2} user: ", subsequent_indent=INDENT))
     echo(textwrap.fill(text or "(empty reply)", 100, initial_indent=" " * 5 + "agent: ", subsequent_indent=INDENT))
+
+
+def _say(echo: Callable[[str], None], text: str) -> None:
+    """A note under a turn, wrapped to the turn's indent."""
+    echo(textwrap.fill(text, 100, initial_indent=INDENT, subsequent_indent=INDENT))
 
 
 def _time_resume(engine: Engine, store: str) -> float:
