@@ -108,8 +108,8 @@ def main(
     """agentmem command line."""
     # Logs carry sizes, timings and names, never message text (a prompt can hold anything).
     logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")  # no-op if configured
-    logging.getLogger("agentmem").setLevel(
-        logging.WARNING if not verbose else logging.INFO if verbose == 1 else logging.DEBUG)
+    if verbose:  # else warnings and errors only, as the root logger has it
+        logging.getLogger("agentmem").setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
 
 
 def _engine_options(device: str | None, dtype: str) -> dict[str, Any]:
