@@ -355,3 +355,15 @@ def test_the_langchain_adapter_uses_the_shared_default_tenant():
     from agentmem.home import DEFAULT_TENANT
 
     assert ChatAgentMem().tenant == DEFAULT_TENANT
+
+
+def test_chat_says_when_a_turn_compacted_the_session(engine, tmp_path, monkeypatch):
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    policies = tmp_path / "policies.yaml"
+    policies.write_text("default:\n  max_live_tokens: 48\n  keep_recent: 8\n  target_ratio: 4\n  method: window\n")
+    result = CliRunner().invoke(app, ["chat", "--session", "c-4", "--store", f"sqlite:///{tmp_path / 's.db'}",
+                                      "--policies", str(policies), "--max-new-tokens", "24"],
+                                input="Please tell me about parcels and how they travel between cities.\n")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"\[compacted during this turn \(window, the budget of 48 live rows was reached\): "
+                     r"\d+ -> \d+ rows", result.output), result.output
