@@ -75,30 +75,51 @@ def _store(url: str | None) -> str:
 
 
 def _redis_persistence(url: str) -> str:
-    """Whether the Redis server runs with AOF; raises :class:`StoreUnavailable` (a failed check) if not."""
+    """Whether the Redis server keeps what it acknowledged: AOF on and no eviction policy.
+
+    Raises :class:`StoreUnavailable` (a failed check) otherwise: without AOF a restart loses
+    every session written since the last RDB snapshot; an evicting ``maxmemory-policy``
+    drops sessions silently when Redis fills up.
+    """
     from redis.exceptions import RedisError
 
     from agentmem.storage.redis_client import connect, redact
 
     client = connect(url)
     try:
-        info = client.info("persistence")
-        # A cluster client answers per node ({node: info}); every node must persist.
-        per_node = {redact(url): info} if "aof_enabled" in info else {str(n): data for n, data in info.items()}
-        off = [node for node, data in per_node.items() if not int(data.get("aof_enabled", 0))]
-        if off:
+        aof_off = _nodes_where(client, "persistence", url, lambda info: not int(info.get("aof_enabled", 0)))
+        if aof_off:
             raise StoreUnavailable(
-                f"AOF is off on {', '.join(off)}: a Redis restart loses every "
-                "session written since the last RDB snapshot; run redis-server with --appendonly yes "
-                "(--appendfsync everysec risks ~1 s of writes, always none)")
+                f"AOF is off on {', '.join(aof_off)}: a Redis restart loses every session written since the last "
+                "RDB snapshot; run redis-server with --appendonly yes (--appendfsync everysec risks ~1 s of writes, "
+                "always none)")
+        evicting = _nodes_where(client, "memory", url,
+                                lambda info: info.get("maxmemory_policy", "noeviction") != "noeviction")
+        if evicting:
+            raise StoreUnavailable(
+                f"maxmemory-policy evicts keys on {', '.join(evicting)}: a full Redis would drop sessions silently; "
+                "set maxmemory-policy noeviction")
         try:
             fsync = client.config_get("appendfsync").get("appendfsync")
         except RedisError:  # managed Redis often refuses CONFIG
             fsync = None
         risk = {"always": "no acknowledged write", "everysec": "about 1 s of writes", "no": "what the OS had not flushed"}
-        return ("AOF on" + (f", appendfsync {fsync}: a crash loses {risk.get(fsync, 'an unknown amount')}"
-                            if fsync else " (appendfsync not readable: CONFIG refused)"))
+        return ("AOF on, noeviction" + (f", appendfsync {fsync}: a crash loses {risk.get(fsync, 'an unknown amount')}"
+                                        if fsync else " (appendfsync not readable: CONFIG refused)"))
     except RedisError as exc:
         raise StoreUnavailable(f"cannot read the persistence settings of {redact(url)}: {exc}") from exc
     finally:
         client.close()
+
+
+def _nodes_where(client: Any, section: str, url: str, wrong: Callable[[dict[str, Any]], bool]) -> list[str]:
+    """The nodes whose ``INFO section`` is ``wrong``: every node of a cluster, which answers per node."""
+    from redis.cluster import RedisCluster
+
+    from agentmem.storage.redis_client import redact
+
+    if isinstance(client, RedisCluster):
+        per_node = client.info(section, target_nodes=RedisCluster.ALL_NODES)
+    else:
+        per_node = {redact(url): client.info(section)}
+    return [str(node) for node, data in per_node.items() if wrong(data)]

@@ -335,9 +335,14 @@ def test_doctor_fails_a_redis_without_aof_and_prints_the_whole_fingerprint(engin
     checks = {c["check"]: c for c in json.loads(result.stdout)}
     assert checks[f"redis persistence {durable.url}"]["status"] == "ok"
     assert "appendfsync always" in checks[f"redis persistence {durable.url}"]["detail"]
+    assert "noeviction" in checks[f"redis persistence {durable.url}"]["detail"]
     assert checks[f"redis persistence {lossy.url}"]["status"] == "fail"
     assert "--appendonly yes" in checks[f"redis persistence {lossy.url}"]["detail"] and result.exit_code == 1
     assert engine.fingerprint in checks["model embedded"]["detail"]
+    with LocalRedis(tmp_path / "lru", extra_args=["--maxmemory-policy", "allkeys-lru"]) as evicting:
+        result = CliRunner().invoke(app, ["doctor", "--redis", evicting.url, "--json"])
+    detail = {c["check"]: c for c in json.loads(result.stdout)}[f"redis persistence {evicting.url}"]
+    assert detail["status"] == "fail" and "noeviction" in detail["detail"]
 
 
 def test_a_bad_environment_variable_is_named(monkeypatch):
@@ -367,3 +372,16 @@ def test_chat_says_when_a_turn_compacted_the_session(engine, tmp_path, monkeypat
     assert result.exit_code == 0, result.output
     assert re.search(r"\[compacted during this turn \(window, the budget of 48 live rows was reached\): "
                      r"\d+ -> \d+ rows", result.output), result.output
+
+
+def test_doctor_checks_every_node_of_a_redis_cluster(engine, tmp_path, monkeypatch):
+    from agentmem.storage.local_redis import LocalRedisCluster
+
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    with LocalRedisCluster(tmp_path / "cluster") as cluster:
+        node = cluster.nodes[1].client()
+        node.config_set("appendonly", "no")  # one node of three loses writes on a restart
+        node.close()
+        result = CliRunner().invoke(app, ["doctor", "--redis", cluster.url, "--json"])
+    check = {c["check"]: c for c in json.loads(result.stdout)}[f"redis persistence {cluster.url}"]
+    assert check["status"] == "fail" and f":{cluster.nodes[1].port}" in check["detail"], check
