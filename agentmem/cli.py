@@ -24,13 +24,15 @@ from agentmem.home import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from agentmem.engine import Engine
+    from agentmem.record import CacheStore
     from agentmem.sessions import Session, SessionManager
 
 # Calibration text: standard-library sources the fidelity benchmark does not use.
 CALIBRATION_SOURCES = ("argparse.py", "fractions.py", "shlex.py", "calendar.py")
 BENCHMARKS = ("engine", "fidelity", "resume", "sessions", "scale")
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown", help="agentmem: resumable KV memory for agents")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
+                  help="agentmem: resumable KV memory for agents")
 sessions_app = typer.Typer(no_args_is_help=True, help="Stored sessions of one tenant: list, show, export, delete.")
 policy_app = typer.Typer(no_args_is_help=True, help="Per-tenant budget policies (a YAML file).")
 bench_app = typer.Typer(no_args_is_help=True, help="Run a benchmark from the source tree's benchmarks/.")
@@ -124,8 +126,13 @@ def _engine_options(device: str | None, dtype: str) -> dict[str, Any]:
             options["device"] = torch.device(device)
         except RuntimeError as exc:
             raise InvalidInput(f"--device {device!r} is not a device: {exc}") from exc
-        if options["device"].type == "cuda" and not torch.cuda.is_available():
-            raise InvalidInput(f"--device {device}: torch {torch.__version__} sees no CUDA device here")
+        chosen = options["device"]
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if chosen.type == "cuda" and (chosen.index or 0) >= cuda_devices:
+            raise InvalidInput(f"--device {device}: torch {torch.__version__} sees {cuda_devices} CUDA "
+                               "devices here")
+        if chosen.type == "mps" and not torch.backends.mps.is_available():
+            raise InvalidInput(f"--device {device}: this torch has no usable MPS (Apple GPU) backend here")
     return options
 
 
@@ -295,8 +302,10 @@ def _shown_url(store: str | None) -> str:
 @sessions_app.command("list")
 @clean_errors
 def sessions_list(
-    tenant: Optional[str] = typer.Option(None, "--tenant", help=f"tenant whose sessions to list (default {DEFAULT_TENANT!r})"),
-    all_tenants: bool = typer.Option(False, "--all-tenants", help="list every tenant's sessions (an administrator's view)"),
+    tenant: Optional[str] = typer.Option(None, "--tenant",
+                                         help=f"tenant whose sessions to list (default {DEFAULT_TENANT!r})"),
+    all_tenants: bool = typer.Option(False, "--all-tenants",
+                                     help="list every tenant's sessions (an administrator's view)"),
     store: Optional[str] = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -321,7 +330,7 @@ def sessions_list(
     emit(rows, as_json)
 
 
-def _stored_sessions(backend: Any, tenant: str, *, with_tenant: bool) -> Iterator[dict[str, Any]]:
+def _stored_sessions(backend: CacheStore, tenant: str, *, with_tenant: bool) -> Iterator[dict[str, Any]]:
     """One listing row per stored session of ``tenant``, page by page."""
     cursor = None
     while True:
@@ -641,7 +650,8 @@ def doctor(
     """Check versions, the model and the stores; exit code 1 if anything is wrong."""
     from agentmem.doctor import run_checks
 
-    checks = run_checks(model=model, engine_options=_engine_options(device, dtype), stores=[store] + ([redis] if redis else []))
+    checks = run_checks(model=model, engine_options=_engine_options(device, dtype),
+                        stores=[store] + ([redis] if redis else []))
     emit(checks, as_json)
     if any(c["status"] != "ok" for c in checks):
         raise typer.Exit(1)

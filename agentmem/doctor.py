@@ -103,7 +103,8 @@ def _redis_persistence(url: str) -> str:
             fsync = client.config_get("appendfsync").get("appendfsync")
         except RedisError:  # managed Redis often refuses CONFIG
             fsync = None
-        risk = {"always": "no acknowledged write", "everysec": "about 1 s of writes", "no": "what the OS had not flushed"}
+        risk = {"always": "no acknowledged write", "everysec": "about 1 s of writes",
+                "no": "what the OS had not flushed"}
         return ("AOF on, noeviction" + (f", appendfsync {fsync}: a crash loses {risk.get(fsync, 'an unknown amount')}"
                                         if fsync else " (appendfsync not readable: CONFIG refused)"))
     except RedisError as exc:

@@ -28,8 +28,9 @@ class BudgetPolicy(BaseModel):
     max_live_tokens: int = Field(4096, gt=0, description="physical rows that trigger compaction")
     target_ratio: float | None = Field(4.0, description="compact the text a span stands for to 1 row per this many tokens")
     target_tokens: int | None = Field(None, ge=0, description="or to this many token-equivalents")
-    keep_recent: int = Field(256, ge=1, description="most recent tokens kept raw: no compaction touches them, so a "
-                                                    "session this short cannot shrink (at least 1: decoding resumes from it)")
+    keep_recent: int = Field(256, ge=1, description="most recent tokens kept raw: no compaction touches them, so "
+                                                    "a session this short cannot shrink (at least 1: decoding "
+                                                    "resumes from it)")
     fill_after_compaction: float = Field(
         0.5, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later turns")
     protect_system_prompt: bool = Field(True, description="never compact a leading system prompt")
@@ -45,7 +46,8 @@ class BudgetPolicy(BaseModel):
     storage_dtype: Literal["auto", "fp32", "fp16", "bf16", "int8"] = Field(
         "auto", description="how spilled rows are stored: auto = the cache's own dtype (exact); fp16/bf16/int8 are smaller, lossy")
     on_over_budget: Literal["compact", "spill", "reject"] = Field(
-        "compact", description="what a session over max_live_tokens does: compact, spill others, or refuse (BudgetExceeded)")
+        "compact",
+        description="what a session over max_live_tokens does: compact, spill others, or refuse (BudgetExceeded)")
     max_context_tokens: int | None = Field(None, gt=0, description="logical tokens a session may read")
 
     @field_validator("target_ratio")

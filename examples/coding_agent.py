@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
             cache = session.cache
             print(f"read {name}: {reply.usage.prefilled_tokens} tokens, {reply.usage.compactions} compactions; the "
                   f"session has read {cache.logical_length} tokens and holds them in {cache.physical_length} rows "
-                  f"({cache.logical_length / cache.physical_length:.1f}x; the last {policy.keep_recent} tokens stay raw)")
+                  f"({cache.logical_length / cache.physical_length:.1f}x; the last {policy.keep_recent} tokens "
+                  "stay raw)")
         for name in args.files:
             question, answer = QUESTIONS[name]
             full = engine.prefill(engine.chat_delta(engine.new_cache(), session.messages))

@@ -187,7 +187,8 @@ def test_ctrl_c_during_a_reply_discards_the_turn_and_says_so(engine, tmp_path, m
 def test_chat_logs_no_message_text(engine, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
     with caplog.at_level(logging.DEBUG):
-        result = CliRunner().invoke(app, ["-vv", "chat", "--session", "c-3", "--store", f"sqlite:///{tmp_path / 's.db'}",
+        result = CliRunner().invoke(app, ["-vv", "chat", "--session", "c-3",
+                                          "--store", f"sqlite:///{tmp_path / 's.db'}",
                                           "--max-new-tokens", "4"], input="my secret is swordfish\n")
     assert result.exit_code == 0, result.output
     assert any("loaded" in r.getMessage() for r in caplog.records)
@@ -314,6 +315,7 @@ def test_python_compact_refuses_a_session_it_cannot_shrink(engine, tmp_path):
     (["calibrate", "--ratio", "0"], "--ratio"),
     (["demo", "--dtype", "fp8"], "--dtype"),
     (["chat", "--session", "x", "--device", "gpu"], "--device"),
+    (["chat", "--session", "x", "--device", "cuda:7"], "CUDA devices"),
 ])
 def test_commands_check_their_arguments_before_loading_the_model(tmp_path, monkeypatch, args, message):
     def no_model(*a, **k):
@@ -330,7 +332,8 @@ def test_doctor_fails_a_redis_without_aof_and_prints_the_whole_fingerprint(engin
     from agentmem.storage.local_redis import LocalRedis
 
     monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
-    with LocalRedis(tmp_path / "aof") as durable, LocalRedis(tmp_path / "rdb", extra_args=["--appendonly", "no"]) as lossy:
+    with LocalRedis(tmp_path / "aof") as durable, \
+            LocalRedis(tmp_path / "rdb", extra_args=["--appendonly", "no"]) as lossy:
         result = CliRunner().invoke(app, ["doctor", "--store", durable.url, "--redis", lossy.url, "--json"])
     checks = {c["check"]: c for c in json.loads(result.stdout)}
     assert checks[f"redis persistence {durable.url}"]["status"] == "ok"
