@@ -51,10 +51,10 @@ def run_demo(*, model: str, max_new_tokens: int, repeats: int = 5, engine_option
     engine = Engine.load(model, **(engine_options or {}))
     store = default_url()
     echo(f"loaded {engine.name} on {engine.device} in {time.perf_counter() - start:.1f} s\n"
-         f"session {DEFAULT_TENANT}/{SESSION} in {store}\n"
-         f"policy: when the cache would pass {POLICY.max_live_tokens} rows (one row per token until "
-         f"compacted), compact everything but the last {POLICY.keep_recent} tokens to one row per "
-         f"{POLICY.target_ratio:g} tokens")
+         f"session {DEFAULT_TENANT}/{SESSION} in {store}")
+    echo(textwrap.fill(f"policy: when the cache would pass {POLICY.max_live_tokens} rows (one row per token until "
+                       f"compacted), compact everything but the last {POLICY.keep_recent} tokens to one row per "
+                       f"{POLICY.target_ratio:g} tokens", 100, subsequent_indent="        "))
     with SessionManager(engine, store, default_policy=POLICY) as manager:
         manager.delete(DEFAULT_TENANT, SESSION)
         session = manager.session(SESSION, tenant=DEFAULT_TENANT)
@@ -97,7 +97,7 @@ def run_demo(*, model: str, max_new_tokens: int, repeats: int = 5, engine_option
     rows = [
         ("tokens read in the session", f"{compacted.logical_length}"),
         ("compactions", f"{compactions}"),
-        ("rows held per layer and head", f"{compacted.physical_length} (uncompacted, one per token: "
+        ("rows held per layer and head", f"{compacted.physical_length} (the same messages uncompacted: "
                                          f"{full.physical_length})"),
         ("tokens re-read on resume", f"0, plus the {reply.usage.prefilled_tokens} of the new message"),
         ("bytes live: compacted / uncompacted", f"{compacted.allocated_nbytes / 2**20:.1f} MiB / "
