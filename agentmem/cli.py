@@ -207,6 +207,8 @@ def chat(
             typer.echo(f"new session {where}; it is stored when you leave after a turn")
         typer.echo("/exit or Ctrl-D leaves; Ctrl-C stops a reply")
         pending_system = system if system and not live.messages else None
+        if system and live.messages:
+            typer.echo("--system is ignored: the session has its conversation (and system prompt) already", err=True)
         turns = 0
         for line in _lines():
             if line.strip() in ("/exit", "/quit"):

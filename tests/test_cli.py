@@ -133,7 +133,8 @@ def test_chat_says_what_it_resumed_and_saved_and_stores_nothing_without_a_turn(e
         assert "reply cut at --max-new-tokens=8" in first.output  # 8 tokens do not finish a reply
         assert re.search(r"saved default/c-1 in \S+ as version 1: 2 messages", first.output)
         held = backend.get("default", "c-1").logical_length
-        second = CliRunner().invoke(app, args, input="Again\n")  # Ctrl-D leaves too, and saves
+        second = CliRunner().invoke(app, [*args, "--system", "Be brief."], input="Again\n")  # Ctrl-D saves too
+        assert "--system is ignored" in second.output
         assert f"resumed default/c-1 in {store}: {held} tokens, 2 messages" in second.output
         assert f"reused {held}" in second.output and "as version 2" in second.output
         third = CliRunner().invoke(app, args, input="")
