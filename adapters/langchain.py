@@ -41,6 +41,7 @@ from pydantic import Field, SecretStr, model_validator
 from agentmem.adapters.shared import shared_manager
 from agentmem.chat import ROLES
 from agentmem.errors import InvalidInput
+from agentmem.home import DEFAULT_TENANT
 from agentmem.models import EMBEDDED
 from agentmem.policy import BudgetPolicy
 from agentmem.record import check_session_id, check_tenant
@@ -56,13 +57,14 @@ class ChatAgentMem(BaseChatModel):
 
     ``model`` is ``"embedded"`` or a local Hugging Face folder (default ``$AGENTMEM_MODEL``, else
     embedded); ``store`` a store URL (default ``$AGENTMEM_STORE``, else SQLite under
-    ``$AGENTMEM_HOME``). The model loads on first use; objects with the same
+    ``$AGENTMEM_HOME``); ``tenant`` defaults to the one the CLI, the demo and the examples use
+    (``agentmem.home.DEFAULT_TENANT``). The model loads on first use; objects with the same
     (model, store) share one engine and one session manager in a process.
     """
 
     model: str = Field(default_factory=lambda: os.environ.get("AGENTMEM_MODEL", EMBEDDED))
     store: str | None = Field(default_factory=lambda: os.environ.get("AGENTMEM_STORE"))
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
     session_id: str | None = None
     policy: BudgetPolicy | None = None
     temperature: float = 0.0

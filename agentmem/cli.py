@@ -8,23 +8,31 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from agentmem.errors import AgentMemError, InvalidInput
+from agentmem.errors import AgentMemError, CompactionUnreachable, InvalidInput
+from agentmem.home import DEFAULT_TENANT
+
+if TYPE_CHECKING:
+    from agentmem.engine import Engine
+    from agentmem.record import CacheStore
+    from agentmem.sessions import Session, SessionManager
 
 # Calibration text: standard-library sources the fidelity benchmark does not use.
 CALIBRATION_SOURCES = ("argparse.py", "fractions.py", "shlex.py", "calendar.py")
 BENCHMARKS = ("engine", "fidelity", "resume", "sessions", "scale")
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="agentmem: resumable KV memory for agents")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
+                  help="agentmem: resumable KV memory for agents")
 sessions_app = typer.Typer(no_args_is_help=True, help="Stored sessions of one tenant: list, show, export, delete.")
 policy_app = typer.Typer(no_args_is_help=True, help="Per-tenant budget policies (a YAML file).")
 bench_app = typer.Typer(no_args_is_help=True, help="Run a benchmark from the source tree's benchmarks/.")
@@ -32,9 +40,15 @@ app.add_typer(sessions_app, name="sessions")
 app.add_typer(policy_app, name="policy")
 app.add_typer(bench_app, name="bench")
 
+# torch dtypes by option value; "auto" lets the engine choose (fp32 on CPU, bf16 elsewhere).
+DTYPES = {"auto": None, "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+log = logging.getLogger("agentmem.cli")
+
 ModelOpt = typer.Option("embedded", "--model", help="'embedded' or a local Hugging Face model folder")
+DeviceOpt = typer.Option(None, "--device", help="cpu, cuda, cuda:1, mps … (default: CUDA when available, else CPU)")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on a GPU), fp32, fp16 or bf16")
 StoreOpt = typer.Option(None, "--store", help="store URL (default $AGENTMEM_STORE, else SQLite under $AGENTMEM_HOME)")
-TenantOpt = typer.Option("default", "--tenant", help="tenant the session belongs to")
+TenantOpt = typer.Option(DEFAULT_TENANT, "--tenant", help="tenant the session belongs to")
 JsonOpt = typer.Option(False, "--json", help="print JSON instead of a table")
 PoliciesOpt = typer.Option(None, "--policies", help="policy file (default $AGENTMEM_HOME/policies.yaml)")
 
@@ -90,8 +104,46 @@ def _print_version(asked: bool) -> None:
 def main(
     version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                  help="print the version and exit"),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True,
+                                help="log what agentmem does to stderr (-v: steps and timings; -vv: debug)"),
 ) -> None:
     """agentmem command line."""
+    # Logs carry sizes, timings and names, never message text (a prompt can hold anything).
+    logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")  # no-op if configured
+    if verbose:  # else warnings and errors only, as the root logger has it
+        logging.getLogger("agentmem").setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
+
+
+def _engine_options(device: str | None, dtype: str) -> dict[str, Any]:
+    """``Engine.load`` keyword arguments for ``--device`` and ``--dtype``, checked before a model loads."""
+    if dtype not in DTYPES:
+        raise InvalidInput(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    import torch
+
+    options: dict[str, Any] = {"dtype": getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None}
+    if device is not None:
+        try:
+            options["device"] = torch.device(device)
+        except RuntimeError as exc:
+            raise InvalidInput(f"--device {device!r} is not a device: {exc}") from exc
+        chosen = options["device"]
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if chosen.type == "cuda" and (chosen.index or 0) >= cuda_devices:
+            raise InvalidInput(f"--device {device}: torch {torch.__version__} sees {cuda_devices} CUDA "
+                               "devices here")
+        if chosen.type == "mps" and not torch.backends.mps.is_available():
+            raise InvalidInput(f"--device {device}: this torch has no usable MPS (Apple GPU) backend here")
+    return options
+
+
+def _load_engine(model: str, options: dict[str, Any]) -> Engine:
+    from agentmem.engine import Engine
+
+    began = time.perf_counter()
+    log.info("loading model %s", model)
+    engine = Engine.load(model, **options)
+    log.info("loaded %s on %s (%s) in %.1f s", engine.name, engine.device, engine.dtype, time.perf_counter() - began)
+    return engine
 
 
 # ------------------------------------------------------------------------------ demo & chat
@@ -101,12 +153,18 @@ def main(
 @clean_errors
 def demo(
     model: str = ModelOpt,
-    max_new_tokens: int = typer.Option(32, help="tokens generated per reply"),
+    device: Optional[str] = DeviceOpt,
+    dtype: str = DtypeOpt,
+    max_new_tokens: int = typer.Option(32, help="tokens generated per reply at most"),
+    repeats: int = typer.Option(5, help="runs timed for each timing shown (their median is shown)"),
 ) -> None:
-    """A support session on the embedded model and SQLite: compacts, spills, restarts, resumes by ID."""
+    """A support session on the embedded model and the default store: compacts, spills, restarts, resumes by ID."""
     from agentmem.demo import run_demo
 
-    run_demo(model=model, max_new_tokens=max_new_tokens, echo=typer.echo)
+    if max_new_tokens < 1 or repeats < 1:
+        raise InvalidInput("--max-new-tokens and --repeats must be at least 1")
+    run_demo(model=model, engine_options=_engine_options(device, dtype), max_new_tokens=max_new_tokens,
+             repeats=repeats, echo=typer.echo)
 
 
 @app.command()
@@ -116,19 +174,42 @@ def chat(
     tenant: str = TenantOpt,
     store: Optional[str] = StoreOpt,
     model: str = ModelOpt,
+    device: Optional[str] = DeviceOpt,
+    dtype: str = DtypeOpt,
     policies: Optional[Path] = PoliciesOpt,
     max_new_tokens: int = typer.Option(256, help="tokens generated per reply at most"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     system: Optional[str] = typer.Option(None, help="system prompt for a new session"),
 ) -> None:
-    """Talk to a session interactively; it is spilled on exit and resumes next time. /exit or Ctrl-D ends."""
-    from agentmem.sessions import Usage
+    """Talk to a session: it resumes if stored and is saved when you leave after a turn.
 
-    with _open_manager(model, store, policies) as manager:
+    /exit, Ctrl-D or Ctrl-C at the prompt leaves; Ctrl-C during a reply stops it and discards
+    that turn (the session goes back to how it was before your message).
+    """
+    from agentmem.record import check_session_id, check_tenant
+    from agentmem.sessions import SessionManager
+
+    check_tenant(tenant)
+    check_session_id(session)
+    if max_new_tokens < 1 or temperature < 0:
+        raise InvalidInput("--max-new-tokens must be at least 1 and --temperature at least 0")
+    loaded, default = _load_policies(policies)
+    engine = _load_engine(model, _engine_options(device, dtype))
+    with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
+        began = time.perf_counter()
         live = manager.session(session, tenant=tenant)
-        typer.echo(f"session {tenant}/{session}: {live.cache.logical_length} tokens held "
-                   f"({live.cache.physical_length} live rows); /exit to leave")
+        where = f"{tenant}/{session} in {_shown_url(store)}"
+        if live.cache.logical_length:
+            typer.echo(f"resumed {where}: {live.cache.logical_length} tokens, {len(live.messages)} messages, "
+                       f"{live.cache.physical_length} live rows, in {(time.perf_counter() - began) * 1e3:.0f} ms "
+                       "(nothing re-read)")
+        else:
+            typer.echo(f"new session {where}; it is stored when you leave after a turn")
+        typer.echo("/exit or Ctrl-D leaves; Ctrl-C stops a reply")
         pending_system = system if system and not live.messages else None
+        if system and live.messages:
+            typer.echo("--system is ignored: the session has its conversation (and system prompt) already", err=True)
+        turns = 0
         for line in _lines():
             if line.strip() in ("/exit", "/quit"):
                 break
@@ -136,24 +217,85 @@ def chat(
                 continue
             message = [{"role": "system", "content": pending_system}, {"role": "user", "content": line}] \
                 if pending_system else line
-            pending_system = None
-            usage = Usage()
-            for piece in live.stream(message, max_new_tokens=max_new_tokens, temperature=temperature):
-                if isinstance(piece, Usage):
-                    usage = piece
-                else:
-                    typer.echo(piece, nl=False)
-            typer.echo(f"\n  [read {usage.prefilled_tokens} new tokens, reused {usage.reused_tokens}, "
-                       f"{usage.compactions} compactions, {usage.live_tokens} live rows]", err=True)
+            if _chat_turn(live, message, max_new_tokens=max_new_tokens, temperature=temperature):
+                pending_system = None
+                turns += 1
+        _leave(manager, live, turns, where)
+
+
+def _chat_turn(live: Session, message: str | list[dict[str, str]], **generation: Any) -> bool:
+    """Stream one reply and say what it cost; ``False`` when Ctrl-C stopped it and the turn was discarded."""
+    from agentmem.sessions import Usage
+
+    before = live.cache.logical_length
+    pieces = live.stream(message, **generation)
+    usage = Usage()
+    try:
+        for piece in pieces:
+            if isinstance(piece, Usage):
+                usage = piece
+            else:
+                typer.echo(piece, nl=False)
+    except KeyboardInterrupt:
+        pieces.close()  # the session's lock and budget are released; the cache holds the partial turn
+        _discard_turn(live, before)
+        return False
+    typer.echo("")
+    reread = f", re-read {usage.reprefilled_tokens} (the history had changed)" if usage.reprefilled_tokens else ""
+    typer.echo(f"  [read {usage.prefilled_tokens} new tokens, reused {usage.reused_tokens}{reread}; "
+               f"{usage.live_tokens} live rows hold {usage.logical_tokens} tokens]", err=True)
+    if usage.finish_reason == "length":
+        typer.echo(f"  [reply cut at --max-new-tokens={generation['max_new_tokens']}]", err=True)
+    for event in usage.compaction_events:
+        typer.echo(f"  [compacted during this turn ({event['method']}, the budget of "
+                   f"{live.policy.max_live_tokens} live rows was reached): {event['rows_before']} -> "
+                   f"{event['rows_after']} rows in {event['seconds']:.1f} s]", err=True)
+    return True
+
+
+def _discard_turn(live: Session, before: int) -> None:
+    """Take an interrupted turn back out of the cache: the session is as it was before the message.
+
+    The session's messages never include an unfinished turn. The cache can drop tokens that
+    are still raw rows; when the turn was compacted mid-reply (only a turn longer than the
+    policy's ``keep_recent``), its rows cannot be taken out, and the next turn re-reads the
+    conversation from its messages instead (reported as re-read tokens).
+    """
+    try:
+        live.cache.truncate(before)
+        typer.echo("\n  [interrupted: reply discarded; the session is as it was before your message]", err=True)
+    except InvalidInput:
+        typer.echo("\n  [interrupted: reply discarded; it was partly compacted into the cache already, so the "
+                   "next turn re-reads the conversation]", err=True)
+
+
+def _leave(manager: SessionManager, live: Session, turns: int, where: str) -> None:
+    """Store the session if a turn changed it; otherwise leave the store as it was."""
+    if not turns:
+        manager.release(live.tenant, live.session_id)
+        typer.echo(f"no turn taken: {where} left as it was (nothing stored)")
+        return
+    version = manager.spill(live.tenant, live.session_id)
+    typer.echo(f"saved {where} as version {version}: {len(live.messages)} messages, "
+               f"{live.stored_bytes / 2**20:.1f} MiB stored")
 
 
 def _lines() -> Iterator[str]:
+    """Lines typed at the prompt until /exit, Ctrl-D or Ctrl-C (both leave, saving what the turns changed)."""
     while True:
         try:
             yield input("you> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             typer.echo("")
             return
+
+
+def _shown_url(store: str | None) -> str:
+    """The store URL a command uses, without credentials."""
+    from agentmem.storage import default_url
+    from agentmem.storage.redis_client import redact
+
+    return redact(store or default_url())
 
 
 # ------------------------------------------------------------------------------ sessions
@@ -161,23 +303,46 @@ def _lines() -> Iterator[str]:
 
 @sessions_app.command("list")
 @clean_errors
-def sessions_list(tenant: str = TenantOpt, store: Optional[str] = StoreOpt, as_json: bool = JsonOpt) -> None:
-    """Stored sessions of a tenant (no model needed)."""
+def sessions_list(
+    tenant: Optional[str] = typer.Option(None, "--tenant",
+                                         help=f"tenant whose sessions to list (default {DEFAULT_TENANT!r})"),
+    all_tenants: bool = typer.Option(False, "--all-tenants",
+                                     help="list every tenant's sessions (an administrator's view)"),
+    store: Optional[str] = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Stored sessions of one tenant, or of all with --all-tenants (no model needed).
+
+    The store and tenant read are named on stderr, so an empty list says where it looked.
+    """
     from agentmem.storage import open_store
 
+    if all_tenants and tenant is not None:
+        raise InvalidInput("give --tenant or --all-tenants, not both")
+    tenant = tenant or DEFAULT_TENANT
     backend = open_store(store)
     try:
-        rows, cursor = [], None
-        while True:
-            page = backend.list(tenant, limit=500, cursor=cursor)
-            rows += [{"session_id": s.session_id, "version": s.version, "tokens": s.logical_length,
-                      "stored_bytes": s.nbytes, "updated": _when(s.updated_at)} for s in page.items]
-            if page.next_cursor is None:
-                break
-            cursor = page.next_cursor
+        tenants = backend.tenants() if all_tenants else [tenant]
+        rows = [row for name in tenants for row in _stored_sessions(backend, name, with_tenant=all_tenants)]
     finally:
         backend.close()
+    scope = "all tenants" if all_tenants else f"tenant {tenant!r}"
+    hint = "" if rows or all_tenants else " (--tenant NAME for another tenant, --all-tenants for every one)"
+    typer.echo(f"{len(rows)} sessions of {scope} in {_shown_url(store)}{hint}", err=True)
     emit(rows, as_json)
+
+
+def _stored_sessions(backend: CacheStore, tenant: str, *, with_tenant: bool) -> Iterator[dict[str, Any]]:
+    """One listing row per stored session of ``tenant``, page by page."""
+    cursor = None
+    while True:
+        page = backend.list(tenant, limit=500, cursor=cursor)
+        for s in page.items:
+            yield {**({"tenant": tenant} if with_tenant else {}), "session_id": s.session_id, "version": s.version,
+                   "tokens": s.logical_length, "stored_bytes": s.nbytes, "updated": _when(s.updated_at)}
+        if page.next_cursor is None:
+            return
+        cursor = page.next_cursor
 
 
 @sessions_app.command("show")
@@ -233,7 +398,7 @@ def sessions_delete(
         raise InvalidInput("give a session ID or --all, not both or neither")
     if all_sessions and tenant is None:
         raise InvalidInput("--all needs an explicit --tenant; bulk deletes across tenants are refused")
-    tenant = tenant or "default"
+    tenant = tenant or DEFAULT_TENANT
     backend = open_store(store)
     try:
         if all_sessions:
@@ -290,21 +455,21 @@ def _load_policies(path: Path | None):
     return loaded, loaded.get("default") or BudgetPolicy.from_env()
 
 
-def _open_manager(model: str, store: str | None, policies: Path | None):
-    """A session manager on ``model`` and ``store`` with the policy file's policies (spills on close)."""
-    from agentmem.engine import Engine
-    from agentmem.sessions import SessionManager
-
-    loaded, default = _load_policies(policies)
-    return SessionManager(Engine.load(model), store, policies=loaded, default_policy=default)
-
-
 @policy_app.command("show")
 @clean_errors
 def policy_show(tenant: str = TenantOpt, policies: Optional[Path] = PoliciesOpt, as_json: bool = JsonOpt) -> None:
-    """The policy a tenant gets: its entry in the file, else the file's 'default', else AGENTMEM_* variables."""
+    """The policy a tenant gets: its entry in the file, else the file's 'default', else AGENTMEM_* variables.
+
+    Each field is shown with what it means (e.g. keep_recent: the most recent tokens no
+    compaction touches).
+    """
     loaded, default = _load_policies(policies)
-    emit(loaded.get(tenant, default).model_dump(), as_json)
+    policy = loaded.get(tenant, default)
+    if as_json:
+        emit(policy.model_dump(), as_json)
+        return
+    emit([{"field": name, "value": value, "meaning": type(policy).model_fields[name].description or ""}
+          for name, value in policy.model_dump().items()], as_json)
 
 
 @policy_app.command("set")
@@ -359,25 +524,55 @@ def compact(
     tenant: str = TenantOpt,
     store: Optional[str] = StoreOpt,
     model: str = ModelOpt,
+    device: Optional[str] = DeviceOpt,
+    dtype: str = DtypeOpt,
     policies: Optional[Path] = PoliciesOpt,
-    ratio: Optional[float] = typer.Option(None, help="compact to 1/ratio (default: the tenant's policy)"),
-    target_tokens: Optional[int] = typer.Option(None, help="or to this many token-equivalents"),
+    ratio: Optional[float] = typer.Option(
+        None, help="keep one row per RATIO tokens of the text before the recent window (default: the tenant's policy)"),
+    target_tokens: Optional[int] = typer.Option(None, help="or keep this many rows of that text"),
     method: Optional[str] = typer.Option(None, help="compaction method (default: the tenant's policy)"),
-    keep_recent: Optional[int] = typer.Option(None, help="recent tokens kept raw (default: the tenant's policy)"),
+    keep_recent: Optional[int] = typer.Option(
+        None, help="most recent tokens kept raw, never compacted (default: the tenant's policy, 256 unless set); "
+                   "a session no longer than this cannot shrink"),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Compact a stored session now and store the result (a new version)."""
+    """Compact a stored session now and store the result as a new version.
+
+    Only the text between the protected system prompt and the last keep_recent tokens is
+    compacted (to one row per RATIO tokens). When that leaves nothing to shrink, the command
+    says why, exits 1 and stores nothing.
+    """
+    from agentmem.record import check_session_id, check_tenant
+    from agentmem.sessions import SessionManager
+    from agentmem.storage import open_store
+
     overrides = {k: v for k, v in {"target_ratio": ratio, "target_tokens": target_tokens, "method": method,
-                                                "keep_recent": keep_recent}.items()
-                 if v is not None}
-    with _open_manager(model, store, policies) as manager:
+                                   "keep_recent": keep_recent}.items() if v is not None}
+    loaded, default = _load_policies(policies)
+    policy = loaded.get(check_tenant(tenant), default).with_overrides(**overrides)  # bad values fail here, not later
+    backend = open_store(store)
+    try:
+        backend.version(tenant, check_session_id(session))  # SessionNotFound before the model loads
+    finally:
+        backend.close()
+    engine = _load_engine(model, _engine_options(device, dtype))
+    with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
         live = manager.session(session, tenant=tenant, create=False)
         stored_before = live.stored_bytes
-        with _spinner(f"compacting {tenant}/{session} ({live.cache.physical_length} rows)"):
-            event = live.compact(**overrides)
+        try:
+            with _spinner(f"compacting {tenant}/{session} ({live.cache.physical_length} rows)"):
+                event = live.compact(**overrides)
+        except CompactionUnreachable:
+            manager.release(tenant, session)  # unchanged: closing the manager must not store it again
+            raise
         version = manager.spill(tenant, session)
-        emit({**event, "stored_bytes_before": stored_before, "stored_bytes_after": live.stored_bytes,
-              "version": version}, as_json)
+    overall = event["logical_tokens"] / max(1, event["rows_after"])
+    emit({**event, "keep_recent": policy.keep_recent, "overall_ratio": round(overall, 2),
+          "stored_bytes_before": stored_before, "stored_bytes_after": live.stored_bytes, "version": version}, as_json)
+    if ratio is not None and overall < ratio:
+        typer.echo(f"note: {event['logical_tokens']} tokens are now {event['rows_after']} rows ({overall:.1f}x "
+                   f"overall): the last {policy.keep_recent} tokens (keep_recent) and the system prompt stay raw, "
+                   f"ratio {ratio:g} applies to the text before them", err=True)
 
 
 @contextmanager
@@ -415,16 +610,22 @@ for _name in BENCHMARKS:
 @clean_errors
 def calibrate(
     model: str = ModelOpt,
+    device: Optional[str] = DeviceOpt,
+    dtype: str = DtypeOpt,
     ratio: float = typer.Option(10.0, help="compaction ratio the profile is measured at"),
     out: Optional[Path] = typer.Option(None, help="where to write the JSON (default: print it)"),
 ) -> None:
     """Measure per-head budget proportions for a model on standard-library text (JSON)."""
+    import math
     import sysconfig
 
     from agentmem.compaction import calibrate as calibration
-    from agentmem.engine import Engine
 
-    engine = Engine.load(model)
+    if not (math.isfinite(ratio) and ratio >= 1):
+        raise InvalidInput(f"--ratio must be a finite number >= 1, got {ratio}")
+    if out is not None and not out.resolve().parent.is_dir():
+        raise InvalidInput(f"--out {out}: folder {out.resolve().parent} does not exist")
+    engine = _load_engine(model, _engine_options(device, dtype))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [(stdlib / name).read_text() for name in CALIBRATION_SOURCES]
     proportions = calibration.calibrate(engine, texts, ratio=ratio)
@@ -439,16 +640,20 @@ def calibrate(
 
 
 @app.command()
+@clean_errors
 def doctor(
     model: str = ModelOpt,
+    device: Optional[str] = DeviceOpt,
+    dtype: str = DtypeOpt,
     store: Optional[str] = StoreOpt,
-    redis: Optional[str] = typer.Option(None, "--redis", help="also check this Redis URL"),
+    redis: Optional[str] = typer.Option(None, "--redis", help="also check this Redis URL (and that it runs with AOF)"),
     as_json: bool = JsonOpt,
 ) -> None:
     """Check versions, the model and the stores; exit code 1 if anything is wrong."""
     from agentmem.doctor import run_checks
 
-    checks = run_checks(model=model, stores=[store] + ([redis] if redis else []))
+    checks = run_checks(model=model, engine_options=_engine_options(device, dtype),
+                        stores=[store] + ([redis] if redis else []))
     emit(checks, as_json)
     if any(c["status"] != "ok" for c in checks):
         raise typer.Exit(1)

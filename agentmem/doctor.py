@@ -5,23 +5,33 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from agentmem.errors import AgentMemError
+from agentmem.errors import AgentMemError, StoreUnavailable
 
 PACKAGES = ("torch", "transformers", "langchain-core", "sqlalchemy", "redis", "pydantic", "safetensors")
 
 
-def run_checks(*, model: str, stores: Sequence[str | None]) -> list[dict[str, Any]]:
-    """One row per check: ``{"check", "status" ("ok" | "fail"), "detail"}``."""
+def run_checks(*, model: str, stores: Sequence[str | None],
+               engine_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per check: ``{"check", "status" ("ok" | "fail"), "detail"}``.
+
+    ``engine_options`` are ``Engine.load`` keyword arguments (device, dtype). A Redis store
+    also gets a persistence check: without AOF a Redis restart loses the sessions written
+    since its last snapshot, which the store's guarantees assume cannot happen.
+    """
+    from agentmem.storage.redis_client import is_redis_url
+
     rows = [{"check": "python", "status": "ok", "detail": platform.python_version()}]
     for package in PACKAGES:
         rows.append(_check(f"package {package}", lambda p=package: importlib.metadata.version(p)))
     rows.append(_check("device", _device))
-    rows.append(_check(f"model {model}", lambda: _model(model)))
+    rows.append(_check(f"model {model}", lambda: _model(model, dict(engine_options or {}))))
     for url in stores:
         rows.append(_check(f"store {url or '(default)'}", lambda u=url: _store(u)))
+        if url is not None and is_redis_url(url):
+            rows.append(_check(f"redis persistence {url}", lambda u=url: _redis_persistence(u)))
     return rows
 
 
@@ -40,14 +50,15 @@ def _device() -> str:
     return f"cpu ({torch.get_num_threads()} threads); no CUDA device"
 
 
-def _model(model: str) -> str:
+def _model(model: str, engine_options: dict[str, Any]) -> str:
     from agentmem.engine import Engine
 
     began = time.perf_counter()
-    engine = Engine.load(model)
-    return (f"{engine.name}: {engine.num_layers} layers, {engine.num_kv_heads} KV heads x {engine.head_dim}, "
-            f"context {engine.max_context}, fingerprint {engine.fingerprint[:16]}, "
-            f"loaded in {time.perf_counter() - began:.1f} s")
+    engine = Engine.load(model, **engine_options)
+    # The whole fingerprint: stored sessions are matched against it, so a cut one cannot be compared.
+    return (f"{engine.name} on {engine.device} ({engine.dtype}): {engine.num_layers} layers, "
+            f"{engine.num_kv_heads} KV heads x {engine.head_dim}, context {engine.max_context}, "
+            f"fingerprint {engine.fingerprint}, loaded in {time.perf_counter() - began:.1f} s")
 
 
 def _store(url: str | None) -> str:
@@ -61,3 +72,55 @@ def _store(url: str | None) -> str:
                 f"tenant 'default' has {usage.sessions} sessions, {usage.bytes} bytes")
     finally:
         store.close()
+
+
+def _redis_persistence(url: str) -> str:
+    """Whether the Redis server keeps what it acknowledged: AOF on and no eviction policy.
+
+    Raises :class:`StoreUnavailable` (a failed check) otherwise: without AOF a restart loses
+    every session written since the last RDB snapshot; an evicting ``maxmemory-policy``
+    drops sessions silently when Redis fills up.
+    """
+    from redis.exceptions import RedisError
+
+    from agentmem.storage.redis_client import connect, redact
+
+    client = connect(url)
+    try:
+        aof_off = _nodes_where(client, "persistence", url, lambda info: not int(info.get("aof_enabled", 0)))
+        if aof_off:
+            raise StoreUnavailable(
+                f"AOF is off on {', '.join(aof_off)}: a Redis restart loses every session written since the last "
+                "RDB snapshot; run redis-server with --appendonly yes (--appendfsync everysec risks ~1 s of writes, "
+                "always none)")
+        evicting = _nodes_where(client, "memory", url,
+                                lambda info: info.get("maxmemory_policy", "noeviction") != "noeviction")
+        if evicting:
+            raise StoreUnavailable(
+                f"maxmemory-policy evicts keys on {', '.join(evicting)}: a full Redis would drop sessions silently; "
+                "set maxmemory-policy noeviction")
+        try:
+            fsync = client.config_get("appendfsync").get("appendfsync")
+        except RedisError:  # managed Redis often refuses CONFIG
+            fsync = None
+        risk = {"always": "no acknowledged write", "everysec": "about 1 s of writes",
+                "no": "what the OS had not flushed"}
+        return ("AOF on, noeviction" + (f", appendfsync {fsync}: a crash loses {risk.get(fsync, 'an unknown amount')}"
+                                        if fsync else " (appendfsync not readable: CONFIG refused)"))
+    except RedisError as exc:
+        raise StoreUnavailable(f"cannot read the persistence settings of {redact(url)}: {exc}") from exc
+    finally:
+        client.close()
+
+
+def _nodes_where(client: Any, section: str, url: str, wrong: Callable[[dict[str, Any]], bool]) -> list[str]:
+    """The nodes whose ``INFO section`` is ``wrong``: every node of a cluster, which answers per node."""
+    from redis.cluster import RedisCluster
+
+    from agentmem.storage.redis_client import redact
+
+    if isinstance(client, RedisCluster):
+        per_node = client.info(section, target_nodes=RedisCluster.ALL_NODES)
+    else:
+        per_node = {redact(url): client.info(section)}
+    return [str(node) for node, data in per_node.items() if wrong(data)]

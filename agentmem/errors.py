@@ -63,6 +63,20 @@ class StoreUnavailable(AgentMemError):
     """The store (database file, server) cannot be reached or written right now."""
 
 
+class CompactionUnreachable(AgentMemError):
+    """A compaction asked for now cannot make the cache smaller, so nothing was changed or written.
+
+    Compaction never touches the protected prefix (the system prompt) nor the last
+    ``keep_recent`` tokens, so a short session can be all kept rows, and a session compacted
+    before can already be at or below the size asked for. ``rows`` is the cache's live rows
+    (per layer and KV head), ``kept_rows`` those a compaction keeps as they are.
+    """
+
+    def __init__(self, message: str, *, rows: int, kept_rows: int) -> None:
+        super().__init__(message)
+        self.rows, self.kept_rows = rows, kept_rows
+
+
 class BudgetExceeded(AgentMemError):
     """A tenant's policy says ``reject`` and the request would go over one of its budgets."""
 

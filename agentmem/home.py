@@ -1,11 +1,24 @@
-"""Where agentmem keeps its files: ``$AGENTMEM_HOME``, default ``~/.cache/agentmem``."""
+"""Where agentmem keeps its files and which store and tenant it uses when none is named.
+
+One definition of each default, shared by the demo, the README snippets, the examples, the
+command line and the LangChain adapter, so a session one of them makes is the session the
+others find (each still takes an explicit store URL and tenant).
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+DEFAULT_TENANT = "default"
+"""The tenant of every entry point that is not given one."""
+
 
 def agentmem_home() -> Path:
-    """Converted models and the default SQLite store live here."""
+    """``$AGENTMEM_HOME``, default ``~/.cache/agentmem``: converted models and the default SQLite store."""
     return Path(os.environ.get("AGENTMEM_HOME", Path.home() / ".cache" / "agentmem")).expanduser()
+
+
+def default_store_url() -> str:
+    """``$AGENTMEM_STORE`` if set, else SQLite at ``$AGENTMEM_HOME/sessions.db``."""
+    return os.environ.get("AGENTMEM_STORE") or f"sqlite:///{agentmem_home() / 'sessions.db'}"

@@ -24,26 +24,31 @@ class BudgetPolicy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = "default"
+    name: str = Field("default", description="the policy's name (a tenant's, in a policy file)")
     max_live_tokens: int = Field(4096, gt=0, description="physical rows that trigger compaction")
     target_ratio: float | None = Field(4.0, description="compact the text a span stands for to 1 row per this many tokens")
     target_tokens: int | None = Field(None, ge=0, description="or to this many token-equivalents")
-    keep_recent: int = Field(256, ge=1, description="most recent tokens kept raw (at least 1: decoding resumes from it)")
+    keep_recent: int = Field(256, ge=1, description="most recent tokens kept raw: no compaction touches them, so "
+                                                    "a session this short cannot shrink (at least 1: decoding "
+                                                    "resumes from it)")
     fill_after_compaction: float = Field(
         0.5, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later turns")
-    protect_system_prompt: bool = True
-    method: str = "am-fast"
-    queries: str = Field("repeat+tail", description="reference queries a compaction asks of the span (see agentmem.compaction.queries)")
+    protect_system_prompt: bool = Field(True, description="never compact a leading system prompt")
+    method: str = Field("am-fast", description="compaction method (agentmem.compaction.METHODS)")
+    queries: str = Field("repeat+tail", description="reference queries a compaction scores and fits rows by "
+                                                    "(agentmem.compaction.queries)")
     reread: Literal["new", "all"] = Field(
         "all", description="what a compaction re-reads: all the text its span stands for (all: best retention, "
                            "cost grows with history) or only text not compacted before (new: bounded cost, loses old text)")
     max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
     max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
     max_host_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the host-memory tier")
-    ttl_seconds: float | None = Field(None, gt=0)
+    ttl_seconds: float | None = Field(None, gt=0, description="stored sessions expire this long after their last write")
     storage_dtype: Literal["auto", "fp32", "fp16", "bf16", "int8"] = Field(
         "auto", description="how spilled rows are stored: auto = the cache's own dtype (exact); fp16/bf16/int8 are smaller, lossy")
-    on_over_budget: Literal["compact", "spill", "reject"] = "compact"
+    on_over_budget: Literal["compact", "spill", "reject"] = Field(
+        "compact",
+        description="what a session over max_live_tokens does: compact, spill others, or refuse (BudgetExceeded)")
     max_context_tokens: int | None = Field(None, gt=0, description="logical tokens a session may read")
 
     @field_validator("target_ratio")
@@ -148,14 +153,26 @@ class BudgetPolicy(BaseModel):
                 fields[name] = None if value.lower() in ("", "none", "null") else value
         if "target_tokens" in fields and "target_ratio" not in fields:
             fields["target_ratio"] = None
-        return cls.create(**{**fields, **overrides})
+        try:
+            return cls(**{**fields, **overrides})
+        except ValidationError as exc:  # name the variables, not the fields: they are what the user set
+            variables = {name: ENV_PREFIX + name.upper() for name in fields if name not in overrides}
+            raise InvalidInput(_explain(exc, variables)) from exc
 
 
 def _not_a_tenant(path: str | os.PathLike[str], key: object) -> str:
     raise InvalidInput(f"{path}: tenant names are strings, got {key!r}")
 
 
-def _explain(exc: ValidationError) -> str:
-    return "invalid budget policy: " + "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'policy'}: {err['msg']}" for err in exc.errors()
-    )
+def _explain(exc: ValidationError, variables: dict[str, str] | None = None) -> str:
+    """One line per problem; a field that came from an environment variable is named by the variable."""
+    variables = variables or {}
+    problems = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        if field in variables:
+            problems.append(f"{variables[field]}={err['input']!r}: {err['msg']}")
+        else:
+            problems.append(f"{field or 'policy'}: {err['msg']}")
+    source = f" (from {', '.join(sorted(variables.values()))})" if variables else ""
+    return f"invalid budget policy{source}: " + "; ".join(problems)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agentmem.cache import SessionCache
+from agentmem.compaction import check_reachable
 from agentmem.engine import Engine
 from agentmem.errors import BudgetExceeded, HistoryDivergence, InvalidInput
 from agentmem.policy import BudgetPolicy
@@ -200,10 +201,19 @@ class Session:
 
     def compact(self, **overrides: Any) -> dict[str, Any]:
         """Compact now, with the tenant's policy or these fields of it overridden
-        (``target_ratio``, ``target_tokens``, ``method``, ``keep_recent`` …); returns the event."""
+        (``target_ratio``, ``target_tokens``, ``method``, ``keep_recent`` …); returns the event.
+
+        The last ``keep_recent`` tokens and the protected system prompt stay raw (see
+        :func:`~agentmem.compaction.compact`); when that leaves nothing to shrink,
+        :class:`~agentmem.errors.CompactionUnreachable` says so and the cache is unchanged.
+        """
         with self.lock:
             self.manager._revive(self)
-            return self._compact_with(self.policy.with_overrides(**overrides))
+            policy = self.policy.with_overrides(**overrides)
+            protect = self._system_tokens()
+            check_reachable(self.cache, target_tokens=policy.compaction_target(self.cache.logical_length, protect),
+                            keep_recent=policy.keep_recent, protect_prefix=protect)
+            return self._compact_with(policy)
 
     def _compact_with(self, policy: BudgetPolicy) -> dict[str, Any]:
         before, began = self.cache.physical_length, time.perf_counter()

@@ -170,6 +170,18 @@ class SessionManager:
         self.store.release_lease(tenant, session_id, self.owner)
         return removed or live is not None
 
+    def release(self, tenant: str, session_id: str) -> None:
+        """Give a live session up without writing it: the store keeps what it had (or nothing).
+
+        For callers that changed nothing worth a new version — a session opened and left
+        without a turn, a compaction that could not help — so closing the manager, which spills
+        every live session, does not store it.
+        """
+        session = self._registry.get((check_tenant(tenant), check_session_id(session_id)))
+        if session is not None:
+            with session.lock:
+                self._worker.drop(session)
+
     def list(self, tenant: str) -> list[dict[str, Any]]:
         """Every session of ``tenant``: stored ones with their size, live ones marked live."""
         check_tenant(tenant)

@@ -16,6 +16,7 @@ import sysconfig
 from pathlib import Path
 
 from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.home import DEFAULT_TENANT
 
 # Answers that are in the files and hard to guess without reading them.
 QUESTIONS = {
@@ -30,7 +31,7 @@ SYSTEM = "You are a coding assistant. Files the user opens are shown to you as t
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", default="sqlite:///coding.db")
+    parser.add_argument("--store", default=None, help="store URL (default: the shared one under $AGENTMEM_HOME)")
     parser.add_argument("--files", nargs="+", default=["textwrap.py", "json/decoder.py"], choices=sorted(QUESTIONS))
     parser.add_argument("--chars", type=int, default=6000, help="characters read from the start of each file")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -41,16 +42,19 @@ def main(argv: list[str] | None = None) -> dict:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     results = {}
     with SessionManager(engine, args.store, default_policy=policy) as manager:
-        manager.delete("dev", "refactor-1")
-        session = manager.session("refactor-1", tenant="dev")
+        manager.delete(DEFAULT_TENANT, "coding-example")
+        session = manager.session("coding-example", tenant=DEFAULT_TENANT)
         session.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Let's review some code."}],
                      max_new_tokens=args.max_new_tokens)
         for name in args.files:
             source = (stdlib / name).read_text()[: args.chars]
             opened = [{"role": "user", "content": f"Open {name}."}, {"role": "tool", "content": f"# {name}\n{source}"}]
             reply = session.chat(session.messages + opened, max_new_tokens=args.max_new_tokens)
-            print(f"read {name}: {reply.usage.prefilled_tokens} tokens, {reply.usage.compactions} compactions; "
-                  f"session {session.cache.logical_length} tokens in {session.cache.physical_length} rows")
+            cache = session.cache
+            print(f"read {name}: {reply.usage.prefilled_tokens} tokens, {reply.usage.compactions} compactions; the "
+                  f"session has read {cache.logical_length} tokens and holds them in {cache.physical_length} rows "
+                  f"({cache.logical_length / cache.physical_length:.1f}x; the last {policy.keep_recent} tokens "
+                  "stay raw)")
         for name in args.files:
             question, answer = QUESTIONS[name]
             full = engine.prefill(engine.chat_delta(engine.new_cache(), session.messages))
@@ -60,10 +64,13 @@ def main(argv: list[str] | None = None) -> dict:
                 "never_read": answer_logprob(engine, engine.new_cache(), [], question, answer),
             }
             reply = session.chat(question, max_new_tokens=args.max_new_tokens)
-            print(f"{question}\n  agent: {reply.text.strip()[:100]}\n  log p({answer.strip()!r}): "
-                  f"{results[name]['full']:.2f} with the full cache ({full.physical_length} rows), "
-                  f"{results[name]['compacted']:.2f} compacted ({session.cache.physical_length} rows), "
-                  f"{results[name]['never_read']:.2f} never having read it")
+            scores = results[name]
+            print(f"{question}\n  agent: {' '.join(reply.text.split())}\n"
+                  f"  log p of the true answer {answer.strip()!r} (the model's log-probability of writing it; "
+                  f"higher = likelier, +0.69 = twice as likely):\n"
+                  f"    {scores['full']:.2f} with the full cache ({full.physical_length} rows)\n"
+                  f"    {scores['compacted']:.2f} with the compacted session ({session.cache.physical_length} rows)\n"
+                  f"    {scores['never_read']:.2f} never having read the file")
     return results
 
 

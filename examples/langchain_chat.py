@@ -15,29 +15,33 @@ from langchain_core.messages import HumanMessage, SystemMessage
 
 from agentmem.adapters.langchain import ChatAgentMem
 
+PROMPTS = ["Give me a tip for writing clear code.", "Give me another one.", "Summarise both tips in one sentence."]
+
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", default="sqlite:///langchain.db")
+    parser.add_argument("--store", default=None, help="store URL (default: the shared one under $AGENTMEM_HOME)")
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args(argv)
 
-    model = ChatAgentMem(model="embedded", store=args.store, tenant="acme", max_tokens=args.max_tokens)
-    config = {"configurable": {"session_id": "lc-demo"}}
-    model.manager.delete("acme", "lc-demo")
-    history = [SystemMessage("You are a concise assistant."), HumanMessage("Give me a tip for writing clear code.")]
+    model = ChatAgentMem(model="embedded", store=args.store, max_tokens=args.max_tokens)  # the default tenant
+    config = {"configurable": {"session_id": "langchain-example"}}
+    model.manager.delete(model.tenant, "langchain-example")  # start the story from scratch
+    history = [SystemMessage("You are a concise assistant.")]
     usages = []
-    for follow_up in ["Give me another one.", "Summarise both tips in one sentence."]:
+    for prompt in PROMPTS:
+        history.append(HumanMessage(prompt))
+        print(f"\nyou: {prompt}\nassistant: ", end="")
         reply = None
-        print("assistant: ", end="")
         for chunk in model.stream(history, config=config):  # tokens as they are generated
             print(chunk.content, end="", flush=True)
             reply = chunk if reply is None else reply + chunk
         details = reply.usage_metadata["input_token_details"]
-        print(f"\n  [{reply.usage_metadata['input_tokens']} input tokens: {details['cache_read']} reused from the "
-              f"KV cache, {details['cache_creation']} read; {reply.usage_metadata['output_tokens']} generated]")
+        print(f"\n  [LangChain sent all {len(history)} messages ({reply.usage_metadata['input_tokens']} tokens); "
+              f"{details['cache_read']} of them were already in the session's KV cache, only "
+              f"{details['cache_creation']} were read; {reply.usage_metadata['output_tokens']} generated]")
         usages.append(dict(reply.usage_metadata))
-        history += [reply, HumanMessage(follow_up)]
+        history.append(reply)
     return usages
 
 

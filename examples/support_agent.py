@@ -13,6 +13,9 @@ import argparse
 import time
 
 from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.home import DEFAULT_TENANT
+
+SESSION = "support-example"
 
 SYSTEM = "You are a patient customer-support agent for a parcel company. Answer briefly and helpfully."
 CUSTOMER = [
@@ -29,7 +32,7 @@ CUSTOMER = [
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", default="sqlite:///support.db", help="where sessions are spilled")
+    parser.add_argument("--store", default=None, help="store URL (default: the shared one under $AGENTMEM_HOME)")
     parser.add_argument("--shifts", type=int, default=3, help="process restarts to simulate")
     parser.add_argument("--turns", type=int, default=4, help="customer messages per shift")
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -39,19 +42,25 @@ def main(argv: list[str] | None = None) -> dict:
     policy = BudgetPolicy(name="support", max_live_tokens=512, keep_recent=128, target_ratio=4, method="am-fast")
     summary = {"shifts": []}
     with SessionManager(engine, args.store, default_policy=policy) as manager:
-        manager.delete("acme", "ticket-4417")  # start the story from scratch
+        manager.delete(DEFAULT_TENANT, SESSION)  # start the story from scratch
     for shift in range(args.shifts):
         began = time.perf_counter()
         with SessionManager(engine, args.store, default_policy=policy) as manager:  # a fresh process
-            session = manager.session("ticket-4417", tenant="acme")
+            session = manager.session(SESSION, tenant=DEFAULT_TENANT)
             resumed_ms = (time.perf_counter() - began) * 1e3
             resumed_tokens = session.cache.logical_length
-            print(f"shift {shift + 1}: session holds {session.cache.logical_length} tokens in "
-                  f"{session.cache.physical_length} rows (resumed in {resumed_ms:.0f} ms)")
+            if resumed_tokens:
+                print(f"shift {shift + 1} (a restarted process): resumed the session by ID in {resumed_ms:.0f} ms, "
+                      f"{resumed_tokens} tokens held in {session.cache.physical_length} rows, none re-read")
+            else:
+                print(f"shift {shift + 1}: a new session {DEFAULT_TENANT}/{SESSION}")
             read = compactions = 0
             for turn in range(args.turns):
                 index = shift * args.turns + turn
-                message = CUSTOMER[index % len(CUSTOMER)]
+                if index >= len(CUSTOMER):
+                    print("  (the customer has nothing more to say)")
+                    break
+                message = CUSTOMER[index]
                 if index == 0:
                     message = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": message}]
                 # A little sampling keeps a 135M model from repeating its previous answer verbatim.
@@ -60,9 +69,10 @@ def main(argv: list[str] | None = None) -> dict:
                 message = message if isinstance(message, str) else message[-1]["content"]
                 read += reply.usage.prefilled_tokens
                 compactions += reply.usage.compactions
-                print(f"  customer: {message[:70]}\n  agent:    {reply.text.strip()[:70]}")
-            print(f"  read {read} new tokens this shift, {compactions} compactions; "
-                  f"{session.cache.nbytes / 2**20:.1f} MiB live; spilling at shift end")
+                print(f"  customer: {message}\n  agent:    {' '.join(reply.text.split())}")
+            print(f"  this shift read {read} new tokens (the customer's messages, never the transcript) and "
+                  f"compacted {compactions} times; {session.cache.logical_length} tokens held in "
+                  f"{session.cache.physical_length} rows, {session.cache.nbytes / 2**20:.1f} MiB; stored at shift end")
             summary["shifts"].append({"resumed_tokens": resumed_tokens, "tokens_held": session.cache.logical_length,
                                       "read": read,
                                       "compactions": compactions, "resume_ms": resumed_ms})

@@ -27,7 +27,7 @@ MESSAGES = [
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", default="sqlite:///tenants.db")
+    parser.add_argument("--store", default=None, help="store URL (default: the shared one under $AGENTMEM_HOME)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{compactions} compactions")
         manager.spill_all()
         for tenant in POLICIES:
-            print(f"{tenant} sees: {[s['session_id'] for s in manager.list(tenant)]}")
+            own = manager.store.get(tenant, "support-1")
+            print(f"{tenant} lists {[s['session_id'] for s in manager.list(tenant)]}: its own session "
+                  f"'support-1' ({own.logical_length} tokens); the other tenant's session of the same ID is a "
+                  "different session it cannot see")
         try:
             manager.store.get("acme", "budget-co:support-1")  # a forged key is not another tenant's session
         except (SessionNotFound, ValueError) as exc:

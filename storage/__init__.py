@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentmem.errors import InvalidInput, StoreUnavailable
-from agentmem.home import agentmem_home
+from agentmem.home import default_store_url as default_url
 from agentmem.lazy import lazy_attributes
 from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
 from agentmem.storage.redis_client import is_redis_url
@@ -52,16 +52,13 @@ __all__ = [
 ]
 
 
-def default_url() -> str:
-    """``$AGENTMEM_STORE`` if set, else SQLite at ``$AGENTMEM_HOME/sessions.db``."""
-    return os.environ.get("AGENTMEM_STORE") or f"sqlite:///{agentmem_home() / 'sessions.db'}"
-
-
 def open_store(url: str | None = None) -> CacheStore:
     """Open the store at ``url`` (default: SQLite under ``$AGENTMEM_HOME``)."""
+    source = " (from $AGENTMEM_STORE)" if url is None and os.environ.get("AGENTMEM_STORE") else ""
     url = url or default_url()
     if not isinstance(url, str) or "://" not in url and not url.startswith("sqlite:"):
-        raise InvalidInput(f"store URL {url!r} is not a URL; try sqlite:///path/sessions.db or redis://host:6379/0")
+        raise InvalidInput(f"store URL {url!r}{source} is not a URL; try sqlite:///path/sessions.db or "
+                           "redis://host:6379/0")
     if is_redis_url(url):
         from agentmem.storage.redis import RedisStore
 

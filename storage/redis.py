@@ -243,6 +243,13 @@ class RedisStore:
         page = items[:limit]
         return SessionPage(items=page, next_cursor=page[-1].session_id if len(items) > limit else None)
 
+    def tenants(self) -> list[str]:
+        # An index may name only expired or missing sessions; a tenant is listed if one is alive.
+        prefix = _index_key("")
+        found = self._call(lambda: {key.decode().removeprefix(prefix)
+                                    for key in self._redis.scan_iter(match=f"{prefix}*", count=1000)})
+        return sorted(tenant for tenant in found if self.list(tenant, limit=1).items)
+
     def delete_tenant(self, tenant: str) -> int:
         check_tenant(tenant)
         ids = self._call(self._redis.zrange, _index_key(tenant), 0, -1)

@@ -333,6 +333,12 @@ class SqlStore:
         items = [SessionSummary(tenant=tenant, **row._asdict()) for row in rows[:limit]]
         return SessionPage(items=items, next_cursor=items[-1].session_id if len(rows) > limit else None)
 
+    def tenants(self) -> list[str]:
+        t = sessions_table.c
+        query = select(t.tenant).where(_alive(time.time())).distinct().order_by(t.tenant)
+        with self._connection() as conn:
+            return list(conn.execute(query).scalars())
+
     def delete_tenant(self, tenant: str) -> int:
         with self._transaction() as conn:
             conn.execute(delete(chunks_table).where(chunks_table.c.tenant == check_tenant(tenant)))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import re
+
+import pytest
 
 from typer.testing import CliRunner
 
@@ -12,14 +16,21 @@ from agentmem.cli import app
 
 def test_demo_compacts_resumes_reading_only_the_new_message_and_measures_recall(engine, tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path))
+    monkeypatch.delenv("AGENTMEM_STORE", raising=False)
     monkeypatch.setattr("agentmem.demo.Engine.load", lambda *a, **k: engine)
-    result = CliRunner().invoke(app, ["demo", "--max-new-tokens", "32"])
+    result = CliRunner().invoke(app, ["demo", "--max-new-tokens", "32", "--repeats", "2"])
     assert result.exit_code == 0, result.output
     assert int(re.search(r"compactions\s+(\d+)", result.output).group(1)) >= 1
-    assert re.search(r"tokens re-read on resume\s+0 \+ \d+ \(the new message\)", result.output)
-    logs = {name: float(v) for name, v in re.findall(r"p\(answer\), ([^\n]+?)\s+\S+\s+\(log (-?[\d.]+)\)", result.output)}
-    assert logs["compacted session"] > logs["a session never told"]
-    assert logs["full cache (never compacted)"] > logs["a session never told"]
+    assert re.search(r"tokens re-read on resume\s+0, plus the \d+ of the new message", result.output)
+    assert "median of 2" in result.output and "live rows" not in result.output
+    ratios = dict(re.findall(r"p\(answer\), ([^\n]+?)\s+([\d.,e+]+)x as likely as never told", result.output))
+    assert float(ratios["compacted session"].replace(",", "")) > 1
+    assert float(ratios["full cache (never compacted)"].replace(",", "")) > 1
+    agent_lines = [line for line in result.output.splitlines() if "agent: " in line]
+    assert agent_lines and all(not line.rstrip().endswith("-") for line in agent_lines)
+    # The demo's session is in the default store under the default tenant: the CLI finds it.
+    listed = CliRunner().invoke(app, ["sessions", "list", "--json"])
+    assert [r["session_id"] for r in json.loads(listed.stdout)] == ["demo-ticket-4417"]
 
 
 def test_bad_model_is_one_line_error_and_exit_code():
@@ -44,7 +55,7 @@ def test_sessions_list_show_export_delete_stay_within_the_tenant(engine, tmp_pat
 
     listed = runner.invoke(app, ["sessions", "list", "--tenant", "acme", "--store", store, "--json"])
     assert listed.exit_code == 0, listed.output
-    assert [(r["session_id"], r["tokens"]) for r in json.loads(listed.output)] == [("t-1", tokens)]
+    assert [(r["session_id"], r["tokens"]) for r in json.loads(listed.stdout)] == [("t-1", tokens)]
     shown = runner.invoke(app, ["sessions", "show", "t-1", "--tenant", "acme", "--store", store, "--json"])
     assert json.loads(shown.output)["storage_dtype"] == "fp32"
     for args in (["sessions", "show", "t-2", "--tenant", "acme"], ["sessions", "show", "t-1", "--tenant", "other"],
@@ -65,7 +76,7 @@ def test_sessions_list_show_export_delete_stay_within_the_tenant(engine, tmp_pat
     deleted = runner.invoke(app, ["sessions", "delete", "--all", "--tenant", "acme", "--yes", "--store", store])
     assert "deleted 1 sessions of acme" in deleted.output
     remaining = runner.invoke(app, ["sessions", "list", "--tenant", "other", "--store", store, "--json"])
-    assert [r["session_id"] for r in json.loads(remaining.output)] == ["t-2"]
+    assert [r["session_id"] for r in json.loads(remaining.stdout)] == ["t-2"]
 
 
 def test_policy_set_validates_and_show_reads_it_back(tmp_path):
@@ -104,17 +115,85 @@ def test_compact_command_stores_a_smaller_new_version(engine, tmp_path, monkeypa
     assert event["stored_bytes_after"] < event["stored_bytes_before"]
 
 
-def test_chat_resumes_the_session_across_invocations(engine, tmp_path, monkeypatch):
+def test_chat_says_what_it_resumed_and_saved_and_stores_nothing_without_a_turn(engine, tmp_path, monkeypatch):
     store = f"sqlite:///{tmp_path / 's.db'}"
     monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
     monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path))
     args = ["chat", "--session", "c-1", "--store", store, "--max-new-tokens", "8"]
-    first = CliRunner().invoke(app, args, input="Hello\n/exit\n")
-    assert first.exit_code == 0, first.output
-    assert "0 tokens held" in first.output
-    second = CliRunner().invoke(app, args, input="Again\n")
-    held = int(re.search(r"(\d+) tokens held", second.output).group(1))
-    assert held > 0 and f"reused {held}" in second.output
+    empty = CliRunner().invoke(app, args, input="/exit\n")
+    assert empty.exit_code == 0, empty.output
+    assert "new session default/c-1" in empty.output and "nothing stored" in empty.output
+    from agentmem.storage import open_store
+
+    backend = open_store(store)
+    try:
+        assert backend.list("default").items == []  # opening and leaving stores no empty session
+        first = CliRunner().invoke(app, args, input="Hello\n/exit\n")
+        assert first.exit_code == 0, first.output
+        assert "reply cut at --max-new-tokens=8" in first.output  # 8 tokens do not finish a reply
+        assert re.search(r"saved default/c-1 in \S+ as version 1: 2 messages", first.output)
+        held = backend.get("default", "c-1").logical_length
+        second = CliRunner().invoke(app, [*args, "--system", "Be brief."], input="Again\n")  # Ctrl-D saves too
+        assert "--system is ignored" in second.output
+        assert f"resumed default/c-1 in {store}: {held} tokens, 2 messages" in second.output
+        assert f"reused {held}" in second.output and "as version 2" in second.output
+        third = CliRunner().invoke(app, args, input="")
+        assert "left as it was" in third.output and backend.version("default", "c-1") == 2
+    finally:
+        backend.close()
+
+
+def test_ctrl_c_during_a_reply_discards_the_turn_and_says_so(engine, tmp_path, monkeypatch):
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    real_stream = engine.stream
+    interrupts = []
+
+    def interrupted(cache, prompt_ids, **kwargs):
+        """The real stream, stopped by Ctrl-C after two tokens the first time after each ``interrupts.append``."""
+        tokens = real_stream(cache, prompt_ids, **kwargs)
+        if not interrupts or interrupts.pop():
+            yield from tokens
+            return
+        yield next(tokens)
+        yield next(tokens)
+        tokens.close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "stream", interrupted)
+
+    args = ["chat", "--session", "c-2", "--store", store, "--max-new-tokens", "8"]
+    assert CliRunner().invoke(app, args, input="Hello\n").exit_code == 0
+    from agentmem.storage import open_store
+
+    backend = open_store(store)
+    try:
+        before = backend.get("default", "c-2")
+        interrupts.append(False)
+        cut = CliRunner().invoke(app, args, input="This message is interrupted\n")
+        assert cut.exit_code == 0, cut.output
+        assert "interrupted: reply discarded; the session is as it was before your message" in cut.output
+        assert backend.version("default", "c-2") == before.version  # no turn completed: nothing stored
+        interrupts.append(False)
+        out = CliRunner().invoke(app, args, input="Stop this one\nOne more\n")
+        assert out.exit_code == 0, out.output
+        # The turn after the interrupted one reads only its own message: the cache was put back exactly.
+        assert f"reused {before.logical_length};" in out.output and "history had changed" not in out.output
+        contents = [m["content"] for m in backend.get("default", "c-2").messages]
+        assert "One more" in contents and "Stop this one" not in contents
+    finally:
+        backend.close()
+
+
+def test_chat_logs_no_message_text(engine, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    with caplog.at_level(logging.DEBUG):
+        result = CliRunner().invoke(app, ["-vv", "chat", "--session", "c-3",
+                                          "--store", f"sqlite:///{tmp_path / 's.db'}",
+                                          "--max-new-tokens", "4"], input="my secret is swordfish\n")
+    assert result.exit_code == 0, result.output
+    assert any("loaded" in r.getMessage() for r in caplog.records)
+    assert not any("swordfish" in r.getMessage() for r in caplog.records)
 
 
 def test_doctor_reports_each_check_and_fails_on_a_dead_store(tmp_path):
@@ -153,3 +232,160 @@ def test_version_prints_the_package_version():
 
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output.strip() == f"agentmem {__version__}"
+
+
+def test_sessions_list_names_its_store_and_tenant_and_lists_all_tenants_only_when_asked(engine, tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path))
+    monkeypatch.delenv("AGENTMEM_STORE", raising=False)
+    from agentmem.home import DEFAULT_TENANT, default_store_url
+    from agentmem.sessions import SessionManager
+
+    store = default_store_url()
+    assert store == f"sqlite:///{tmp_path / 'sessions.db'}"
+    # Python's SessionManager and the CLI agree on the default tenant and store.
+    assert inspect.signature(SessionManager.session).parameters["tenant"].default == DEFAULT_TENANT
+    _store_one_session(engine, store, DEFAULT_TENANT, "mine")
+    _store_one_session(engine, store, "acme", "theirs")
+    runner = CliRunner()
+    own = runner.invoke(app, ["sessions", "list", "--json"])
+    assert [r["session_id"] for r in json.loads(own.stdout)] == ["mine"]
+    assert f"1 sessions of tenant 'default' in {store}" in own.stderr
+    none = runner.invoke(app, ["sessions", "list", "--tenant", "nobody"])
+    assert "(none)" in none.stdout and "tenant 'nobody'" in none.stderr and "--all-tenants" in none.stderr
+    every = runner.invoke(app, ["sessions", "list", "--all-tenants", "--json"])
+    assert [(r["tenant"], r["session_id"]) for r in json.loads(every.stdout)] == [("acme", "theirs"),
+                                                                                  ("default", "mine")]
+    both = runner.invoke(app, ["sessions", "list", "--all-tenants", "--tenant", "acme"])
+    assert both.exit_code == 1 and both.output.startswith("error:")
+
+
+def test_compact_that_cannot_shrink_says_why_and_stores_nothing(engine, tmp_path, monkeypatch):
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    _store_one_session(engine, store, "acme", "short")
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    runner = CliRunner()
+    refused = runner.invoke(app, ["compact", "--session", "short", "--tenant", "acme", "--store", store,
+                                  "--ratio", "8"])
+    assert refused.exit_code == 1, refused.output
+    assert "nothing to compact" in refused.output and "keep_recent=256" in refused.output
+    from agentmem.storage import open_store
+
+    backend = open_store(store)
+    try:
+        assert backend.version("acme", "short") == 1  # no new version written
+        done = runner.invoke(app, ["compact", "--session", "short", "--tenant", "acme", "--store", store,
+                                   "--ratio", "2", "--keep-recent", "8", "--method", "window", "--json"])
+        assert done.exit_code == 0, done.output
+        event = json.loads(done.stdout)
+        assert event["version"] == 2 and event["keep_recent"] == 8
+        assert event["rows_after"] > event["logical_tokens"] / 2  # 8 raw rows: short of 2x overall, and told so
+        assert "keep_recent" in done.stderr
+        again = runner.invoke(app, ["compact", "--session", "short", "--tenant", "acme", "--store", store,
+                                    "--ratio", "2", "--keep-recent", "8", "--method", "window"])
+        assert again.exit_code == 1 and "already small" in again.output, again.output
+        assert backend.version("acme", "short") == 2
+    finally:
+        backend.close()
+    assert "keep-recent" in runner.invoke(app, ["compact", "--help"]).output
+    shown = runner.invoke(app, ["policy", "show", "--policies", str(tmp_path / "none.yaml")]).output
+    assert re.search(r"keep_recent\s+256\s+most recent tokens kept raw", shown)
+
+
+def test_python_compact_refuses_a_session_it_cannot_shrink(engine, tmp_path):
+    from agentmem import BudgetPolicy, SessionManager
+    from agentmem.errors import CompactionUnreachable
+
+    with SessionManager(engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=BudgetPolicy()) as manager:
+        session = manager.session("t")
+        session.chat("My order 4417 went to Lisbon.", max_new_tokens=4)
+        held = session.cache.clone()
+        with pytest.raises(CompactionUnreachable, match="keep_recent=256") as refused:
+            session.compact(target_ratio=8)
+        assert refused.value.rows == refused.value.kept_rows == held.physical_length
+        assert session.cache.token_ids == held.token_ids and session.cache.physical_length == held.physical_length
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compact", "--session", "missing", "--ratio", "4"], "missing"),
+    (["compact", "--session", "x", "--ratio", "0.5"], "target_ratio"),
+    (["compact", "--session", "x", "--keep-recent", "0"], "keep_recent"),
+    (["compact", "--session", "x", "--tenant", "bad tenant!"], "invalid tenant"),
+    (["chat", "--session", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["chat", "--session", "bad id!"], "invalid session id"),
+    (["calibrate", "--ratio", "0"], "--ratio"),
+    (["demo", "--dtype", "fp8"], "--dtype"),
+    (["chat", "--session", "x", "--device", "gpu"], "--device"),
+    (["chat", "--session", "x", "--device", "cuda:7"], "CUDA devices"),
+])
+def test_commands_check_their_arguments_before_loading_the_model(tmp_path, monkeypatch, args, message):
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("agentmem.engine.Engine.load", no_model)
+    monkeypatch.setattr("agentmem.demo.Engine.load", no_model)
+    result = CliRunner().invoke(app, [*args, "--store", f"sqlite:///{tmp_path / 's.db'}"] if args[0] in
+                                ("compact", "chat") else args)
+    assert result.exit_code == 1 and result.output.startswith("error:") and message in result.output, result.output
+
+
+def test_doctor_fails_a_redis_without_aof_and_prints_the_whole_fingerprint(engine, tmp_path, monkeypatch):
+    from agentmem.storage.local_redis import LocalRedis
+
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    with LocalRedis(tmp_path / "aof") as durable, \
+            LocalRedis(tmp_path / "rdb", extra_args=["--appendonly", "no"]) as lossy:
+        result = CliRunner().invoke(app, ["doctor", "--store", durable.url, "--redis", lossy.url, "--json"])
+    checks = {c["check"]: c for c in json.loads(result.stdout)}
+    assert checks[f"redis persistence {durable.url}"]["status"] == "ok"
+    assert "appendfsync always" in checks[f"redis persistence {durable.url}"]["detail"]
+    assert "noeviction" in checks[f"redis persistence {durable.url}"]["detail"]
+    assert checks[f"redis persistence {lossy.url}"]["status"] == "fail"
+    assert "--appendonly yes" in checks[f"redis persistence {lossy.url}"]["detail"] and result.exit_code == 1
+    assert engine.fingerprint in checks["model embedded"]["detail"]
+    with LocalRedis(tmp_path / "lru", extra_args=["--maxmemory-policy", "allkeys-lru"]) as evicting:
+        result = CliRunner().invoke(app, ["doctor", "--redis", evicting.url, "--json"])
+    detail = {c["check"]: c for c in json.loads(result.stdout)}[f"redis persistence {evicting.url}"]
+    assert detail["status"] == "fail" and "noeviction" in detail["detail"]
+
+
+def test_a_bad_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv("AGENTMEM_MAX_LIVE_TOKENS", "abc")
+    result = CliRunner().invoke(app, ["policy", "show"])
+    assert result.exit_code == 1 and "AGENTMEM_MAX_LIVE_TOKENS='abc'" in result.output
+    monkeypatch.delenv("AGENTMEM_MAX_LIVE_TOKENS")
+    monkeypatch.setenv("AGENTMEM_STORE", "sessions.db")
+    result = CliRunner().invoke(app, ["sessions", "list"])
+    assert result.exit_code == 1 and "from $AGENTMEM_STORE" in result.output
+
+
+def test_the_langchain_adapter_uses_the_shared_default_tenant():
+    from agentmem.adapters.langchain import ChatAgentMem
+    from agentmem.home import DEFAULT_TENANT
+
+    assert ChatAgentMem().tenant == DEFAULT_TENANT
+
+
+def test_chat_says_when_a_turn_compacted_the_session(engine, tmp_path, monkeypatch):
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    policies = tmp_path / "policies.yaml"
+    policies.write_text("default:\n  max_live_tokens: 48\n  keep_recent: 8\n  target_ratio: 4\n  method: window\n")
+    result = CliRunner().invoke(app, ["chat", "--session", "c-4", "--store", f"sqlite:///{tmp_path / 's.db'}",
+                                      "--policies", str(policies), "--max-new-tokens", "24"],
+                                input="Please tell me about parcels and how they travel between cities.\n")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"\[compacted during this turn \(window, the budget of 48 live rows was reached\): "
+                     r"\d+ -> \d+ rows", result.output), result.output
+
+
+def test_doctor_checks_every_node_of_a_redis_cluster(engine, tmp_path, monkeypatch):
+    from agentmem.storage.local_redis import LocalRedisCluster
+
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    with LocalRedisCluster(tmp_path / "cluster") as cluster:
+        node = cluster.nodes[1].client()
+        node.config_set("appendonly", "no")  # one node of three loses writes on a restart
+        node.close()
+        result = CliRunner().invoke(app, ["doctor", "--redis", cluster.url, "--json"])
+    check = {c["check"]: c for c in json.loads(result.stdout)}[f"redis persistence {cluster.url}"]
+    assert check["status"] == "fail" and f":{cluster.nodes[1].port}" in check["detail"], check

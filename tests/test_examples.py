@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from agentmem.adapters import shared
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # so tests can read an example's constants
 
 
 @pytest.fixture
@@ -41,11 +43,25 @@ def test_coding_agent_reads_files_compacts_and_measures_answers(run_example):
     assert scores["full"] > scores["never_read"]  # reading the file makes the true answer likelier
 
 
-def test_langchain_chat_reuses_the_cache_on_the_second_turn(run_example):
-    first, second = run_example("langchain_chat", "--max-tokens", "12")
-    assert first["input_token_details"]["cache_read"] == 0
-    assert second["input_token_details"]["cache_read"] == first["total_tokens"]
-    assert second["input_token_details"]["cache_creation"] < second["input_tokens"]
+def test_langchain_chat_sends_every_prompt_and_reuses_the_cache(run_example, capsys):
+    from langchain_chat import PROMPTS
+
+    usages = run_example("langchain_chat", "--max-tokens", "12")
+    assert len(usages) == len(PROMPTS) == 3
+    out = capsys.readouterr().out
+    assert all(f"you: {prompt}" in out for prompt in PROMPTS)  # the output shows what was asked
+    assert usages[0]["input_token_details"]["cache_read"] == 0
+    for before, after in zip(usages, usages[1:]):
+        assert after["input_token_details"]["cache_read"] == before["total_tokens"]
+        assert after["input_token_details"]["cache_creation"] < after["input_tokens"]
+
+
+def test_support_agent_never_replays_a_message_and_says_a_new_session_is_new(run_example, capsys):
+    shifts = run_example("support_agent", "--shifts", "3", "--turns", "3", "--max-new-tokens", "4")["shifts"]
+    out = capsys.readouterr().out
+    assert "shift 1: a new session" in out and "resumed" not in out.split("shift 2")[0]
+    assert out.count("customer: Hi, my order number is 4417") == 1 and "nothing more to say" in out
+    assert len(shifts) == 3
 
 
 def test_tenants_get_their_own_policies_and_never_each_others_sessions(run_example):

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -13,11 +14,11 @@ from agentmem.cache import SessionCache
 from agentmem.compaction.methods import REGISTRY, REREAD, Job
 from agentmem.compaction.queries import DEFAULT_SOURCE, check_source
 from agentmem.compaction.span import plan_span
-from agentmem.errors import InvalidInput
+from agentmem.errors import CompactionUnreachable, InvalidInput
 
 METHODS: dict[str, str] = {name: method.description for name, method in REGISTRY.items()}
 
-__all__ = ["METHODS", "compact"]
+__all__ = ["METHODS", "Reach", "check_reachable", "compact", "reach"]
 
 
 def compact(
@@ -36,10 +37,16 @@ def compact(
 ) -> SessionCache:
     """Compact every row but the first ``protect_prefix`` tokens and the last ``keep_recent``.
 
-    ``ratio`` r keeps ~1/r of the span's rows over all layers and heads; ``target_tokens``
-    keeps that many token-equivalents (rows per layer and head) instead. Already-compacted
+    The *span* is what lies between those two: only its rows are replaced. ``ratio`` r keeps
+    ~1/r of the span's rows over all layers and heads, not 1/r of the whole cache: the
+    ``keep_recent`` (default 256) most recent tokens and the protected prefix stay raw, so a
+    1,087-row cache compacted with ``ratio=10`` keeps 256 + 831/10 ≈ 340 rows, and a cache of
+    at most ``keep_recent`` rows cannot shrink at all (lower ``keep_recent`` to compact
+    more; :func:`reach` says what a call can change). ``target_tokens`` keeps that many
+    token-equivalents (rows per layer and head) of the span instead. Already-compacted
     segments in the span are compacted again with their β as a prior. A span that already
-    fits the budget is returned unchanged (as a copy). ``head_budgets`` splits the budget by a
+    fits the budget is returned unchanged (as a copy): online compaction relies on that;
+    callers that must know use :func:`check_reachable` first. ``head_budgets`` splits the budget by a
     calibrated ``(layers, kv_heads)`` table (or ``"calibrated"``: the profile shipped for the
     model); by default AM and global eviction choose rows globally per context.
 
@@ -84,3 +91,51 @@ def compact(
     job = Job(engine, cache, plan, total, queries, head_budgets, seed, reread)
     with torch.inference_mode():
         return REGISTRY[method].run(job)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What a compaction of a cache may change, in rows per layer and KV head (averaged over heads).
+
+    ``kept`` rows stay as they are: ``recent`` raw rows of the recent window plus the
+    protected prefix; only the ``span`` rows are replaced.
+    """
+
+    rows: int
+    recent: int
+    span: int
+
+    @property
+    def kept(self) -> int:
+        return self.rows - self.span
+
+
+def reach(cache: SessionCache, *, keep_recent: int, protect_prefix: int = 0) -> Reach:
+    """The rows :func:`compact` with these ``keep_recent`` and ``protect_prefix`` keeps and may replace."""
+    plan = plan_span(cache, protect_prefix=protect_prefix, keep_recent=keep_recent)
+    if plan is None:
+        return Reach(cache.physical_length, min(keep_recent, cache.layers[0].tail_length), 0)
+    return Reach(cache.physical_length, plan.recent, math.ceil(plan.rows / (cache.num_layers * cache.num_kv_heads)))
+
+
+def check_reachable(cache: SessionCache, *, target_tokens: int, keep_recent: int, protect_prefix: int = 0) -> Reach:
+    """Raise :class:`CompactionUnreachable`, saying why, when compacting the span to ``target_tokens``
+    rows would leave ``cache`` as it is (:func:`compact` would return a copy); else its :class:`Reach`.
+
+    For callers that compact on request and must not store an unchanged cache as if it were
+    compacted (``agentmem compact``, :meth:`~agentmem.sessions.Session.compact`).
+    """
+    found = reach(cache, keep_recent=keep_recent, protect_prefix=protect_prefix)
+    protected = found.kept - found.recent
+    kept = (f"the last {found.recent} tokens (keep_recent={keep_recent})"
+            + (f" and {protected} rows of the protected prefix (the system prompt)" if protected else ""))
+    if found.span == 0:
+        raise CompactionUnreachable(
+            f"nothing to compact: all {found.rows} rows of this {cache.logical_length}-token session are kept raw, "
+            f"{kept}; lower keep_recent to compact it", rows=found.rows, kept_rows=found.kept)
+    if target_tokens >= found.span:
+        raise CompactionUnreachable(
+            f"already small: of {found.rows} rows, {found.kept} are kept raw ({kept}) and the other {found.span} "
+            f"are not above the {target_tokens} asked for (compacted before, or too short to shrink); "
+            "ask for a higher ratio or lower keep_recent", rows=found.rows, kept_rows=found.kept)
+    return found

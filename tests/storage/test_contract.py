@@ -97,6 +97,18 @@ def test_wildcards_and_separators_in_tenant_are_refused(store, tenant):
             call()
 
 
+def test_tenants_lists_those_with_a_live_session(store):
+    assert store.tenants() == []
+    store.put("globex", "a", record("globex", "a"))
+    store.put("acme", "a", record("acme", "a"))
+    store.put("acme", "b", record("acme", "b"))
+    store.put("initech", "old", record("initech", "old", ttl_seconds=0.05))
+    time.sleep(0.1)
+    assert store.tenants() == ["acme", "globex"]  # sorted, once each, expired ones left out
+    store.delete_tenant("globex")
+    assert store.tenants() == ["acme"]
+
+
 def test_listing_paginates_in_order(store):
     ids = [f"s{i:03d}" for i in range(25)]
     for sid in reversed(ids):
