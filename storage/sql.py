@@ -74,6 +74,7 @@ _WRITE = "agentmem_write"  # execution option marking a write transaction
 _MIGRATION_LOCK = 0x61676D656D  # PostgreSQL advisory lock key ("agmem") held while migrating
 
 CHUNK_BYTES = 16 * 2**20
+_CHUNKS_IN_FLIGHT = 4  # chunk rows a read fetches per round trip
 
 # Byte order on PostgreSQL too, so pagination agrees with the other stores.
 _SESSION_ID = String(256).with_variant(String(256, collation="C"), "postgresql")
@@ -294,8 +295,11 @@ class SqlStore:
                                .where(*_key(tenant, session_id), _alive(time.time()))).first()
             if row is None:
                 raise not_found(tenant, session_id)
+            # Streamed (a server-side cursor on PostgreSQL, whose client otherwise receives every
+            # row before the first is read), so only a few chunks are in memory beside the blob.
             chunks = conn.execute(select(chunks_table.c.data).where(*_chunk_key(tenant, session_id, row.write_id))
-                                  .order_by(chunks_table.c.seq)).scalars()
+                                  .order_by(chunks_table.c.seq)
+                                  .execution_options(stream_results=True, max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
             blob = read_chunks(chunks, row.nbytes, session=f"{tenant}/{session_id}", recorded_in="its row")
         return restore(row.record, blob, row.version)
 
