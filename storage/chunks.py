@@ -31,7 +31,8 @@ def write_chunks(blob: bytes, chunk_bytes: int, store: Callable[[int, list[memor
     view = memoryview(blob)
     count = chunk_count(len(blob), chunk_bytes)
     for first in range(0, count, per_call):
-        store(first, [view[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(first, min(count, first + per_call))])
+        last = min(count, first + per_call)
+        store(first, [view[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(first, last)])
     return count
 
 

@@ -218,7 +218,8 @@ def _data_intact(header: dict[str, Any], data: memoryview) -> bool:
     return _chunk_sums(data) == checksum.get("chunks")
 
 
-def _build(header: dict[str, Any], blob: bytes | bytearray | memoryview, device, dtype: torch.dtype | None) -> SessionCache:
+def _build(header: dict[str, Any], blob: bytes | bytearray | memoryview, device,
+           dtype: torch.dtype | None) -> SessionCache:
     target = dtype or getattr(torch, str(header["cache_dtype"]))
     if not isinstance(target, torch.dtype) or not target.is_floating_point:
         raise CorruptSessionError(f"invalid cache dtype {header['cache_dtype']!r}")
@@ -244,7 +245,8 @@ def _read_tensors(blob: bytes | bytearray | memoryview, header: dict[str, Any]) 
         dtype = _TENSOR_DTYPES[entry["dtype"]]
         shape = [int(n) for n in entry["shape"]]
         start, end = (int(offset) for offset in entry["data_offsets"])
-        if min(shape, default=0) < 0 or not 0 <= start <= end <= len(data) or end - start != math.prod(shape) * dtype.itemsize:
+        fits = 0 <= start <= end <= len(data) and end - start == math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or not fits:
             raise CorruptSessionError(f"tensor {name!r} does not fit the data region as its shape and offsets say")
         if start == end:
             tensors[name] = torch.empty(shape, dtype=dtype, device="cpu")
