@@ -10,7 +10,7 @@ import re
 import time
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf
 
 from agentmem.errors import InvalidInput
 
@@ -61,7 +61,8 @@ class SessionRecord(BaseModel):
     updated_at: float = Field(default_factory=time.time)
     version: int = Field(default=0, ge=0)
     ttl_seconds: float | None = Field(default=None, gt=0)
-    blob: bytes = b""
+    # A store's read fills one preallocated bytearray (no second copy to make it bytes).
+    blob: bytes | InstanceOf[bytearray] = b""
 
     @property
     def expires_at(self) -> float | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,6 @@ from typing import Any
 
 import torch
 import xxhash
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from agentmem.cache import SessionCache, buffer_nbytes
@@ -49,6 +49,11 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
 }
 STORAGE_CHOICES = ("auto", *STORAGE_DTYPES)  # auto: the cache's own dtype
 _HEADER_LIMIT = 64 * 2**20
+# The safetensors format's dtype names, for the ones a stored cache can hold.
+_TENSOR_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
 _SCALE_SUFFIX = ".int8_scale"
 
 
@@ -118,7 +123,7 @@ def _hashers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="agentmem-xxh3")
 
 
-def read_header(blob: bytes) -> dict[str, Any]:
+def read_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
     """The blob's agentmem header, checked for shape (not yet against the data)."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise CorruptSessionError(f"session blob must be bytes, not {type(blob).__name__}")
@@ -141,6 +146,7 @@ def read_header(blob: bytes) -> dict[str, Any]:
         if stored_sum != xxhash.xxh3_64_hexdigest(_canonical(st_header)):
             raise CorruptSessionError("session blob header checksum mismatch: the header is damaged")
     header["_data_start"] = 8 + length
+    header["_tensors"] = {name: entry for name, entry in st_header.items() if name != "__metadata__"}
     return header
 
 
@@ -161,7 +167,7 @@ def decoded_nbytes(header: dict[str, Any], dtype: torch.dtype) -> int:
 
 
 def decode_cache(
-    blob: bytes,
+    blob: bytes | bytearray | memoryview,
     *,
     fingerprint: str | None = None,
     device: torch.device | str = "cpu",
@@ -212,7 +218,8 @@ def _data_intact(header: dict[str, Any], data: memoryview) -> bool:
     return _chunk_sums(data) == checksum.get("chunks")
 
 
-def _build(header: dict[str, Any], blob: bytes, device, dtype: torch.dtype | None) -> SessionCache:
+def _build(header: dict[str, Any], blob: bytes | bytearray | memoryview, device,
+           dtype: torch.dtype | None) -> SessionCache:
     target = dtype or getattr(torch, str(header["cache_dtype"]))
     if not isinstance(target, torch.dtype) or not target.is_floating_point:
         raise CorruptSessionError(f"invalid cache dtype {header['cache_dtype']!r}")
@@ -221,8 +228,32 @@ def _build(header: dict[str, Any], blob: bytes, device, dtype: torch.dtype | Non
         layout.get(key) != header[key] for key in ("fingerprint", "logical_length")
     ):
         raise CorruptSessionError("session layout disagrees with its header")
-    tensors = _dequantize(st_load(blob if isinstance(blob, bytes) else bytes(blob)))
+    tensors = _dequantize(_read_tensors(blob, header))
     return SessionCache.from_tensors(tensors, layout, device=device, dtype=target)
+
+
+def _read_tensors(blob: bytes | bytearray | memoryview, header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The blob's tensors, each copied once out of the buffer, whatever kind of buffer it is.
+
+    safetensors' own ``load`` takes only ``bytes``: a store that reads chunks into one
+    preallocated ``bytearray`` would pay a copy of the whole blob before it. The copy per tensor
+    is kept (the cache never aliases the record's bytes, which a host tier may hold on to).
+    """
+    data = memoryview(blob)[header["_data_start"] :]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, entry in header["_tensors"].items():
+        dtype = _TENSOR_DTYPES[entry["dtype"]]
+        shape = [int(n) for n in entry["shape"]]
+        start, end = (int(offset) for offset in entry["data_offsets"])
+        fits = 0 <= start <= end <= len(data) and end - start == math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or not fits:
+            raise CorruptSessionError(f"tensor {name!r} does not fit the data region as its shape and offsets say")
+        if start == end:
+            tensors[name] = torch.empty(shape, dtype=dtype, device="cpu")
+            continue
+        raw = torch.UntypedStorage.from_buffer(data[start:end], dtype=torch.uint8)  # copies, read-only buffers too
+        tensors[name] = torch.empty(0, dtype=torch.uint8, device="cpu").set_(raw).view(dtype).reshape(shape)
+    return tensors
 
 
 def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

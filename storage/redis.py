@@ -46,31 +46,40 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agentmem.errors import CorruptSessionError, InvalidInput, SessionNotFound, StoreUnavailable, VersionConflict
-from agentmem.record import (
-    SessionPage,
-    SessionRecord,
-    SessionSummary,
-    StoreUsage,
-    check_record_key,
-    check_session_id,
-    check_tenant,
+from agentmem.errors import StoreUnavailable, VersionConflict
+from agentmem.record import SessionPage, SessionRecord, SessionSummary, StoreUsage, check_record_key, check_tenant
+from agentmem.storage.base import (
+    ORPHAN_SECONDS,
+    changed_during_write,
+    check_expected_version,
+    check_key,
+    check_listing,
+    is_alive,
+    milliseconds,
+    not_found,
+    page_of,
+    restore,
 )
+from agentmem.storage.chunks import chunk_count, read_chunks, write_chunks
 from agentmem.storage.redis_client import Client, connect, redact
 
 CHUNK_BYTES = 8 * 2**20
-ORPHAN_TTL_MS = 3_600_000  # chunks and registration of a put that never committed vanish after an hour
+ORPHAN_TTL_MS = milliseconds(ORPHAN_SECONDS)  # chunks and registration of a put that never committed vanish
 _RETRIES = 5
 _CHUNKS_PER_PIPELINE = 8  # 64 MiB in flight per round trip
 
 T = TypeVar("T")
+
+
+class _Replaced(Exception):
+    """A chunk of the version being read is gone: a newer write replaced it between our reads."""
 
 
 class RedisStore:
@@ -91,20 +100,21 @@ class RedisStore:
         meta_key, writes_key = _meta_key(tenant, session_id), _writes_key(tenant, session_id)
         write_id = uuid.uuid4().hex
         blob = record.blob
-        chunk_keys = _chunk_keys(tenant, session_id, write_id, _chunk_count(len(blob)))
-        ttl_ms = None if record.ttl_seconds is None else max(1, int(record.ttl_seconds * 1000))
+        chunk_keys = _chunk_keys(tenant, session_id, write_id, chunk_count(len(blob), CHUNK_BYTES))
+        ttl_ms = None if record.ttl_seconds is None else milliseconds(record.ttl_seconds)
+
+        def store_chunks(first: int, chunks: list[memoryview]) -> None:
+            with self._redis.pipeline(transaction=False) as pipe:
+                for key, data in zip(chunk_keys[first : first + len(chunks)], chunks):
+                    pipe.set(key, data, px=ORPHAN_TTL_MS)
+                pipe.execute()
 
         def register_and_store() -> None:
             with self._redis.pipeline(transaction=False) as pipe:
                 pipe.sadd(writes_key, write_id)
                 pipe.pexpire(writes_key, ORPHAN_TTL_MS)
                 pipe.execute()
-            view = memoryview(blob)  # chunks are sent as views of the blob, never copied first
-            for first in range(0, len(chunk_keys), _CHUNKS_PER_PIPELINE):
-                with self._redis.pipeline(transaction=False) as pipe:
-                    for i, key in enumerate(chunk_keys[first : first + _CHUNKS_PER_PIPELINE], start=first):
-                        pipe.set(key, view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES], px=ORPHAN_TTL_MS)
-                    pipe.execute()
+            write_chunks(blob, CHUNK_BYTES, store_chunks, per_call=_CHUNKS_PER_PIPELINE)
 
         def commit() -> int:
             with self._redis.pipeline(transaction=True) as pipe:
@@ -117,10 +127,7 @@ class RedisStore:
                             " and its stored chunks expired; write again"
                         )
                     current = int(old[0]) if old[0] is not None else 0
-                    if expected_version is not None and expected_version != current:
-                        raise VersionConflict(
-                            f"session {tenant}/{session_id} is at version {current}, the write expected {expected_version}"
-                        )
+                    check_expected_version(tenant, session_id, current, expected_version)
                     pipe.multi()
                     pipe.delete(meta_key)
                     pipe.hset(meta_key, mapping={
@@ -143,7 +150,7 @@ class RedisStore:
                     pipe.srem(writes_key, write_id)
                     pipe.execute()
                 except WatchError as exc:
-                    raise VersionConflict(f"session {tenant}/{session_id} changed during the write") from exc
+                    raise changed_during_write(tenant, session_id) from exc
             return current + 1
 
         def abandon() -> None:
@@ -161,44 +168,38 @@ class RedisStore:
             raise
 
     def get(self, tenant: str, session_id: str) -> SessionRecord:
-        check_tenant(tenant)
-        check_session_id(session_id)
+        check_key(tenant, session_id)
         for _ in range(_RETRIES):
             meta = self._call(self._redis.hgetall, _meta_key(tenant, session_id))
             if not meta or not _alive(meta, time.time()):
-                raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
+                raise not_found(tenant, session_id)
             keys = _chunk_keys(tenant, session_id, meta[b"write_id"].decode(), int(meta[b"chunks"]))
-            blob = self._read_chunks(keys)
-            if blob is None:
+            try:
+                blob = read_chunks(self._fetch_chunks(keys), int(meta[b"nbytes"]), session=f"{tenant}/{session_id}",
+                                   recorded_in="meta")
+            except _Replaced:
                 continue  # a newer write replaced this version between our reads
-            if len(blob) != int(meta[b"nbytes"]):
-                raise CorruptSessionError(f"session {tenant}/{session_id}: blob is {len(blob)} bytes, meta says {int(meta[b'nbytes'])}")
-            record = SessionRecord.model_validate_json(meta[b"record"])
-            return record.model_copy(update={"blob": blob, "version": int(meta[b"version"])})
+            return restore(meta[b"record"], blob, int(meta[b"version"]))
         raise StoreUnavailable(f"session {tenant}/{session_id} is being rewritten too often to read")
 
     def version(self, tenant: str, session_id: str) -> int:
-        check_tenant(tenant)
-        check_session_id(session_id)
+        check_key(tenant, session_id)
         version, expires_at = self._call(self._redis.hmget, _meta_key(tenant, session_id), "version", "expires_at")
         if version is None or not _alive({b"expires_at": expires_at}, time.time()):
-            raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
+            raise not_found(tenant, session_id)
         return int(version)
 
-    def _read_chunks(self, keys: list[str]) -> bytes | None:
-        """The chunks joined, read a pipeline's worth at a time (no single multi-GiB reply);
-        ``None`` if any is gone."""
-        parts: list[bytes] = []
+    def _fetch_chunks(self, keys: list[str]) -> Iterator[bytes]:
+        """The chunks in order, a pipeline's worth per round trip (no single multi-GiB reply);
+        :class:`_Replaced` if any is gone."""
         for first in range(0, len(keys), _CHUNKS_PER_PIPELINE):
             got = self._call(self._redis.mget, keys[first : first + _CHUNKS_PER_PIPELINE])
             if any(p is None for p in got):
-                return None
-            parts += got
-        return b"".join(parts)
+                raise _Replaced
+            yield from got
 
     def delete(self, tenant: str, session_id: str) -> bool:
-        check_tenant(tenant)
-        check_session_id(session_id)
+        check_key(tenant, session_id)
         meta_key = _meta_key(tenant, session_id)
 
         def remove() -> bool | None:
@@ -223,10 +224,8 @@ class RedisStore:
         raise StoreUnavailable(f"session {tenant}/{session_id} is being rewritten too often to delete")
 
     def list(self, tenant: str, *, limit: int = 100, cursor: str | None = None) -> SessionPage:
-        check_tenant(tenant)
-        if not 1 <= limit <= 10_000:
-            raise InvalidInput(f"limit must be between 1 and 10000, got {limit}")
-        low = b"-" if cursor is None else b"(" + check_session_id(cursor).encode()
+        check_listing(tenant, limit, cursor)
+        low = b"-" if cursor is None else b"(" + cursor.encode()
         items: list[SessionSummary] = []
         now = time.time()
         while len(items) <= limit:
@@ -240,8 +239,7 @@ class RedisStore:
                 elif not meta:
                     self._call(self._unindex_if_absent, tenant, sid.decode())
             low = b"(" + ids[-1]
-        page = items[:limit]
-        return SessionPage(items=page, next_cursor=page[-1].session_id if len(items) > limit else None)
+        return page_of(items, limit)
 
     def tenants(self) -> list[str]:
         # An index may name only expired or missing sessions; a tenant is listed if one is alive.
@@ -281,9 +279,8 @@ class RedisStore:
         return removed
 
     def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
-        check_tenant(tenant)
-        check_session_id(session_id)
-        key, ttl_ms = _lease_key(tenant, session_id), max(1, int(ttl_seconds * 1000))
+        check_key(tenant, session_id)
+        key, ttl_ms = _lease_key(tenant, session_id), milliseconds(ttl_seconds)
 
         def acquire() -> bool:
             return bool(self._redis.set(key, owner, nx=True, px=ttl_ms)) or self._extend_lease(key, owner, ttl_ms,
@@ -292,9 +289,8 @@ class RedisStore:
         return self._call(acquire)
 
     def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
-        check_tenant(tenant)
-        check_session_id(session_id)
-        key, ttl_ms = _lease_key(tenant, session_id), max(1, int(ttl_seconds * 1000))
+        check_key(tenant, session_id)
+        key, ttl_ms = _lease_key(tenant, session_id), milliseconds(ttl_seconds)
         return self._call(lambda: self._extend_lease(key, owner, ttl_ms, take_free=False))
 
     def _extend_lease(self, key: str, owner: str, ttl_ms: int, *, take_free: bool) -> bool:
@@ -401,17 +397,17 @@ def _index_key(tenant: str) -> str:
     return f"am:tenant:{tenant}"
 
 
-def _chunk_count(nbytes: int) -> int:
-    return max(1, -(-nbytes // CHUNK_BYTES))
-
-
 def _alive(meta: dict[bytes, bytes], now: float) -> bool:
+    return is_alive(_expires_at(meta), now)
+
+
+def _expires_at(meta: dict[bytes, bytes]) -> float | None:
+    """The meta hash's ``expires_at``: stored as ``""`` for a session that never expires."""
     expires = meta.get(b"expires_at", b"")
-    return not expires or float(expires) > now
+    return float(expires) if expires else None
 
 
 def _summary(tenant: str, session_id: str, meta: dict[bytes, bytes]) -> SessionSummary:
-    expires = meta.get(b"expires_at", b"")
     return SessionSummary(
         tenant=tenant,
         session_id=session_id,
@@ -419,5 +415,5 @@ def _summary(tenant: str, session_id: str, meta: dict[bytes, bytes]) -> SessionS
         logical_length=int(meta[b"logical_length"]),
         nbytes=int(meta[b"nbytes"]),
         updated_at=float(meta[b"updated_at"]),
-        expires_at=float(expires) if expires else None,
+        expires_at=_expires_at(meta),
     )

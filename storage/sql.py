@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from sqlalchemy import (
     BigInteger,
@@ -55,23 +55,26 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from agentmem.errors import CorruptSessionError, InvalidInput, SessionNotFound, StoreUnavailable, VersionConflict
-from agentmem.record import (
-    SessionPage,
-    SessionRecord,
-    SessionSummary,
-    StoreUsage,
-    check_record_key,
-    check_session_id,
-    check_tenant,
+from agentmem.errors import StoreUnavailable, VersionConflict
+from agentmem.record import SessionPage, SessionRecord, SessionSummary, StoreUsage, check_record_key, check_tenant
+from agentmem.storage.base import (
+    ORPHAN_SECONDS,
+    changed_during_write,
+    check_expected_version,
+    check_key,
+    check_listing,
+    not_found,
+    page_of,
+    restore,
 )
+from agentmem.storage.chunks import read_chunks, write_chunks
 
 BUSY_TIMEOUT_MS = 10_000
 _WRITE = "agentmem_write"  # execution option marking a write transaction
 _MIGRATION_LOCK = 0x61676D656D  # PostgreSQL advisory lock key ("agmem") held while migrating
 
 CHUNK_BYTES = 16 * 2**20
-ORPHAN_SECONDS = 3600.0  # staged chunks of a put that never committed are pruned after an hour
+_CHUNKS_IN_FLIGHT = 4  # chunk rows a read fetches per round trip
 
 # Byte order on PostgreSQL too, so pagination agrees with the other stores.
 _SESSION_ID = String(256).with_variant(String(256, collation="C"), "postgresql")
@@ -144,9 +147,12 @@ def _chunk_blobs_v3(conn: Connection) -> None:
     for tenant, session_id in conn.execute(select(old.tenant, old.session_id)).all():
         blob = conn.execute(select(old.blob).where(old.tenant == tenant, old.session_id == session_id)).scalar_one()
         write_id = uuid.uuid4().hex
-        for seq, data in enumerate(_chunks(blob)):
+
+        def insert_chunk(seq: int, data: list[memoryview]) -> None:
             conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id, seq=seq,
-                                                     data=data, staged_at=time.time()))
+                                                     data=data[0], staged_at=time.time()))
+
+        write_chunks(blob, CHUNK_BYTES, insert_chunk)
         conn.execute(update(sessions_table).where(*_key(tenant, session_id)).values(write_id=write_id))
     conn.execute(text("ALTER TABLE agentmem_sessions DROP COLUMN blob"))
     if conn.dialect.name == "postgresql":  # SQLite's INTEGER is already 64-bit
@@ -227,13 +233,13 @@ class SqlStore:
 
     def _stage(self, tenant: str, session_id: str, write_id: str, blob: bytes) -> int:
         """Store the blob's chunks under ``write_id``, one transaction per chunk; their count."""
-        count = 0
-        for seq, data in enumerate(_chunks(blob)):
+
+        def stage_chunk(seq: int, data: list[memoryview]) -> None:
             with self._transaction() as conn:
                 conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id,
-                                                         seq=seq, data=data, staged_at=time.time()))
-            count += 1
-        return count
+                                                         seq=seq, data=data[0], staged_at=time.time()))
+
+        return write_chunks(blob, CHUNK_BYTES, stage_chunk)
 
     def _publish(self, tenant: str, session_id: str, record: SessionRecord, write_id: str, count: int,
                  expected_version: int | None) -> tuple[int, str | None]:
@@ -256,10 +262,7 @@ class SqlStore:
             current = conn.execute(select(sessions_table.c.version, sessions_table.c.write_id).where(*key)
                                    .with_for_update()).first()
             found = current.version if current else 0
-            if expected_version is not None and expected_version != found:
-                raise VersionConflict(
-                    f"session {tenant}/{session_id} is at version {found}, the write expected {expected_version}"
-                )
+            check_expected_version(tenant, session_id, found, expected_version)
             if current is None:
                 try:
                     conn.execute(insert(sessions_table).values(tenant=tenant, session_id=session_id, version=1, **values))
@@ -270,7 +273,7 @@ class SqlStore:
                 update(sessions_table).where(*key, sessions_table.c.version == found).values(version=found + 1, **values)
             )
             if done.rowcount != 1:
-                raise VersionConflict(f"session {tenant}/{session_id} changed during the write")
+                raise changed_during_write(tenant, session_id)
             return found + 1, current.write_id
 
     def _discard(self, tenant: str, session_id: str, write_id: str, *, unless_published: bool = False) -> None:
@@ -285,29 +288,33 @@ class SqlStore:
             pass
 
     def get(self, tenant: str, session_id: str) -> SessionRecord:
-        key = _key(check_tenant(tenant), check_session_id(session_id))
+        check_key(tenant, session_id)
         t = sessions_table.c
         with self._snapshot() as conn:
-            row = conn.execute(select(t.record, t.version, t.write_id, t.nbytes).where(*key, _alive(time.time()))).first()
+            row = conn.execute(select(t.record, t.version, t.write_id, t.nbytes)
+                               .where(*_key(tenant, session_id), _alive(time.time()))).first()
             if row is None:
-                raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
+                raise not_found(tenant, session_id)
+            # Streamed (a server-side cursor on PostgreSQL, whose client otherwise receives every
+            # row before the first is read), so only a few chunks are in memory beside the blob.
             chunks = conn.execute(select(chunks_table.c.data).where(*_chunk_key(tenant, session_id, row.write_id))
-                                  .order_by(chunks_table.c.seq)).scalars()
-            blob = b"".join(chunks)  # one copy: the driver's chunk buffers are joined once
-        if len(blob) != row.nbytes:
-            raise CorruptSessionError(f"session {tenant}/{session_id}: blob is {len(blob)} bytes, its row says {row.nbytes}")
-        return SessionRecord.model_validate_json(row.record).model_copy(update={"blob": blob, "version": row.version})
+                                  .order_by(chunks_table.c.seq)
+                                  .execution_options(stream_results=True, max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
+            blob = read_chunks(chunks, row.nbytes, session=f"{tenant}/{session_id}", recorded_in="its row")
+        return restore(row.record, blob, row.version)
 
     def version(self, tenant: str, session_id: str) -> int:
-        key = _key(check_tenant(tenant), check_session_id(session_id))
+        check_key(tenant, session_id)
         with self._connection() as conn:
-            found = conn.execute(select(sessions_table.c.version).where(*key, _alive(time.time()))).scalar()
+            found = conn.execute(select(sessions_table.c.version)
+                                 .where(*_key(tenant, session_id), _alive(time.time()))).scalar()
         if found is None:
-            raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}")
+            raise not_found(tenant, session_id)
         return found
 
     def delete(self, tenant: str, session_id: str) -> bool:
-        key = _key(check_tenant(tenant), check_session_id(session_id))
+        check_key(tenant, session_id)
+        key = _key(tenant, session_id)
         with self._transaction() as conn:
             write_id = conn.execute(select(sessions_table.c.write_id).where(*key).with_for_update()).scalar()
             if write_id is None:
@@ -316,9 +323,7 @@ class SqlStore:
             return conn.execute(delete(sessions_table).where(*key)).rowcount > 0
 
     def list(self, tenant: str, *, limit: int = 100, cursor: str | None = None) -> SessionPage:
-        check_tenant(tenant)
-        if not 1 <= limit <= 10_000:
-            raise InvalidInput(f"limit must be between 1 and 10000, got {limit}")
+        check_listing(tenant, limit, cursor)
         t = sessions_table.c
         query = (
             select(t.session_id, t.version, t.logical_length, t.nbytes, t.updated_at, t.expires_at)
@@ -327,11 +332,10 @@ class SqlStore:
             .limit(limit + 1)
         )
         if cursor is not None:
-            query = query.where(t.session_id > check_session_id(cursor))
+            query = query.where(t.session_id > cursor)
         with self._connection() as conn:
             rows = conn.execute(query).all()
-        items = [SessionSummary(tenant=tenant, **row._asdict()) for row in rows[:limit]]
-        return SessionPage(items=items, next_cursor=items[-1].session_id if len(rows) > limit else None)
+        return page_of([SessionSummary(tenant=tenant, **row._asdict()) for row in rows], limit)
 
     def tenants(self) -> list[str]:
         t = sessions_table.c
@@ -368,8 +372,7 @@ class SqlStore:
             return removed
 
     def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
-        check_tenant(tenant)
-        check_session_id(session_id)
+        check_key(tenant, session_id)
         now = time.time()
         key = leases_table.c.tenant == tenant, leases_table.c.session_id == session_id
         try:
@@ -389,10 +392,11 @@ class SqlStore:
             return False  # another owner created the lease row between our read and our insert
 
     def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
+        check_key(tenant, session_id)
         t = leases_table.c
         with self._transaction() as conn:
             renewed = conn.execute(update(leases_table).where(
-                t.tenant == check_tenant(tenant), t.session_id == check_session_id(session_id), t.owner == owner,
+                t.tenant == tenant, t.session_id == session_id, t.owner == owner,
             ).values(expires_at=time.time() + ttl_seconds))
             return renewed.rowcount == 1
 
@@ -460,13 +464,6 @@ def _key(tenant: str, session_id: str):
 def _chunk_key(tenant: str, session_id: str, write_id: str):
     c = chunks_table.c
     return c.tenant == tenant, c.session_id == session_id, c.write_id == write_id
-
-
-def _chunks(blob: bytes) -> Iterator[bytes]:
-    """The blob in ``CHUNK_BYTES`` pieces (one empty piece for an empty blob), without copying."""
-    view = memoryview(blob)
-    for start in range(0, max(1, len(blob)), CHUNK_BYTES):
-        yield view[start : start + CHUNK_BYTES]
 
 
 def _alive(now: float):

@@ -153,6 +153,32 @@ def test_format_1_blobs_with_a_sha256_are_still_read(cache):
         decode_cache(bytes(damaged))
 
 
+def test_a_blob_decodes_the_same_from_any_kind_of_buffer(cache):
+    """Stores return a bytearray they filled chunk by chunk; it must decode without becoming bytes first."""
+    for dtype in ("fp32", "int8"):
+        blob = encode_cache(cache, dtype=dtype)
+        expected = decode_cache(blob)
+        for buffer in (bytearray(blob), memoryview(blob), memoryview(bytearray(blob))):
+            assert_close(expected, decode_cache(buffer), 0)
+
+
+def test_a_tensor_entry_pointing_outside_the_data_is_refused(cache):
+    """Format 1 has no header checksum, so the tensor table itself must be checked against the data."""
+    blob = encode_cache(cache, dtype="fp32")
+    (length,) = struct.unpack("<Q", blob[:8])
+    st_header = json.loads(blob[8 : 8 + length])
+    header = json.loads(st_header["__metadata__"]["agentmem"])
+    data = blob[8 + length :]
+    del header["checksum"]
+    header.update(format_version=1, data_sha256=hashlib.sha256(data).hexdigest())
+    st_header["__metadata__"] = {"agentmem": json.dumps(header)}
+    st_header["token_ids"]["data_offsets"][1] = len(data) + 8  # past the end of the data region
+    head = json.dumps(st_header).encode()
+    head += b" " * (-len(head) % 8)
+    with pytest.raises(CorruptSessionError):
+        decode_cache(struct.pack("<Q", len(head)) + head + data)
+
+
 def test_blob_is_a_plain_safetensors_file(cache):
     from safetensors.torch import load
 
