@@ -253,26 +253,29 @@ STYLES = {  # method -> (colour, marker, line): one look per method, the same in
     "window": ("C7", "x", "-"), "top-attention": ("C8", "P", "-"), "kvpress kvzip": ("C3", "D", "--"),
     "kvpress snapkv": ("C1", "v", "--"), "kvpress expected_attention": ("C4", "<", "--"),
     "kvpress tova": ("C5", ">", "--"), "kvpress streaming_llm": ("C6", "*", "--"), "kvpress knorm": ("k", "h", "--"),
+    "summary": ("darkgoldenrod", "p", "-"), "summary+am": ("navy", "d", "-"),
 }
-OURS = ("am", "am-fast", "global-eviction", "kvpress kvzip")
+OURS = ("am", "am-fast", "global-eviction", "summary", "summary+am", "kvpress kvzip")
 
 
 def plot(summary: list[dict]) -> None:
-    """Two rows (recall, next), two columns (ours + KVzip | the other methods, with ``am`` faint for reference)."""
+    """Two rows (recall, next), two columns (ours + KVzip | the other baselines, with ``am`` faint for reference)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = [r for r in summary if r["ratio"] > 1 and r["method"] in STYLES]
+    summary = [r for r in summary if r["ratio"] > 1]  # ratio 1 is kvpress's uncompressed control
     ratios = sorted({r["ratio"] for r in summary})
-    others = [m for m in STYLES if m not in OURS and any(r["method"] == m for r in summary)]
+    methods = [m for m in STYLES if any(r["method"] == m for r in summary)]
+    ours, others = [m for m in methods if m in OURS], [m for m in methods if m not in OURS]
+    assert {r["method"] for r in summary} <= set(STYLES), "give every method a style in STYLES"
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), sharex=True, sharey=True)
     for row, key in zip(axes, ("recall", "next")):
-        for ax, methods in zip(row, (OURS, others)):
-            if methods is others:
+        for ax, shown in zip(row, (ours, others)):
+            if shown is others:
                 _plot_method(ax, summary, "am", key, reference=True)
-            for method in methods:
+            for method in shown:
                 _plot_method(ax, summary, method, key)
             ax.set_xscale("log")
             ax.set_xticks(ratios, [f"{r}x" for r in ratios])
@@ -281,7 +284,7 @@ def plot(summary: list[dict]) -> None:
             ax.axhline(0, color="grey", linewidth=0.8)
             ax.grid(alpha=0.3)
         row[0].set_ylabel(f"retention: {key}")
-    axes[0][0].set_title("agentmem (am, am-fast, selection only) vs kvpress KVzip")
+    axes[0][0].set_title("agentmem's methods vs kvpress KVzip")
     axes[0][1].set_title("other baselines (am faint, for reference)")
     for ax in axes[1]:
         ax.set_xlabel("compaction ratio")
