@@ -14,7 +14,8 @@ NVIDIA's kvpress runs the same model, text, probes and ratios in its own virtual
 (it pins transformers < 5.3); see ``kvpress_runner.py`` (KVzip scores every context token;
 ``compaction s`` is the compaction alone for every method, the context's prefill is
 ``prefill s``). Writes
-``benchmarks/results/fidelity.{md,json,png}``. Run: ``python benchmarks/fidelity.py``.
+``benchmarks/results/fidelity.{md,json,png}``. Run: ``python benchmarks/fidelity.py``
+(``--plot-only`` redraws the plot from the saved JSON).
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def main() -> None:
     parser.add_argument("--presses", nargs="+", default=list(KVPRESS_PRESSES), help="which kvpress presses")
     parser.add_argument("--update", action="store_true",
                         help="re-measure only --methods and merge them into the saved results")
+    parser.add_argument("--plot-only", action="store_true", help="redraw fidelity.png from fidelity.json and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        return replot()
 
     engine = Engine.load(EMBEDDED)
     tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -243,33 +247,79 @@ def ensure_kvpress_env() -> Path:
     return python
 
 
+YMIN, YMAX = -0.1, 1.05  # retention below YMIN (worse than no context) is drawn at the edge, its value written
+STYLES = {  # method -> (colour, marker, line): one look per method, the same in every panel
+    "am": ("C0", "o", "-"), "am-fast": ("C9", "s", "-"), "global-eviction": ("C2", "^", "-"),
+    "window": ("C7", "x", "-"), "top-attention": ("C8", "P", "-"), "kvpress kvzip": ("C3", "D", "--"),
+    "kvpress snapkv": ("C1", "v", "--"), "kvpress expected_attention": ("C4", "<", "--"),
+    "kvpress tova": ("C5", ">", "--"), "kvpress streaming_llm": ("C6", "*", "--"), "kvpress knorm": ("k", "h", "--"),
+    "summary": ("darkgoldenrod", "p", "-"), "summary+am": ("navy", "d", "-"),
+}
+OURS = ("am", "am-fast", "global-eviction", "summary", "summary+am", "kvpress kvzip")
+
+
 def plot(summary: list[dict]) -> None:
+    """Two rows (recall, next), two columns (ours + KVzip | the other baselines, with ``am`` faint for reference)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
-    methods = sorted({r["method"] for r in summary if r["ratio"] > 1})
-    colours = plt.get_cmap("tab20")(range(len(methods)))
-    for ax, key in zip(axes, ("recall", "next")):
-        for method, colour, marker in zip(methods, colours, "os^vD<>ph*Xd8P"):
-            points = sorted((r["ratio"], r[key]) for r in summary if r["method"] == method and r["ratio"] > 1)
-            ours = not method.startswith("kvpress")
-            ax.plot([p[0] for p in points], [p[1] for p in points], "-" if ours else "--", marker=marker, color=colour,
-                    label=method, linewidth=2.2 if method.startswith("am") else 1)
-        ax.set_xscale("log")
-        ax.set_xticks(sorted({r["ratio"] for r in summary if r["ratio"] > 1}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_ylim(-0.1, 1.05)  # a method below -0.1 (worse than no context) is off the chart, as the table says
+    summary = [r for r in summary if r["ratio"] > 1]  # ratio 1 is kvpress's uncompressed control
+    ratios = sorted({r["ratio"] for r in summary})
+    methods = [m for m in STYLES if any(r["method"] == m for r in summary)]
+    ours, others = [m for m in methods if m in OURS], [m for m in methods if m not in OURS]
+    assert {r["method"] for r in summary} <= set(STYLES), "give every method a style in STYLES"
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), sharex=True, sharey=True)
+    for row, key in zip(axes, ("recall", "next")):
+        for ax, shown in zip(row, (ours, others)):
+            if shown is others:
+                _plot_method(ax, summary, "am", key, reference=True)
+            for method in shown:
+                _plot_method(ax, summary, method, key)
+            ax.set_xscale("log")
+            ax.set_xticks(ratios, [f"{r}x" for r in ratios])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_ylim(YMIN, YMAX)
+            ax.axhline(0, color="grey", linewidth=0.8)
+            ax.grid(alpha=0.3)
+        row[0].set_ylabel(f"retention: {key}")
+    axes[0][0].set_title("agentmem's methods vs kvpress KVzip")
+    axes[0][1].set_title("other baselines (am faint, for reference)")
+    for ax in axes[1]:
         ax.set_xlabel("compaction ratio")
-        ax.set_ylabel(f"retention: {key}")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="lower left", ncol=2)
-    fig.suptitle("Retention vs compaction ratio, SmolLM2-135M, Python docs and sources")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
+    docs = max(r["docs"] for r in summary)
+    fig.suptitle(f"Retention vs compaction ratio (SmolLM2-135M, {CONTEXT:,}-token Python docs and sources, "
+                 f"mean of {docs} documents)\n"
+                 "retention = (NLL no context − NLL compacted) / (NLL no context − NLL full cache): "
+                 "1 = as good as the full cache, 0 = as bad as no context", fontsize=10)
     fig.tight_layout()
     fig.savefig(RESULTS / "fidelity.png", dpi=120)
+
+
+def _plot_method(ax, summary: list[dict], method: str, key: str, reference: bool = False) -> None:
+    """One method's line; a point below YMIN sits on the edge as an open marker labelled with its value."""
+    points = sorted((r["ratio"], r[key]) for r in summary if r["method"] == method)
+    if not points:
+        return
+    colour, marker, line = STYLES[method]
+    xs, ys = [p[0] for p in points], [max(p[1], YMIN) for p in points]
+    if reference:
+        ax.plot(xs, ys, line, marker=marker, color=colour, alpha=0.3, label=f"{method} (reference)")
+        return
+    ax.plot(xs, ys, line, marker=marker, color=colour, linewidth=2.2 if method.startswith("am") else 1.3, label=method)
+    for x, y in points:
+        if y < YMIN:
+            ax.plot([x], [YMIN], marker=marker, markersize=10, markerfacecolor="white", color=colour, clip_on=False)
+            ax.annotate(f"{method}: {y:.2f}\n(off the scale)", (x, YMIN), xytext=(-30, 40), textcoords="offset points",
+                        ha="right", fontsize=8, color=colour, arrowprops={"arrowstyle": "->", "color": colour},
+                        bbox={"facecolor": "white", "edgecolor": colour, "boxstyle": "round"})
+
+
+def replot() -> None:
+    """Redraw ``results/fidelity.png`` from ``results/fidelity.json`` (no model, no measurement)."""
+    plot(json.loads((RESULTS / "fidelity.json").read_text())["summary"])
 
 
 if __name__ == "__main__":

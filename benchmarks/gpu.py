@@ -13,7 +13,8 @@ quality) or a local model folder; real text (Python's docs) as input. Per contex
 Run: ``python benchmarks/gpu.py`` (GPU: ``--shape llama-8b``, lengths 8k/32k/128k where memory
 allows; CPU: ``--shape wide-cpu``: 32 query / 8 KV heads, head_dim 128, 2 layers, fp32, at
 8k and 16k). Writes ``benchmarks/results/gpu.{md,json,png}`` on a GPU and
-``benchmarks/results/gpu-cpu.{md,json,png}`` on CPU.
+``benchmarks/results/gpu-cpu.{md,json,png}`` on CPU. ``--plot-only gpu-cpu`` (or ``gpu``) redraws
+the plot from the saved JSON.
 """
 
 from __future__ import annotations
@@ -170,7 +171,11 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=10.0)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--plot-only", choices=("gpu", "gpu-cpu"),
+                        help="redraw results/NAME.png from results/NAME.json and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        return replot(args.plot_only)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     args.shape = args.shape or ("llama-8b" if on_gpu else "wide-cpu")
@@ -237,29 +242,40 @@ def _commit() -> str:
 
 
 def plot(name: str, compaction: list[dict], title: str) -> None:
+    """Seconds and added peak memory per method, one group of bars per context length (measured values written)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     measured = [r for r in compaction if isinstance(r.get("compact s"), float)]
-    for method in dict.fromkeys(r["method"] for r in measured):
-        points = sorted((r["tokens"], r["compact s"], r["added / cache"]) for r in measured if r["method"] == method)
-        xs = [p[0] for p in points]
-        axes[0].plot(xs, [p[1] for p in points], "-o", label=method)
-        axes[1].plot(xs, [p[2] for p in points], "-o", label=method)
-    axes[0].set_ylabel("compact() seconds")
-    axes[1].set_ylabel("peak memory added / cache bytes")
-    axes[1].set_ylim(bottom=0)
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context tokens")
-        ax.grid(alpha=0.3)
+    lengths = sorted({r["tokens"] for r in measured})
+    methods = list(dict.fromkeys(r["method"] for r in measured))
+    width = 0.8 / len(methods)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "compact s", "compact() seconds"),
+                           (axes[1], "added / cache", "peak memory added / cache bytes")):
+        for i, method in enumerate(methods):
+            points = [(j, r[key]) for j, n in enumerate(lengths) for r in measured
+                      if (r["tokens"], r["method"]) == (n, method)]
+            bars = ax.bar([j - 0.4 + (i + 0.5) * width for j, _ in points], [v for _, v in points], width, label=method)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [f"{n:,} tokens" for n in lengths])
+        ax.set_xlabel("context length")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=110)
+
+
+def replot(name: str) -> None:
+    """Redraw ``results/<name>.png`` from ``results/<name>.json``; the title is the first line of ``<name>.md``."""
+    saved = json.loads((RESULTS / f"{name}.json").read_text())
+    title = (RESULTS / f"{name}.md").read_text().splitlines()[0].removeprefix("# ")
+    plot(name, saved["compaction"], title)
 
 
 if __name__ == "__main__":

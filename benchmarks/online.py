@@ -18,7 +18,8 @@ scored teacher-forced. retention = (NLL_no_context − NLL) / (NLL_no_context �
 third; ``online / one-shot`` is the mean retention of the online session over that of the
 one-shot compaction (the target is ≥ 0.9 for the policy's default method).
 
-Writes ``benchmarks/results/online.{md,json,png}``. Run: ``python benchmarks/online.py``.
+Writes ``benchmarks/results/online.{md,json,png}``. Run: ``python benchmarks/online.py``
+(``--plot-only`` redraws the plot from the saved JSON).
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ def main() -> None:
                         help="which scenarios (indices)")
     parser.add_argument("--queries", help="reference queries (default: the policy's)")
     parser.add_argument("--update", action="store_true", help="merge into the saved results instead of replacing them")
+    parser.add_argument("--plot-only", action="store_true", help="redraw online.png from online.json and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        return plot(json.loads((RESULTS / "online.json").read_text())["rows"])
     engine = Engine.load(EMBEDDED)
     counter = ReadCounter(engine)
     tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -178,32 +182,42 @@ def main() -> None:
 
 
 def plot(rows: list[dict]) -> None:
+    """One panel per document; per scenario, one bar per (method, reread, queries) run that was measured.
+
+    Scenarios differ in budget, ratio and ``keep_recent``, not only in compaction count, so they are
+    categories side by side, not points on one line.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     docs = sorted({r["doc"] for r in rows})
-    fig, axes = plt.subplots(1, len(docs), figsize=(6 * len(docs), 4.5), sharey=True, squeeze=False)
+    scenarios = [s.name for s in SCENARIOS if any(r["scenario"] == s.name for r in rows)]
+    series = list(dict.fromkeys((r["method"], r["reread"], r.get("queries", "repeat")) for r in rows))
+    width = 0.8 / len(series)
+    fig, axes = plt.subplots(1, len(docs), figsize=(6.5 * len(docs), 5), sharey=True, squeeze=False)
     for ax, doc in zip(axes[0], docs):
-        sources = sorted({r["queries"] for r in rows})
-        for (method, marker), (reread, line), (queries, colour) in [
-            (m, r, q) for m in zip(METHODS, "os^") for r in zip(REREAD, ("-", "--")) for q in zip(sources, ("C0", "C1", "C2"))
-        ]:
-            points = sorted((r["compactions"], r["online / one-shot"]) for r in rows if r["doc"] == doc
-                            and (r["method"], r["reread"], r["queries"]) == (method, reread, queries))
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], f"{line}{marker}", color=colour,
-                        label=f"{method}, reread={reread}, queries={queries}")
-        ax.axhline(0.9, color="grey", linestyle=":", label="target 0.9")
-        ax.set_title(doc)
-        ax.set_xlabel("compactions during the session")
-        ax.set_ylabel("online retention / one-shot retention")
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        for i, (method, reread, queries) in enumerate(series):
+            points = [(j, r["online / one-shot"]) for j, name in enumerate(scenarios) for r in rows
+                      if (r["scenario"], r["doc"], r["method"], r["reread"], r.get("queries", "repeat"))
+                      == (name, doc, method, reread, queries)]
+            colour = f"C{METHODS.index(method)}"
+            ax.bar([j - 0.4 + (i + 0.5) * width for j, _ in points], [v for _, v in points], width, color=colour,
+                   hatch="//" if reread == "new" else None, edgecolor="white",
+                   label=f"{method}, reread={reread}" + ("" if queries == "repeat" else f", queries={queries}"))
+        ax.axhline(0.9, color="k", linestyle=":", label="target 0.9")
+        compactions = {r["scenario"]: r["compactions"] for r in rows if r["doc"] == doc}
+        ax.set_xticks(range(len(scenarios)),
+                      [f"{name.replace(', ', chr(10), 1)}\n({compactions.get(name, '?')} compactions)"
+                       for name in scenarios], fontsize=8)
         ax.set_ylim(0, 1.1)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend()
-    fig.tight_layout()
+        ax.set_title(doc)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("online retention / one-shot retention")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=4)
+    fig.suptitle("Online compaction vs one compaction to the same size (1 = as good as one-shot)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(RESULTS / "online.png", dpi=120)
 
 

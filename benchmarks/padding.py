@@ -11,11 +11,13 @@ use) and the table reports the mean over documents of:
   number of KV heads);
 - ``row MiB`` (packed, as spilled) and ``allocated MiB`` (buffers, as the device budget counts).
 
-Writes ``benchmarks/results/padding.{md,json,png}``. Run: ``python benchmarks/padding.py``.
+Writes ``benchmarks/results/padding.{md,json,png}``. Run: ``python benchmarks/padding.py``
+(``--plot-only`` redraws the plot from the saved JSON).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from agentmem import Engine
@@ -35,6 +37,10 @@ def measure(engine: Engine, ids: list[int], ratio: int) -> dict[str, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--plot-only", action="store_true", help="redraw padding.png from padding.json and exit")
+    if parser.parse_args().plot_only:
+        return plot(json.loads((RESULTS / "padding.json").read_text())["summary"])
     engine = Engine.load(EMBEDDED)
     texts = {doc: engine.tokenizer(text, add_special_tokens=False)["input_ids"] for doc, text in documents().items()}
     per_doc = [{"doc": doc, "ratio": ratio, **measure(engine, ids, ratio)} for ratio in RATIOS for doc, ids in texts.items()]

@@ -10,12 +10,13 @@ For sessions of 1k, 4k and 8k tokens of real text (the Python docs) on the embed
 Each for the full cache and a 10×-smaller compacted cache, stored in ``--storage-dtype``
 (default ``auto``: the cache's own dtype, as the default policy stores it). Times are medians
 of repeated runs interleaved in one process. Writes ``benchmarks/results/resume.{md,json,png}``.
-Run: ``python benchmarks/resume.py`` (from ``benchmarks/``).
+Run: ``python benchmarks/resume.py`` (from ``benchmarks/``; ``--plot-only`` redraws the plot from the saved JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sqlite3
 import tempfile
 import time
@@ -63,7 +64,10 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--storage-dtype", default="auto", choices=STORAGE_CHOICES)
+    parser.add_argument("--plot-only", action="store_true", help="redraw resume.png from resume.json and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        return plot(json.loads((RESULTS / "resume.json").read_text())["rows"])
 
     engine = Engine.load("embedded")
     ids = engine.tokenizer(stdlib_text(), add_special_tokens=False)["input_ids"]

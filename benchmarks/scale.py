@@ -13,6 +13,7 @@ another worker spilled (store read + checked decode), the same turn on a session
 
     python benchmarks/scale.py                       # 100 sessions x 3 turns; 1, 2, 4 workers; cluster; kill
     python benchmarks/scale.py --model tiny --sessions 20   # the harness on a tiny random model
+    python benchmarks/scale.py --plot-only                  # redraw scale.png from scale.json
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import random
 import signal
 import statistics
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -240,10 +242,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--lease-seconds", type=float, default=5.0)
+    parser.add_argument("--plot-only", action="store_true", help="redraw scale.png from scale.json and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        return replot()
 
     from agentmem.storage.local_redis import LocalRedis, LocalRedisCluster
-    from common import RESULTS, machine, write_results
+    from common import command_line, machine, write_results
 
     common = dict(model=args.model, sessions=args.sessions, turns=args.turns, max_new_tokens=args.max_new_tokens,
                   lease_seconds=args.lease_seconds)
@@ -271,29 +276,54 @@ def main() -> None:
         "cross-worker resume": f"resume p50 {cross['resume p50 s']} s; turn p50 {cross['turn p50 s']} s vs "
                                f"{live} s for the same turn on a session kept live",
         "errors (retried)": sum(len(r.errors) for r in runs),
+        "command": command_line(),
     }
     print(write_results("scale", "Scale-out across worker processes on Redis", rows, extra))
-    _plot(runs, RESULTS / "scale.png")
+    plot(rows, extra["setup"])
 
 
-def _plot(runs: list[Run], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], setup: str) -> None:
+    """Throughput per run from the result rows; y from 0, whole numbers of workers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scaling = [r for r in runs if r.label.startswith("random-")]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([r.workers for r in scaling], [r.turns_done / r.seconds for r in scaling], marker="o", label="Redis")
-    for r in runs:
-        if r.label.startswith(("cluster", "kill")):
-            ax.scatter([r.workers], [r.turns_done / r.seconds], label=r.label, marker="s")
+    from common import RESULTS
+
+    scaling = [r for r in rows if r["run"].startswith("random-")]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    ax.plot([r["workers"] for r in scaling], [r["turns/s"] for r in scaling], "-o", color="C0",
+            label="Redis, every turn on a random worker")
+    styles = {"live": ("C2", "D", "no spills, sessions kept live (baseline)"),
+              "kill": ("C3", "X", "one worker killed halfway"), "cluster": ("C1", "s", "3-node Redis Cluster")}
+    for r in rows:
+        if not r["run"].startswith("random-"):
+            colour, marker, what = styles[r["run"].split("-")[0]]
+            ax.scatter([r["workers"]], [r["turns/s"]], color=colour, marker=marker, s=60, zorder=3,
+                       label=f"{r['run']}: {what}")
+    for r in scaling:
+        ax.annotate(f"{r['turns/s']:.2f}", (r["workers"], r["turns/s"]), xytext=(0, -15), textcoords="offset points",
+                    ha="center", fontsize=8)
+    ax.set_xticks(sorted({r["workers"] for r in rows}))
+    ax.set_ylim(0, 1.15 * max(r["turns/s"] for r in rows))
     ax.set_xlabel("worker processes")
     ax.set_ylabel("turns / s")
-    ax.set_title("Throughput, every turn on a random worker")
-    ax.legend()
+    ax.set_title("Throughput vs worker processes\n" + textwrap.fill(setup, 70), fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(RESULTS / "scale.png", dpi=120)
+
+
+def replot() -> None:
+    """Redraw ``results/scale.png`` from ``results/scale.json`` (no workers, no model)."""
+    import json
+
+    from common import RESULTS
+
+    saved = json.loads((RESULTS / "scale.json").read_text())
+    plot(saved["rows"], saved["setup"])
 
 
 if __name__ == "__main__":

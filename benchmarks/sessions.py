@@ -6,12 +6,14 @@ transcript); sessions compact at their live-token budget and are spilled least-r
 when the device budget is full, then resumed by ID on their next turn. Reports throughput,
 p50/p99 turn latency, tokens not re-read thanks to the live and stored caches, and live bytes
 against what the same sessions would hold uncompacted. Writes
-``benchmarks/results/sessions.{md,json,png}``. Run: ``python benchmarks/sessions.py``.
+``benchmarks/results/sessions.{md,json,png}`` (the JSON keeps every turn's latency and live bytes).
+Run: ``python benchmarks/sessions.py``; ``--plot-only`` redraws the plot from the saved JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import tempfile
@@ -39,7 +41,10 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--live-fraction", type=float, default=0.2, help="share of sessions the device budget holds")
+    parser.add_argument("--plot-only", action="store_true", help="redraw sessions.png from sessions.json and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        return plot(json.loads((RESULTS / "sessions.json").read_text()))
 
     rng = random.Random(0)
     engine = Engine.load("embedded")
@@ -77,31 +82,44 @@ def main() -> None:
         "peak live MiB": max(t["live_bytes"] for t in timeline) / 2**20,
         "all sessions uncompacted MiB": logical_total * bytes_per_token / 2**20,
     }]
+    extra = {"policy": policy.model_dump(), "machine": machine(), "command": command_line()}
     md = write_results("sessions", f"{args.sessions} support sessions x {args.turns} turns through one manager "
-                                   "(embedded model, SQLite)",
-                       rows, {"policy": policy.model_dump(), "machine": machine(),
-                              "command": command_line()})
-    plot(latencies, timeline, budget)
+                                   "(embedded model, SQLite)", rows, extra)
+    result = {"rows": rows, **extra, "latencies s": latencies, "timeline": timeline}
+    (RESULTS / "sessions.json").write_text(json.dumps(result, indent=2))
+    plot(result)
     print(md)
 
 
-def plot(latencies: list[float], timeline: list[dict], budget: int) -> None:
+def plot(result: dict) -> None:
+    """Turn latencies, and live bytes per turn against the budget, from ``sessions.json``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "timeline" not in result:
+        raise SystemExit("sessions.json has no per-turn timeline (it predates this plot): re-run the benchmark")
+    row, timeline = result["rows"][0], result["timeline"]
+    turns = [t["turn"] for t in timeline]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    left.hist(latencies, bins=50)
+    left.hist(result["latencies s"], bins=50)
     left.set_xlabel("turn latency (s)")
     left.set_ylabel("turns")
-    right.plot([t["turn"] for t in timeline], [t["live_bytes"] / 2**20 for t in timeline], label="live (agentmem)")
-    right.plot([t["turn"] for t in timeline], [t["uncompacted_bytes"] / 2**20 for t in timeline],
-               label="live sessions uncompacted")
-    right.axhline(budget / 2**20, color="k", linestyle="--", label="device budget")
+    left.set_title(f"p50 {row['p50 turn s']:.2f} s, p99 {row['p99 turn s']:.1f} s", fontsize=10)
+    right.plot(turns, [t["live_bytes"] / 2**20 for t in timeline], label="live caches (agentmem, compacted)")
+    right.plot(turns, [t["uncompacted_bytes"] / 2**20 for t in timeline],
+               label="the sessions live at that turn, if uncompacted")
+    right.axhline(row["device budget MiB"], color="k", linestyle="--",
+                  label=f"device budget ({row['device budget MiB']:.1f} MiB)")
+    right.set_ylim(bottom=0)
     right.set_xlabel("turn")
     right.set_ylabel("MiB")
-    right.legend()
+    right.set_title(f"all {row['sessions']} sessions uncompacted at the end: "
+                    f"{row['all sessions uncompacted MiB']:.0f} MiB (live or spilled)", fontsize=10)
+    right.legend(loc="upper left")
+    fig.suptitle(f"{row['sessions']} sessions x {row['turns'] // row['sessions']} turns through one manager: "
+                 f"{result['command']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(RESULTS / "sessions.png", dpi=120)
 
