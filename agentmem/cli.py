@@ -373,9 +373,11 @@ def sessions_export(
     tenant: str = TenantOpt,
     store: Optional[str] = StoreOpt,
 ) -> None:
-    """Write a session's transcript and metadata as JSON (and optionally its cache as safetensors)."""
+    """Write a session's transcript, token log and metadata as JSON (and optionally its cache as safetensors)."""
+    from agentmem.storage import decode_cache
+
     record = _get_record(store, tenant, session_id)
-    payload = record.model_dump(exclude={"blob"})
+    payload = {**record.model_dump(exclude={"blob"}), "token_ids": decode_cache(record.blob).token_ids}  # checked
     _write_atomically(out, json.dumps(payload, indent=2).encode())
     if blob is not None:
         _write_atomically(blob, record.blob)

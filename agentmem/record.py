@@ -46,7 +46,12 @@ def check_record_key(tenant: str, session_id: str, record: SessionRecord) -> Non
 
 
 class SessionRecord(BaseModel):
-    """One stored session: its metadata and its encoded cache (``blob``, see ``agentmem.storage.codec``)."""
+    """One stored session: its metadata and its encoded cache (``blob``, see ``agentmem.storage.codec``).
+
+    The token log lives only in the blob (its ``token_ids`` tensor, checked with the rest): a
+    copy in the metadata doubled it and made every listing parse it. Metadata written before
+    still holds one; it is ignored on read.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -54,7 +59,6 @@ class SessionRecord(BaseModel):
     session_id: str
     model_fingerprint: str
     logical_length: int = Field(ge=0)
-    token_ids: list[int] = Field(default_factory=list)
     messages: list[dict[str, Any]] = Field(default_factory=list)
     policy: str | None = None
     created_at: float = Field(default_factory=time.time)

@@ -197,7 +197,7 @@ class SpillWorker:
         policy = self.policy_for(session.tenant)
         return SessionRecord(
             tenant=session.tenant, session_id=session.session_id, model_fingerprint=self.engine.fingerprint,
-            logical_length=session.cache.logical_length, token_ids=session.cache.token_ids, messages=session.messages,
+            logical_length=session.cache.logical_length, messages=session.messages,
             policy=policy.name, created_at=session.created_at, updated_at=time.time(),
             ttl_seconds=policy.ttl_seconds, blob=encode_cache(session.cache, dtype=policy.storage_dtype),
         )

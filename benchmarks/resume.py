@@ -89,7 +89,7 @@ def main() -> None:
                 blob = encode_cache(cache, dtype=args.storage_dtype)
                 session_id = f"s{length}-{variant.split()[0]}"
                 record = SessionRecord(tenant="bench", session_id=session_id, model_fingerprint=engine.fingerprint,
-                                       logical_length=cache.logical_length, token_ids=cache.token_ids, blob=blob)
+                                       logical_length=cache.logical_length, blob=blob)
                 for store in stores.values():
                     store.put("bench", session_id, record)
                 readers = raw_readers(workdir / "sessions.db", server.url, "bench", session_id)

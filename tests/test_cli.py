@@ -68,10 +68,12 @@ def test_sessions_list_show_export_delete_stay_within_the_tenant(engine, tmp_pat
     exported = runner.invoke(app, ["sessions", "export", "t-1", "--tenant", "acme", "--store", store,
                                    "--out", str(out), "--blob", str(blob)])
     assert exported.exit_code == 0, exported.output
-    assert json.loads(out.read_text())["messages"][0]["content"] == "My order 4417 went to Lisbon."
+    exported_json = json.loads(out.read_text())
+    assert exported_json["messages"][0]["content"] == "My order 4417 went to Lisbon."
     from agentmem.storage import decode_cache
 
-    assert decode_cache(blob.read_bytes(), fingerprint=engine.fingerprint).logical_length == tokens
+    cache = decode_cache(blob.read_bytes(), fingerprint=engine.fingerprint)
+    assert cache.logical_length == tokens and exported_json["token_ids"] == cache.token_ids
 
     deleted = runner.invoke(app, ["sessions", "delete", "--all", "--tenant", "acme", "--yes", "--store", store])
     assert "deleted 1 sessions of acme" in deleted.output

@@ -51,7 +51,7 @@ def _record(engine, session_id: str, text: str) -> SessionRecord:
 
     cache = engine.prefill(engine.tokenizer(text)["input_ids"])
     return SessionRecord(tenant="acme", session_id=session_id, model_fingerprint=engine.fingerprint,
-                         logical_length=cache.logical_length, token_ids=cache.token_ids,
+                         logical_length=cache.logical_length,
                          blob=encode_cache(cache, dtype="fp32"))
 
 

@@ -8,6 +8,6 @@ from agentmem.record import SessionRecord
 def record(tenant: str, session_id: str, blob: bytes = b"blob", **fields) -> SessionRecord:
     return SessionRecord(
         tenant=tenant, session_id=session_id, model_fingerprint="llama-test", logical_length=len(blob),
-        token_ids=list(range(len(blob))), messages=[{"role": "user", "content": "hi"}], policy="default",
+        messages=[{"role": "user", "content": "hi"}], policy="default",
         blob=blob, **fields,
     )

@@ -51,7 +51,7 @@ def test_a_session_over_2_gib_round_trips_bit_exactly(store):
     blob[-5:] = b"last!"
     blob = bytes(blob)
     big = SessionRecord(tenant="acme", session_id="huge", model_fingerprint="llama-test", logical_length=1,
-                        token_ids=[1], messages=[], policy="default", blob=blob)
+                        messages=[], policy="default", blob=blob)
     assert store.put("acme", "huge", big) == 1
     got = store.get("acme", "huge")
     assert len(got.blob) == size and got.blob == blob
@@ -238,3 +238,17 @@ def test_unreachable_stores_raise_store_unavailable(tmp_path):
     blocker.write_text("x")
     with pytest.raises(StoreUnavailable, match="cannot open SQL store"):
         open_store(f"sqlite:///{blocker}/sessions.db")  # parent is a file
+
+
+def test_the_token_log_is_kept_once_in_the_blob_and_old_metadata_still_reads():
+    """Metadata never carries the token log (the blob does); metadata written with one still restores."""
+    import json
+
+    from agentmem.storage.base import restore
+
+    fresh = record("acme", "t-1", b"blob")
+    assert "token_ids" not in json.loads(fresh.metadata_json())
+    old = json.dumps({**json.loads(fresh.metadata_json()), "token_ids": [1, 2, 3, 4]})
+    restored = restore(old, b"blob", 3)
+    assert restored.model_dump(exclude={"created_at", "updated_at"}) == fresh.model_copy(
+        update={"version": 3}).model_dump(exclude={"created_at", "updated_at"})
