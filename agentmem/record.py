@@ -35,10 +35,15 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
+def check_key(tenant: str, session_id: str) -> tuple[str, str]:
+    """The session's key, after refusing a malformed tenant or session id before it reaches a query,
+    a key name or the session registry."""
+    return check_tenant(tenant), check_session_id(session_id)
+
+
 def check_record_key(tenant: str, session_id: str, record: SessionRecord) -> None:
     """Refuse a write whose record names another tenant or session than its key."""
-    check_tenant(tenant)
-    check_session_id(session_id)
+    check_key(tenant, session_id)
     if (record.tenant, record.session_id) != (tenant, session_id):
         raise InvalidInput(
             f"record belongs to {record.tenant}/{record.session_id}, not {tenant}/{session_id}; refusing the write"

@@ -36,7 +36,7 @@ from agentmem.ledger import DeviceLedger, Key
 from agentmem.metrics import Metrics, prometheus_text
 from agentmem.policy import BudgetPolicy
 from agentmem.quota import StoreQuota
-from agentmem.record import CacheStore, check_session_id, check_tenant
+from agentmem.record import CacheStore, check_key, check_tenant
 from agentmem.registry import Registry
 from agentmem.session import DEFAULT_MAX_NEW_TOKENS, Reply, Session, Usage
 from agentmem.spill import Spiller
@@ -122,7 +122,7 @@ class SessionManager:
         lock: only threads asking for the same session wait for it (its one loader); turns on
         other sessions go on.
         """
-        key = (check_tenant(tenant), check_session_id(session_id))
+        key = check_key(tenant, session_id)
         session, loaded = self._registry.live_or_load(key, lambda: self._worker.load(key, create))
         if loaded:
             self._worker.enforce(keep=session)
@@ -136,7 +136,7 @@ class SessionManager:
         the store in the background — nothing is acknowledged as durable until then; without a
         tier, or when the tier is full, the spill is durable anyway.
         """
-        return self._worker.spill((check_tenant(tenant), check_session_id(session_id)), durable)
+        return self._worker.spill(check_key(tenant, session_id), durable)
 
     def prefetch(self, tenant: str, session_id: str) -> Future[None]:
         """Bring a stored session into the host-memory tier ahead of its turn (needs ``host_budget_bytes``).
@@ -144,7 +144,7 @@ class SessionManager:
         Its resume then decodes from host memory instead of reading the store. The future
         raises what the read raised (e.g. :class:`SessionNotFound`).
         """
-        key = (check_tenant(tenant), check_session_id(session_id))
+        key = check_key(tenant, session_id)
         if self._spiller.host is None:
             raise InvalidInput("prefetch needs a host-memory tier: SessionManager(..., host_budget_bytes=N)")
         return self._spiller.prefetch(key)
@@ -163,7 +163,7 @@ class SessionManager:
 
     def delete(self, tenant: str, session_id: str) -> bool:
         """Forget a session, live and stored."""
-        key = (check_tenant(tenant), check_session_id(session_id))
+        key = check_key(tenant, session_id)
         live = self._registry.forget(key)
         self._spiller.discard(key)
         removed = self.store.delete(tenant, session_id)
@@ -177,7 +177,7 @@ class SessionManager:
         without a turn, a compaction that could not help — so closing the manager, which spills
         every live session, does not store it.
         """
-        session = self._registry.get((check_tenant(tenant), check_session_id(session_id)))
+        session = self._registry.get(check_key(tenant, session_id))
         if session is not None:
             with session.lock:
                 self._worker.drop(session)
@@ -246,7 +246,7 @@ class SessionManager:
 
     def _adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
         """A new live session of ``tenant`` holding ``cache`` and ``messages`` (a fork)."""
-        return self._worker.adopt(check_tenant(tenant), check_session_id(session_id), cache, messages)
+        return self._worker.adopt(*check_key(tenant, session_id), cache, messages)
 
     def _revive(self, session: Session) -> None:
         """Make a handle whose session was spilled (by the device budget, say) live again, in place."""

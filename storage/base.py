@@ -18,12 +18,6 @@ MAX_LIST_LIMIT = 10_000
 ORPHAN_SECONDS = 3600.0
 
 
-def check_key(tenant: str, session_id: str) -> None:
-    """Refuse a malformed (tenant, session id) before it reaches a query or a key name."""
-    check_tenant(tenant)
-    check_session_id(session_id)
-
-
 def check_listing(tenant: str, limit: int, cursor: str | None) -> None:
     """Refuse a listing request no store should run: a bad tenant or cursor, or a page size out of range."""
     check_tenant(tenant)

@@ -54,12 +54,19 @@ from redis.exceptions import RedisClusterException, RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from agentmem.errors import StoreUnavailable, VersionConflict
-from agentmem.record import SessionPage, SessionRecord, SessionSummary, StoreUsage, check_record_key, check_tenant
+from agentmem.record import (
+    SessionPage,
+    SessionRecord,
+    SessionSummary,
+    StoreUsage,
+    check_key,
+    check_record_key,
+    check_tenant,
+)
 from agentmem.storage.base import (
     ORPHAN_SECONDS,
     changed_during_write,
     check_expected_version,
-    check_key,
     check_listing,
     is_alive,
     milliseconds,

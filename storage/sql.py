@@ -56,12 +56,19 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from agentmem.errors import StoreUnavailable, VersionConflict
-from agentmem.record import SessionPage, SessionRecord, SessionSummary, StoreUsage, check_record_key, check_tenant
+from agentmem.record import (
+    SessionPage,
+    SessionRecord,
+    SessionSummary,
+    StoreUsage,
+    check_key,
+    check_record_key,
+    check_tenant,
+)
 from agentmem.storage.base import (
     ORPHAN_SECONDS,
     changed_during_write,
     check_expected_version,
-    check_key,
     check_listing,
     not_found,
     page_of,

@@ -21,8 +21,8 @@ Sources (``queries=``):
 - ``self-study``: the model writes a question and answer about the text; their queries;
 - ``tail``: the span's last ``TAIL_TOKENS`` tokens read again, without an instruction: the
   queries a *continuation* asks of the span's end, which copying queries under-ask (adding it
-  to ``repeat`` cut the next-token NLL at 10x from 1.064x to 1.031x the full cache's on one
-  document, recall unchanged: ``benchmarks/results/fidelity.md``);
+  to ``repeat`` cut ``am``'s next-token NLL at 10x from 1.058x to 1.032x the full cache's over
+  8 documents, recall within −0.03 to +0.01: ``benchmarks/results/fidelity.md``);
 - mixes joined by ``+`` (``repeat+tail``, the default). ``tail`` reads its fixed few tokens;
   the other sources share the budget.
 """

@@ -134,18 +134,26 @@ def test_auto_storage_keeps_the_cache_dtype_bit_exactly(cache):
         assert_close(typed, decode_cache(blob), 0)
 
 
-def test_format_1_blobs_with_a_sha256_are_still_read(cache):
-    blob = encode_cache(cache, dtype="fp32")
+def as_format_1(blob: bytes, edit_tensors=lambda st_header, data: None) -> bytes:
+    """``blob`` rewritten as format 1 wrote it: one SHA-256 of the data, no header checksum.
+
+    ``edit_tensors(st_header, data)`` may change the safetensors tensor table first.
+    """
     (length,) = struct.unpack("<Q", blob[:8])
     st_header = json.loads(blob[8 : 8 + length])
     header = json.loads(st_header["__metadata__"]["agentmem"])
     data = blob[8 + length :]
     del header["checksum"]
     header.update(format_version=1, data_sha256=hashlib.sha256(data).hexdigest())
-    st_header["__metadata__"] = {"agentmem": json.dumps(header)}  # format 1 had no header checksum
+    st_header["__metadata__"] = {"agentmem": json.dumps(header)}
+    edit_tensors(st_header, data)
     head = json.dumps(st_header).encode()
     head += b" " * (-len(head) % 8)
-    old = struct.pack("<Q", len(head)) + head + data
+    return struct.pack("<Q", len(head)) + head + data
+
+
+def test_format_1_blobs_with_a_sha256_are_still_read(cache):
+    old = as_format_1(encode_cache(cache, dtype="fp32"))
     assert_close(cache, decode_cache(old), 0)
     damaged = bytearray(old)
     damaged[-1] ^= 1
@@ -164,19 +172,11 @@ def test_a_blob_decodes_the_same_from_any_kind_of_buffer(cache):
 
 def test_a_tensor_entry_pointing_outside_the_data_is_refused(cache):
     """Format 1 has no header checksum, so the tensor table itself must be checked against the data."""
-    blob = encode_cache(cache, dtype="fp32")
-    (length,) = struct.unpack("<Q", blob[:8])
-    st_header = json.loads(blob[8 : 8 + length])
-    header = json.loads(st_header["__metadata__"]["agentmem"])
-    data = blob[8 + length :]
-    del header["checksum"]
-    header.update(format_version=1, data_sha256=hashlib.sha256(data).hexdigest())
-    st_header["__metadata__"] = {"agentmem": json.dumps(header)}
-    st_header["token_ids"]["data_offsets"][1] = len(data) + 8  # past the end of the data region
-    head = json.dumps(st_header).encode()
-    head += b" " * (-len(head) % 8)
+    def past_the_end(st_header, data):
+        st_header["token_ids"]["data_offsets"][1] = len(data) + 8  # past the end of the data region
+
     with pytest.raises(CorruptSessionError):
-        decode_cache(struct.pack("<Q", len(head)) + head + data)
+        decode_cache(as_format_1(encode_cache(cache, dtype="fp32"), past_the_end))
 
 
 def test_blob_is_a_plain_safetensors_file(cache):
