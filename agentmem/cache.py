@@ -101,8 +101,14 @@ class LayerCache:
         *,
         spare: int = 0,
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
-        """``dtype`` (default: the tail's) is the buffer's; inputs are converted while copied in."""
+        """``dtype`` and ``device`` (default: the tail's) are the buffer's.
+
+        Inputs may lie anywhere: they are converted and moved while copied into place, once
+        (a resume builds straight from views of the stored bytes; from page-locked memory the
+        copies to a GPU are asynchronous, and the caller synchronises before using the cache).
+        """
         if tail_keys.dim() != 3 or tail_keys.shape != tail_values.shape:
             raise InvalidInput(
                 f"tail keys {tuple(tail_keys.shape)} and values {tuple(tail_values.shape)} must both be "
@@ -120,7 +126,7 @@ class LayerCache:
         self.layouts: tuple[SegmentLayout, ...] = tuple(
             SegmentLayout(seg.head_rows, seg.span, offset) for seg, offset in zip(segments, offsets))
         self.prefix_length = sum(seg.width for seg in segments)
-        dtype, device = dtype or tail_keys.dtype, tail_keys.device
+        dtype, device = dtype or tail_keys.dtype, torch.device(device) if device is not None else tail_keys.device
         capacity = _round_up(self.prefix_length + tail_len + spare)
         # Uninitialised: every slot attention reads is written below or by stage().
         self._keys = torch.empty(heads, capacity, head_dim, dtype=dtype, device=device)
@@ -132,23 +138,30 @@ class LayerCache:
         if self.prefix_length:
             self.bias = torch.full((heads, self.prefix_length), -math.inf, dtype=dtype, device=device)
             self.scores = torch.full((heads, self.prefix_length), -math.inf, dtype=torch.float32, device=device)
-        offset = 0
-        for seg in segments:
-            keys, values, beta = (t.to(dtype) for t in (seg.keys, seg.values, seg.beta))
-            start = 0
-            for h, n in enumerate(seg.head_rows if seg.width else ()):
-                self._keys[h, offset : offset + n] = keys[start : start + n]
-                self._values[h, offset : offset + n] = values[start : start + n]
-                self.bias[h, offset : offset + n] = beta[start : start + n]
-                self.scores[h, offset : offset + n] = seg.scores[start : start + n]
-                # Padding slots get weight 0, but 0 * NaN garbage would still poison the output.
-                self._keys[h, offset + n : offset + seg.width] = 0
-                self._values[h, offset + n : offset + seg.width] = 0
-                start += n
-            offset += seg.width
-        self._keys[:, offset : offset + tail_len] = tail_keys
-        self._values[:, offset : offset + tail_len] = tail_values
+        for seg, layout in zip(segments, self.layouts):
+            self._place(seg, layout)
+        tail = slice(self.prefix_length, self.prefix_length + tail_len)
+        self._keys[:, tail].copy_(tail_keys, non_blocking=True)
+        self._values[:, tail].copy_(tail_values, non_blocking=True)
         self.tail_length = tail_len
+
+    def _place(self, seg: CompactedSegment, layout: SegmentLayout) -> None:
+        """Scatter a packed segment into its slots: one indexed copy per tensor, not one per head."""
+        if not layout.width:
+            return
+        device = self._keys.device
+        rows = torch.tensor(seg.head_rows, device=device)
+        head = torch.repeat_interleave(torch.arange(len(rows), device=device), rows)  # head of each packed row
+        first = torch.cumsum(rows, 0) - rows  # packed index of each head's first row
+        slot = layout.offset + torch.arange(len(head), device=device) - first[head]
+        if min(seg.head_rows) < layout.width:  # padding gets weight 0, but 0 * NaN garbage would poison the output
+            self._keys[:, layout.offset : layout.offset + layout.width] = 0
+            self._values[:, layout.offset : layout.offset + layout.width] = 0
+        capacity, prefix = self._keys.shape[1], self.prefix_length
+        for buffer, packed, stride in ((self._keys, seg.keys, capacity), (self._values, seg.values, capacity),
+                                       (self.bias, seg.beta, prefix), (self.scores, seg.scores, prefix)):
+            flat = buffer.view(-1, *buffer.shape[2:])
+            flat.index_copy_(0, head * stride + slot, packed.to(device, buffer.dtype, non_blocking=True))
 
     @property
     def num_heads(self) -> int:
@@ -439,14 +452,18 @@ class SessionCache:
 
         ``dtype`` (default: as exported) converts the rows while they are copied into place.
         Raises :class:`CorruptSessionError` when a tensor is missing or its shape disagrees
-        with ``meta``; nothing is guessed.
+        with ``meta``; nothing is guessed. ``tensors`` may be views of page-locked host memory:
+        the copies out of them are asynchronous, and finished when this returns or raises.
         """
         try:
-            return cls._from_tensors(tensors, meta, device, dtype)
+            return cls._from_tensors(tensors, meta, torch.device(device), dtype)
         except CorruptSessionError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
             raise CorruptSessionError(f"cache tensors do not match their layout: {exc!r}") from exc
+        finally:
+            if torch.device(device).type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the sources may be freed once we return
 
     @classmethod
     def _from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device, dtype) -> SessionCache:
@@ -464,21 +481,21 @@ class SessionCache:
                 if len(head_rows) != heads:
                     raise CorruptSessionError(f"layer {i} segment {j} has {len(head_rows)} heads, expected {heads}")
                 name = f"layers.{i}.segments.{j}."
-                parts = {p: tensors[name + p].to(device=device, dtype=dtype) for p in ("keys", "values", "beta")}
+                parts = {p: tensors[name + p] for p in ("keys", "values", "beta")}  # moved by LayerCache's copy
                 if name + "scores" in tensors:  # caches exported before scores were recorded have none
-                    parts["scores"] = tensors[name + "scores"].to(device=device, dtype=torch.float32)
+                    parts["scores"] = tensors[name + "scores"]
                 if parts["keys"].shape != (sum(head_rows), head_dim):
                     raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
                 try:
                     segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]), **parts))
                 except InvalidInput as exc:
                     raise CorruptSessionError(f"layer {i} segment {j}: {exc}") from exc
-            tail_k = tensors[f"layers.{i}.tail.keys"].to(device)  # converted to dtype by LayerCache's copy
-            tail_v = tensors[f"layers.{i}.tail.values"].to(device)
+            tail_k = tensors[f"layers.{i}.tail.keys"]  # converted and moved by LayerCache's copy
+            tail_v = tensors[f"layers.{i}.tail.values"]
             expected = (heads, int(layer_meta["tail_length"]), head_dim)
             if tail_k.shape != expected or tail_v.shape != expected:
                 raise CorruptSessionError(f"layer {i} tail has shape {tuple(tail_k.shape)}, expected {expected}")
-            layers.append(LayerCache(segments, tail_k, tail_v, dtype=dtype))
+            layers.append(LayerCache(segments, tail_k, tail_v, dtype=dtype, device=device))
         if len(layers) != int(meta["num_layers"]):
             raise CorruptSessionError(f"{len(layers)} layers stored, layout says {meta['num_layers']}")
         return cls(layers, token_ids.tolist(), str(meta["fingerprint"]))

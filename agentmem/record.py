@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf
@@ -17,6 +18,10 @@ from agentmem.errors import InvalidInput
 # Tenants may not contain ':' (the separator in store keys) nor braces (Redis hash tags).
 _TENANT_RE = re.compile(r"[A-Za-z0-9._@-]{1,128}")
 _SESSION_RE = re.compile(r"[A-Za-z0-9._@:+=/-]{1,256}")
+
+# Where a store reads a blob: a writable buffer of the given size (a bytearray by default; page-locked
+# host memory when the cache is bound for a GPU, so the copy to it is one DMA at full speed).
+Allocate = Callable[[int], "bytearray | memoryview"]
 
 
 def check_tenant(tenant: str) -> str:
@@ -70,8 +75,8 @@ class SessionRecord(BaseModel):
     updated_at: float = Field(default_factory=time.time)
     version: int = Field(default=0, ge=0)
     ttl_seconds: float | None = Field(default=None, gt=0)
-    # A store's read fills one preallocated bytearray (no second copy to make it bytes).
-    blob: bytes | InstanceOf[bytearray] = b""
+    # A store's read fills one preallocated buffer (no second copy to make it bytes).
+    blob: bytes | InstanceOf[bytearray] | InstanceOf[memoryview] = b""
 
     @property
     def expires_at(self) -> float | None:
@@ -114,7 +119,10 @@ class CacheStore(Protocol):
     """
 
     def put(self, tenant: str, session_id: str, record: SessionRecord, *, expected_version: int | None = None) -> int: ...
-    def get(self, tenant: str, session_id: str) -> SessionRecord: ...
+    def get(self, tenant: str, session_id: str, *, into: Allocate = bytearray) -> SessionRecord:
+        """The stored record, its blob read into the writable buffer ``into(nbytes)`` returns."""
+        ...
+
     def version(self, tenant: str, session_id: str) -> int:
         """The stored version, without reading the blob; :class:`SessionNotFound` if there is none."""
         ...

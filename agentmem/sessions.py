@@ -30,6 +30,7 @@ from agentmem.cache import SessionCache
 from agentmem.compaction import compact
 from agentmem.engine import Engine
 from agentmem.errors import AgentMemError, InvalidInput, SessionBusy
+from agentmem.host_memory import read_buffer_for
 from agentmem.host_tier import HostTier
 from agentmem.leases import LeaseKeeper
 from agentmem.ledger import DeviceLedger, Key
@@ -91,7 +92,7 @@ class SessionManager:
                                                                 lambda tenant: self.policy_for(tenant).max_host_bytes)
         count_store_error = functools.partial(self.metrics.add, "store_errors")
         self._spiller = Spiller(self.store, host, on_settled=lambda key: self._worker.written_behind(key),
-                                on_store_error=count_store_error)
+                                on_store_error=count_store_error, read_into=read_buffer_for(engine.device))
         self._leases = LeaseKeeper(self.store, self.owner, lease_seconds, held=self._held_keys,
                                    on_store_error=count_store_error)
         self._worker = SpillWorker(engine, self._registry, ledger, self._spiller, self._leases,

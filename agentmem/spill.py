@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from agentmem.errors import AgentMemError, SessionNotFound, StoreUnavailable
 from agentmem.host_tier import HostTier, Key
-from agentmem.record import CacheStore, SessionRecord
+from agentmem.record import Allocate, CacheStore, SessionRecord
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ class Spiller:
     """See the module docstring. ``on_settled(key)`` runs once a write behind has landed or failed."""
 
     def __init__(self, store: CacheStore, host: HostTier | None, on_settled: Callable[[Key], None],
-                 on_store_error: Callable[[], None]) -> None:
-        self.store, self.host = store, host
+                 on_store_error: Callable[[], None], *, read_into: Allocate = bytearray) -> None:
+        self.store, self.host, self._read_into = store, host, read_into
         self._on_settled, self._on_store_error = on_settled, on_store_error
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentmem-write-behind")
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agentmem-prefetch")
@@ -79,7 +79,7 @@ class Spiller:
         entry = self.host.get(key) if self.host is not None else None
         if entry is not None and (entry.dirty or self._still_stored(key, entry.record.version)):
             return entry.record
-        record = self.store.get(*key)
+        record = self.store.get(*key, into=self._read_into)
         self.cache(record)
         return record
 
@@ -88,7 +88,7 @@ class Spiller:
         def fetch() -> None:
             entry = self.host.get(key)
             if entry is None or not (entry.dirty or self._still_stored(key, entry.record.version)):
-                self.cache(self.store.get(*key))
+                self.cache(self.store.get(*key, into=self._read_into))
 
         return self._readers.submit(fetch)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from agentmem.errors import CorruptSessionError
+from agentmem.record import Allocate
 
 
 def chunk_count(nbytes: int, chunk_bytes: int) -> int:
@@ -36,15 +37,19 @@ def write_chunks(blob: bytes, chunk_bytes: int, store: Callable[[int, list[memor
     return count
 
 
-def read_chunks(chunks: Iterable[bytes], nbytes: int, *, session: str, recorded_in: str) -> bytearray:
+def read_chunks(chunks: Iterable[bytes], nbytes: int, *, session: str, recorded_in: str,
+                into: Allocate = bytearray) -> bytearray | memoryview:
     """The blob from its chunks in order, checked against the ``nbytes`` the store recorded beside it.
 
-    Each chunk is copied into one buffer of ``nbytes`` allocated up front, then can be freed:
-    a read holds the blob once plus the chunks in flight, where joining them held it twice.
+    Each chunk is copied into one buffer of ``nbytes`` allocated up front by ``into`` (page-locked
+    memory, say, that a GPU copies from at full speed), then can be freed: a read holds the
+    blob once plus the chunks in flight, where joining them held it twice.
     A missing or extra chunk is a :class:`CorruptSessionError`, never a short read handed to the
     decoder. ``session`` and ``recorded_in`` ("its row", "meta") only word that error.
     """
-    blob = bytearray(nbytes)
+    blob = into(nbytes)
+    if len(blob) != nbytes:
+        raise ValueError(f"the buffer for {nbytes} bytes has {len(blob)}")
     filled = 0
     for chunk in chunks:
         end = filled + len(chunk)

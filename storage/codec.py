@@ -26,6 +26,7 @@ import json
 import math
 import os
 import struct
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -233,13 +234,17 @@ def _build(header: dict[str, Any], blob: bytes | bytearray | memoryview, device,
 
 
 def _read_tensors(blob: bytes | bytearray | memoryview, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The blob's tensors, each copied once out of the buffer, whatever kind of buffer it is.
+    """The blob's tensors as views of its bytes: nothing is copied here.
 
-    safetensors' own ``load`` takes only ``bytes``: a store that reads chunks into one
-    preallocated ``bytearray`` would pay a copy of the whole blob before it. The copy per tensor
-    is kept (the cache never aliases the record's bytes, which a host tier may hold on to).
+    The one copy of the rows is into the cache's own buffer (``SessionCache.from_tensors``),
+    converted to the cache's dtype and moved to its device on the way; when the blob lies in
+    page-locked memory that copy is an asynchronous DMA. The views never outlive the decode,
+    so the cache never aliases the record's bytes (which a host tier may hold on to).
     """
     data = memoryview(blob)[header["_data_start"] :]
+    with warnings.catch_warnings():  # a ``bytes`` blob is read-only; its views are only ever read
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        region = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8, device="cpu")
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in header["_tensors"].items():
         dtype = _TENSOR_DTYPES[entry["dtype"]]
@@ -248,11 +253,10 @@ def _read_tensors(blob: bytes | bytearray | memoryview, header: dict[str, Any]) 
         fits = 0 <= start <= end <= len(data) and end - start == math.prod(shape) * dtype.itemsize
         if min(shape, default=0) < 0 or not fits:
             raise CorruptSessionError(f"tensor {name!r} does not fit the data region as its shape and offsets say")
-        if start == end:
-            tensors[name] = torch.empty(shape, dtype=dtype, device="cpu")
-            continue
-        raw = torch.UntypedStorage.from_buffer(data[start:end], dtype=torch.uint8)  # copies, read-only buffers too
-        tensors[name] = torch.empty(0, dtype=torch.uint8, device="cpu").set_(raw).view(dtype).reshape(shape)
+        raw = region[start:end]
+        if start % dtype.itemsize:  # safetensors aligns every tensor; a blob from elsewhere may not
+            raw = raw.clone()
+        tensors[name] = raw.view(dtype).reshape(shape)
     return tensors
 
 

@@ -55,6 +55,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from agentmem.errors import StoreUnavailable, VersionConflict
 from agentmem.record import (
+    Allocate,
     SessionPage,
     SessionRecord,
     SessionSummary,
@@ -174,7 +175,7 @@ class RedisStore:
             self._call(abandon)
             raise
 
-    def get(self, tenant: str, session_id: str) -> SessionRecord:
+    def get(self, tenant: str, session_id: str, *, into: Allocate = bytearray) -> SessionRecord:
         check_key(tenant, session_id)
         for _ in range(_RETRIES):
             meta = self._call(self._redis.hgetall, _meta_key(tenant, session_id))
@@ -183,7 +184,7 @@ class RedisStore:
             keys = _chunk_keys(tenant, session_id, meta[b"write_id"].decode(), int(meta[b"chunks"]))
             try:
                 blob = read_chunks(self._fetch_chunks(keys), int(meta[b"nbytes"]), session=f"{tenant}/{session_id}",
-                                   recorded_in="meta")
+                                   recorded_in="meta", into=into)
             except _Replaced:
                 continue  # a newer write replaced this version between our reads
             return restore(meta[b"record"], blob, int(meta[b"version"]))

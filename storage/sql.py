@@ -57,6 +57,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from agentmem.errors import StoreUnavailable, VersionConflict
 from agentmem.record import (
+    Allocate,
     SessionPage,
     SessionRecord,
     SessionSummary,
@@ -294,7 +295,7 @@ class SqlStore:
         except StoreUnavailable:
             pass
 
-    def get(self, tenant: str, session_id: str) -> SessionRecord:
+    def get(self, tenant: str, session_id: str, *, into: Allocate = bytearray) -> SessionRecord:
         check_key(tenant, session_id)
         t = sessions_table.c
         with self._snapshot() as conn:
@@ -307,7 +308,7 @@ class SqlStore:
             chunks = conn.execute(select(chunks_table.c.data).where(*_chunk_key(tenant, session_id, row.write_id))
                                   .order_by(chunks_table.c.seq)
                                   .execution_options(stream_results=True, max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
-            blob = read_chunks(chunks, row.nbytes, session=f"{tenant}/{session_id}", recorded_in="its row")
+            blob = read_chunks(chunks, row.nbytes, session=f"{tenant}/{session_id}", recorded_in="its row", into=into)
         return restore(row.record, blob, row.version)
 
     def version(self, tenant: str, session_id: str) -> int:

@@ -73,7 +73,7 @@ def test_prefetch_warms_a_stored_session_so_its_turn_reads_no_store(store):
     manager = model.manager
     reads = []
     original = manager.store.get
-    manager.store.get = lambda *key: reads.append(key) or original(*key)
+    manager.store.get = lambda *key, **kwargs: reads.append(key) or original(*key, **kwargs)
     try:
         reply = model.invoke([HumanMessage("Remember the number 4417."), AIMessage("ok"), HumanMessage("And?")],
                              session_id="warm")

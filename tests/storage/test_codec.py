@@ -170,6 +170,19 @@ def test_a_blob_decodes_the_same_from_any_kind_of_buffer(cache):
             assert_close(expected, decode_cache(buffer), 0)
 
 
+def test_a_decoded_cache_shares_no_memory_with_its_blob(cache):
+    """Decoding reads tensors as views of the blob; the cache must own copies, or a host tier
+    reusing (or a store overwriting) the record's buffer would change a live session."""
+    for dtype in ("auto", "fp16"):
+        buffer = bytearray(encode_cache(cache, dtype=dtype))
+        decoded = decode_cache(buffer)
+        before = {name: tensor.clone() for name, tensor in decoded.to_tensors()[0].items()}
+        start = read_header(buffer)["_data_start"]
+        buffer[start:] = bytes(len(buffer) - start)  # zero the whole data region
+        after = decoded.to_tensors()[0]
+        assert all(torch.equal(before[name], after[name]) for name in before), dtype
+
+
 def test_a_tensor_entry_pointing_outside_the_data_is_refused(cache):
     """Format 1 has no header checksum, so the tensor table itself must be checked against the data."""
     def past_the_end(st_header, data):

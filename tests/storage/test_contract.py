@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from agentmem.errors import InvalidInput, SessionNotFound, VersionConflict
 from agentmem.record import CacheStore, SessionRecord
@@ -37,6 +38,11 @@ def test_large_blob_is_chunked_and_exact(store):
     blob = bytes(range(256)) * (40 * 2**20 // 256 // 2)  # 20 MiB: several Redis chunks
     store.put("acme", "big", record("acme", "big", blob))
     assert store.get("acme", "big").blob == blob
+    # A resume bound for a GPU reads into page-locked memory it allocates; any writable buffer stands in here.
+    buffers = []
+    into = lambda n: buffers.append(memoryview(torch.empty(n, dtype=torch.uint8).numpy())) or buffers[-1]  # noqa: E731
+    got = store.get("acme", "big", into=into)
+    assert [len(b) for b in buffers] == [len(blob)] and got.blob is buffers[0] and got.blob == blob
     store.put("acme", "big", record("acme", "big", b"small"))
     assert store.get("acme", "big").blob == b"small"
 

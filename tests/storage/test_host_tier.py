@@ -29,9 +29,9 @@ class CountingGatedStore:
         self.writing, self.gate = threading.Event(), threading.Event()
         self.gate.set()
 
-    def get(self, tenant, session_id):
+    def get(self, tenant, session_id, **kwargs):
         self.gets += 1
-        return self._store.get(tenant, session_id)
+        return self._store.get(tenant, session_id, **kwargs)
 
     def put(self, tenant, session_id, rec, **kwargs):
         self.writing.set()

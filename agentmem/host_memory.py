@@ -1,0 +1,24 @@
+"""The host buffers a resume reads a stored session into.
+
+A cache bound for a CUDA device is read into page-locked (pinned) memory: the copy from there
+to the device is a DMA at the bus's speed (55 GB/s on an H200 against 8.4 GB/s from pageable
+memory, ``../shared/gpu/README.md``) and runs asynchronously while the next layer is laid out.
+A CPU cache gets a plain ``bytearray``: pinning would buy nothing and cost the allocation.
+Records read this way may stay in the host tier, which is then pinned too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentmem.record import Allocate
+
+
+def pinned_buffer(nbytes: int) -> memoryview:
+    """A writable view of ``nbytes`` of page-locked host memory (freed with the last view of it)."""
+    return memoryview(torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True).numpy())
+
+
+def read_buffer_for(device: torch.device | str) -> Allocate:
+    """What a store read for a cache on ``device`` should land in; see the module docstring."""
+    return pinned_buffer if torch.device(device).type == "cuda" else bytearray
