@@ -146,22 +146,22 @@ class LayerCache:
         self.tail_length = tail_len
 
     def _place(self, seg: CompactedSegment, layout: SegmentLayout) -> None:
-        """Scatter a packed segment into its slots: one indexed copy per tensor, not one per head."""
-        if not layout.width:
-            return
+        """Copy a packed segment into its slots: each tensor crosses to the device once, then
+        is split per head there (one small transfer per head and tensor would each wait on the bus)."""
         device = self._keys.device
-        rows = torch.tensor(seg.head_rows, device=device)
-        head = torch.repeat_interleave(torch.arange(len(rows), device=device), rows)  # head of each packed row
-        first = torch.cumsum(rows, 0) - rows  # packed index of each head's first row
-        slot = layout.offset + torch.arange(len(head), device=device) - first[head]
-        if min(seg.head_rows) < layout.width:  # padding gets weight 0, but 0 * NaN garbage would poison the output
-            self._keys[:, layout.offset : layout.offset + layout.width] = 0
-            self._values[:, layout.offset : layout.offset + layout.width] = 0
-        capacity, prefix = self._keys.shape[1], self.prefix_length
-        for buffer, packed, stride in ((self._keys, seg.keys, capacity), (self._values, seg.values, capacity),
-                                       (self.bias, seg.beta, prefix), (self.scores, seg.scores, prefix)):
-            flat = buffer.view(-1, *buffer.shape[2:])
-            flat.index_copy_(0, head * stride + slot, packed.to(device, buffer.dtype, non_blocking=True))
+        keys, values, beta, scores = (part.to(device, dtype, non_blocking=True) for part, dtype in (
+            (seg.keys, self._keys.dtype), (seg.values, self._keys.dtype), (seg.beta, self._keys.dtype),
+            (seg.scores, torch.float32)))
+        start, offset = 0, layout.offset
+        for h, n in enumerate(seg.head_rows if layout.width else ()):
+            self._keys[h, offset : offset + n] = keys[start : start + n]
+            self._values[h, offset : offset + n] = values[start : start + n]
+            self.bias[h, offset : offset + n] = beta[start : start + n]
+            self.scores[h, offset : offset + n] = scores[start : start + n]
+            # Padding slots get weight 0, but 0 * NaN garbage would still poison the output.
+            self._keys[h, offset + n : offset + layout.width] = 0
+            self._values[h, offset + n : offset + layout.width] = 0
+            start += n
 
     @property
     def num_heads(self) -> int:

@@ -15,6 +15,30 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+SHAPES = {
+    # Llama-3.1-8B: 32 layers, 32 query / 8 KV heads, head_dim 128, 128 KiB of bf16 KV per token.
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
+    # The same attention shape at CPU scale: few layers, a narrow residual stream.
+    "wide-cpu": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=49152, rope_theta=500000.0),
+}
+
+
+def random_shape_engine(shape: str, device: torch.device, dtype: torch.dtype, max_positions: int):
+    """An Engine on random weights of a named :data:`SHAPES` entry: for timing and memory, never quality."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from agentmem import Engine
+    from agentmem.models import embedded_model_dir
+
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max_positions, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return Engine(model.eval(), AutoTokenizer.from_pretrained(embedded_model_dir()), name=f"random {shape}")
+
 
 def stdlib_text() -> str:
     """Real English prose not written by us: the Python documentation's topic pages."""

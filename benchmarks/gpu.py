@@ -33,21 +33,11 @@ if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from agentmem import Engine, attention
 from agentmem.compaction import compact
-from agentmem.models import embedded_model_dir
-from common import RESULTS, command_line, machine, markdown_table, stdlib_text, write_results
+from common import RESULTS, SHAPES, command_line, machine, markdown_table, random_shape_engine, stdlib_text, write_results
 
-SHAPES = {
-    # Llama-3.1-8B: 32 layers, 32 query / 8 KV heads, head_dim 128, 128 KiB of bf16 KV per token.
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
-    # The same attention shape at CPU scale: few layers, a narrow residual stream.
-    "wide-cpu": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=49152, rope_theta=500000.0),
-}
 METHODS = ("window", "top-attention", "global-eviction", "am-fast", "am")
 GIB = 2**30
 
@@ -55,13 +45,7 @@ GIB = 2**30
 def build_engine(args, device: torch.device, dtype: torch.dtype) -> Engine:
     if args.model:
         return Engine.load(args.model, device=device, dtype=dtype)
-    config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=max(args.lengths) + 1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    return Engine(model.eval(), tokenizer, name=f"random {args.shape}")
+    return random_shape_engine(args.shape, device, dtype, max(args.lengths) + 1024)
 
 
 def text_ids(engine: Engine, length: int) -> list[int]:

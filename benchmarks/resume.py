@@ -1,15 +1,24 @@
 """Resume vs re-prefill: how fast a stored session comes back, against reading its transcript again.
 
-For sessions of 1k, 4k and 8k tokens of real text (the Python docs) on the embedded model:
+For sessions of real text (the Python docs), full and compacted 10x (``am-fast``, the last 64
+tokens raw), stored in ``--storage-dtype`` (default ``auto``: the cache's own dtype, as the
+default policy stores it), per tier:
 
-- re-prefill: read the token log again, then generate the first token of a reply;
-- resume from SQLite and from Redis: ``store.get`` + ``decode_cache``, then the first token;
-- the raw read of the same blob by each store's plain client (``sqlite3`` SELECT of the chunk
-  rows, Redis MGET), the floor a resume cannot beat.
+- ``host``: the record held in host memory, as the manager's host tier holds it (page-locked
+  when the cache lives on a GPU); ``sqlite``, ``redis`` and ``postgres`` (a throwaway server,
+  where PostgreSQL is installed): the durable stores;
+- ``spill s``: encode the cache and write it to the tier; ``resume s``: read it back (into the
+  buffer a resume uses: ``read_buffer_for``) and decode it onto the device; ``raw read s``: the
+  same bytes by the plain client (``sqlite3`` SELECT of the chunk rows, Redis MGET, psycopg
+  SELECT; for ``host``, one copy of the bytes into device memory): the floor a resume cannot beat;
+- time to first token of a new message after resume, against transformers re-reading the whole
+  transcript plus the message (its sdpa forward on the same weights, last position's logits):
+  what a caller without a stored cache pays.
 
-Each for the full cache and a 10×-smaller compacted cache, stored in ``--storage-dtype``
-(default ``auto``: the cache's own dtype, as the default policy stores it). Times are medians
-of repeated runs interleaved in one process. Writes ``benchmarks/results/resume.{md,json,png}``.
+Medians of ``--repeats`` runs interleaved in one process (the re-prefill once per length).
+CPU default: the embedded SmolLM2-135M at 1k/4k/8k tokens. On a GPU: ``--shape llama-8b``
+(random weights, bf16, 128 KiB of KV per token) at 1k/8k/32k. Writes
+``benchmarks/results/resume.{md,json,png}`` (``resume-gpu.*`` on a GPU).
 Run: ``python benchmarks/resume.py`` (from ``benchmarks/``; ``--plot-only`` redraws the plot from the saved JSON).
 """
 
@@ -20,19 +29,29 @@ import json
 import sqlite3
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import redis
+import torch
 
 from agentmem import Engine, SessionCache
 from agentmem.compaction import compact
+from agentmem.errors import StoreUnavailable
+from agentmem.host_memory import read_buffer_for
 from agentmem.record import SessionRecord
 from agentmem.storage import STORAGE_CHOICES, decode_cache, encode_cache, open_store, read_header
+from agentmem.storage.local_postgres import LocalPostgres
 from agentmem.storage.local_redis import LocalRedis
 from agentmem.storage.redis import _chunk_key, _meta_key
-from common import RESULTS, command_line, machine, median_seconds, stdlib_text, write_results
+from common import RESULTS, SHAPES, command_line, machine, median_seconds, random_shape_engine, stdlib_text, write_results
 
 NEW_MESSAGE = "\nQuestion: what does the text above say about exceptions?"
+TIERS = ("host", "sqlite", "redis", "postgres")
+SQL_CHUNKS = ("SELECT c.data FROM agentmem_chunks c JOIN agentmem_sessions s ON c.tenant = s.tenant AND "
+              "c.session_id = s.session_id AND c.write_id = s.write_id WHERE s.tenant={p} AND s.session_id={p} "
+              "ORDER BY c.seq")
 
 
 def compacted_10x(engine: Engine, cache: SessionCache) -> SessionCache:
@@ -40,113 +59,195 @@ def compacted_10x(engine: Engine, cache: SessionCache) -> SessionCache:
     return compact(engine, cache, ratio=10, keep_recent=64, method="am-fast")
 
 
-def raw_readers(sqlite_path: Path, redis_url: str, tenant: str, session_id: str):
-    """Plain-client reads of the stored blob bytes: the floor for each store."""
-    db = sqlite3.connect(sqlite_path)
-    client = redis.Redis.from_url(redis_url)
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def sqlite_read() -> bytes:
-        return b"".join(row[0] for row in db.execute(
-            "SELECT c.data FROM agentmem_chunks c JOIN agentmem_sessions s ON c.tenant = s.tenant AND "
-            "c.session_id = s.session_id AND c.write_id = s.write_id WHERE s.tenant=? AND s.session_id=? "
-            "ORDER BY c.seq", (tenant, session_id)))
 
-    def redis_read() -> bytes:
-        meta = client.hmget(_meta_key(tenant, session_id), "write_id", "chunks")
-        keys = [_chunk_key(tenant, session_id, meta[0].decode(), i) for i in range(int(meta[1]))]
-        return b"".join(client.mget(keys))
+def seconds(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn`` with the device's queued work included."""
+    return median_seconds(lambda: (fn(), sync(device)), repeats)
 
-    return {"sqlite": sqlite_read, "redis": redis_read}
+
+class HostTierCopy:
+    """The ``host`` tier: a record's bytes in one host buffer of the kind a resume reads into."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._into, self.blobs = read_buffer_for(device), {}
+
+    def put(self, tenant: str, session_id: str, record: SessionRecord) -> None:
+        buffer = self._into(len(record.blob))
+        buffer[:] = record.blob
+        self.blobs[tenant, session_id] = buffer
+
+    def get(self, tenant: str, session_id: str, *, into=None) -> SessionRecord:
+        blob = self.blobs[tenant, session_id]
+        return SessionRecord(tenant=tenant, session_id=session_id, model_fingerprint="", logical_length=0, blob=blob)
+
+    def close(self) -> None:
+        self.blobs.clear()
+
+
+def raw_reader(tier: str, store, url: str, device: torch.device) -> Callable[[str, str], object]:
+    """The plain client's read of a stored blob: the floor for ``tier``."""
+    if tier == "host":
+        return lambda tenant, sid: torch.empty(len(store.blobs[tenant, sid]), dtype=torch.uint8, device=device).copy_(
+            torch.frombuffer(store.blobs[tenant, sid], dtype=torch.uint8))
+    if tier == "sqlite":
+        db = sqlite3.connect(url.removeprefix("sqlite:///"))
+        return lambda tenant, sid: b"".join(row[0] for row in db.execute(SQL_CHUNKS.format(p="?"), (tenant, sid)))
+    if tier == "postgres":
+        import psycopg
+
+        conn = psycopg.connect(url, autocommit=True)
+        return lambda tenant, sid: b"".join(row[0] for row in conn.execute(SQL_CHUNKS.format(p="%s"), (tenant, sid)))
+    client = redis.Redis.from_url(url)
+
+    def redis_read(tenant: str, sid: str) -> bytes:
+        meta = client.hmget(_meta_key(tenant, sid), "write_id", "chunks")
+        return b"".join(client.mget([_chunk_key(tenant, sid, meta[0].decode(), i) for i in range(int(meta[1]))]))
+
+    return redis_read
+
+
+def open_tiers(names: list[str], workdir: Path, device: torch.device, stack: ExitStack) -> dict[str, tuple[object, str]]:
+    """Each tier as ``(store, url)``; a tier whose server cannot start here is left out, with a note."""
+    tiers = {}
+    for name in names:
+        try:
+            if name == "host":
+                tiers[name] = (HostTierCopy(device), "")
+                continue
+            if name == "sqlite":
+                url = f"sqlite:///{workdir / 'sessions.db'}"
+            elif name == "redis":
+                url = stack.enter_context(LocalRedis(workdir / "redis")).url
+            else:
+                url = stack.enter_context(LocalPostgres()).create_database("bench")
+            tiers[name] = (open_store(url), url)
+        except StoreUnavailable as exc:
+            print(f"tier {name} left out: {exc}")
+    return tiers
+
+
+@torch.inference_mode()
+def transformers_first_token(model, ids: list[int], device: torch.device) -> int:
+    """Re-read ``ids`` with transformers' own sdpa forward; the greedy next token."""
+    model.set_attn_implementation("sdpa")
+    try:
+        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1).logits
+        return int(logits[0, -1].argmax())
+    finally:
+        from agentmem import attention
+
+        model.set_attn_implementation(attention.ATTENTION_NAME)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", choices=["embedded", *sorted(SHAPES)], default=None,
+                        help="the embedded model (CPU default) or a random-weight shape (GPU default: llama-8b)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--storage-dtype", default="auto", choices=STORAGE_CHOICES)
-    parser.add_argument("--plot-only", action="store_true", help="redraw resume.png from resume.json and exit")
+    parser.add_argument("--plot-only", choices=("resume", "resume-gpu"), nargs="?", const="resume",
+                        help="redraw results/NAME.png from results/NAME.json and exit")
     args = parser.parse_args()
     if args.plot_only:
-        return plot(json.loads((RESULTS / "resume.json").read_text())["rows"])
+        saved = json.loads((RESULTS / f"{args.plot_only}.json").read_text())
+        return plot(args.plot_only, saved["rows"], saved["model"])
 
-    engine = Engine.load("embedded")
-    ids = engine.tokenizer(stdlib_text(), add_special_tokens=False)["input_ids"]
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    shape = args.shape or ("llama-8b" if on_gpu else "embedded")
+    lengths = args.lengths or ([1024, 8192, 32768] if on_gpu else [1024, 4096, 8000])
+    if shape == "embedded":
+        engine = Engine.load("embedded", device=device)
+    else:
+        engine = random_shape_engine(shape, device, torch.bfloat16 if on_gpu else torch.float32, max(lengths) + 256)
+    text = engine.tokenizer(stdlib_text(), add_special_tokens=False)["input_ids"]
+    ids = (text * (max(lengths) // len(text) + 1))
     new_ids = engine.tokenizer(NEW_MESSAGE, add_special_tokens=False)["input_ids"]
     workdir = Path(tempfile.mkdtemp(prefix="agentmem-resume-"))
     rows = []
-    with LocalRedis(workdir / "redis") as server:
-        stores = {"sqlite": open_store(f"sqlite:///{workdir / 'sessions.db'}"), "redis": open_store(server.url)}
-        for length in args.lengths:
+    with ExitStack() as stack:
+        tiers = open_tiers(args.tiers, workdir, device, stack)
+        transformers_first_token(engine.model, ids[:64], device)  # warm-up: the first forward pays set-up costs
+        for length in lengths:
             log = ids[:length]
-            start = time.perf_counter()
+            reprefill = seconds(device, lambda: transformers_first_token(engine.model, log + new_ids, device), 1)
+            print(f"{length} tokens: transformers re-reads them and answers in {reprefill:.2f} s", flush=True)
             full = engine.prefill(log)
-            reprefill = time.perf_counter() - start
-            start = time.perf_counter()
-            next(engine.stream(engine.prefill(log), new_ids, max_new_tokens=8))
-            reprefill_ttft = time.perf_counter() - start
-            print(f"{length} tokens: re-prefill {reprefill:.2f} s, first token after {reprefill_ttft:.2f} s")
             for variant, cache in (("full", full), ("compacted 10x", compacted_10x(engine, full))):
-                blob = encode_cache(cache, dtype=args.storage_dtype)
                 session_id = f"s{length}-{variant.split()[0]}"
                 record = SessionRecord(tenant="bench", session_id=session_id, model_fingerprint=engine.fingerprint,
-                                       logical_length=cache.logical_length, blob=blob)
-                for store in stores.values():
-                    store.put("bench", session_id, record)
-                readers = raw_readers(workdir / "sessions.db", server.url, "bench", session_id)
-                for name, store in stores.items():
+                                       logical_length=cache.logical_length,
+                                       blob=encode_cache(cache, dtype=args.storage_dtype))
+                for name, (store, url) in tiers.items():
+                    def spill() -> None:
+                        store.put("bench", session_id, record.model_copy(
+                            update={"blob": encode_cache(cache, dtype=args.storage_dtype)}))
+
                     def resume() -> SessionCache:
-                        got = store.get("bench", session_id)
-                        return decode_cache(got.blob, fingerprint=engine.fingerprint, device=engine.device,
-                                            dtype=engine.dtype)
+                        got = store.get("bench", session_id, into=read_buffer_for(device))
+                        return decode_cache(got.blob, fingerprint=engine.fingerprint, device=device, dtype=engine.dtype)
 
-                    def resume_and_first_token() -> None:
-                        next(engine.stream(resume(), new_ids, max_new_tokens=8))
-
-                    assert readers[name]() == blob
-                    raw_s = median_seconds(readers[name], args.repeats)
-                    resume_s = median_seconds(resume, args.repeats)
-                    ttft_s = median_seconds(resume_and_first_token, args.repeats)
+                    spill_s = seconds(device, spill, args.repeats)
+                    raw = raw_reader(name, store, url, device)
+                    raw_s = seconds(device, lambda: raw("bench", session_id), args.repeats)
+                    resume_s = seconds(device, resume, args.repeats)
+                    ttft_s = seconds(device, lambda: next(engine.stream(resume(), new_ids, max_new_tokens=1)), args.repeats)
+                    gb = len(record.blob) / 1e9
                     rows.append({
-                        "tokens": length, "cache": variant, "store": name,
-                        "MiB stored": len(blob) / 2**20,
-                        "raw read s": raw_s, "resume s": resume_s, "resume / raw read": resume_s / raw_s,
-                        "re-prefill s": reprefill, "speed-up vs re-prefill": reprefill / resume_s,
-                        "first token s (resume)": ttft_s, "first token s (re-prefill)": reprefill_ttft,
+                        "tokens": length, "cache": variant, "tier": name, "MiB stored": len(record.blob) / 2**20,
+                        "spill s": spill_s, "spill GB/s": gb / spill_s, "raw read s": raw_s, "resume s": resume_s,
+                        "resume GB/s": gb / resume_s, "resume / raw read": resume_s / raw_s,
+                        "first token s (resume)": ttft_s, "first token s (re-prefill)": reprefill,
+                        "speed-up vs re-prefill": reprefill / ttft_s,
                     })
-                    print(f"  {variant:14s} {name:6s} {len(blob) / 2**20:7.1f} MiB  raw {raw_s * 1e3:7.1f} ms  "
-                          f"resume {resume_s * 1e3:7.1f} ms ({resume_s / raw_s:.2f}x raw)  "
-                          f"{reprefill / resume_s:6.0f}x faster than re-prefill")
-        for store in stores.values():
+                    print(f"  {variant:14s} {name:8s} {len(record.blob) / 2**20:8.1f} MiB  spill {spill_s:7.3f} s  "
+                          f"raw {raw_s * 1e3:8.1f} ms  resume {resume_s * 1e3:8.1f} ms ({resume_s / raw_s:.2f}x raw)  "
+                          f"first token {ttft_s:6.3f} s: {reprefill / ttft_s:5.1f}x faster than re-prefill", flush=True)
+        for store, _ in tiers.values():
             store.close()
-    stored = read_header(blob)["storage_dtype"]
-    md = write_results("resume", f"Resume from a store vs re-prefill (embedded SmolLM2-135M, {stored} blobs)", rows,
-                       {"machine": machine(), "command": command_line()})
-    plot(rows)
+    name = "resume-gpu" if on_gpu else "resume"
+    model = f"{engine.name} on {device.type}"
+    stored = read_header(record.blob)["storage_dtype"]
+    md = write_results(name, f"Resume from each tier vs re-prefill ({model}, {stored} blobs)", rows,
+                       {"model": model, "machine": machine(), "command": command_line()})
+    plot(name, rows, model)
     print(md)
 
 
-def plot(rows: list[dict]) -> None:
+def plot(name: str, rows: list[dict], model: str) -> None:
+    """Time to first token after resume from each tier, against transformers re-reading the transcript."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     lengths = sorted({r["tokens"] for r in rows})
-    reprefill = [next(r["re-prefill s"] for r in rows if r["tokens"] == n) for n in lengths]
-    ax.plot(lengths, reprefill, "k-o", label="re-prefill")
-    for cache in ("full", "compacted 10x"):
-        for store, style in (("sqlite", "-s"), ("redis", "--^")):
-            ys = [next(r["resume s"] for r in rows if (r["tokens"], r["cache"], r["store"]) == (n, cache, store))
-                  for n in lengths]
-            ax.plot(lengths, ys, style, label=f"resume {cache}, {store}")
-    ax.set_yscale("log")
-    ax.set_xlabel("session length (tokens)")
-    ax.set_ylabel("seconds (log)")
-    ax.set_title("Resume from store vs re-prefill, SmolLM2-135M on CPU")
-    ax.legend(fontsize=8)
+    reprefill = [next(r["first token s (re-prefill)"] for r in rows if r["tokens"] == n) for n in lengths]
+    styles = {"host": "-D", "sqlite": "-s", "redis": "--^", "postgres": ":o"}
+    for ax, cache in zip(axes, ("full", "compacted 10x")):
+        ax.plot(lengths, reprefill, "k-o", label="re-prefill (transformers)")
+        for tier, style in styles.items():
+            points = [(n, r["first token s (resume)"]) for n in lengths for r in rows
+                      if (r["tokens"], r["cache"], r["tier"]) == (n, cache, tier)]
+            if points:
+                ax.plot(*zip(*points), style, label=f"resume from {tier}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("session length (tokens)")
+        ax.set_title(f"{cache} cache", fontsize=10)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("seconds to the first token (log)")
+    fig.suptitle(f"Resume vs re-prefill: {model}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(RESULTS / "resume.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":
