@@ -273,6 +273,7 @@ class _Turn:
             "session_id": self.session.session_id,
             "tenant": self.session.tenant,
             "compactions": u.compaction_events,
+            "dropped_tokens": u.dropped_tokens,
             "reprefilled_tokens": u.reprefilled_tokens,
             "live_tokens": u.live_tokens,
             "logical_tokens": u.logical_tokens,

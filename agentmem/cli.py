@@ -241,7 +241,8 @@ def _chat_turn(live: Session, message: str | list[dict[str, str]], **generation:
         _discard_turn(live, before)
         return False
     typer.echo("")
-    reread = f", re-read {usage.reprefilled_tokens} (the history had changed)" if usage.reprefilled_tokens else ""
+    reread = (f", dropped {usage.dropped_tokens} cached and re-read {usage.reprefilled_tokens} (the history had changed)"
+              if usage.dropped_tokens else "")
     typer.echo(f"  [read {usage.prefilled_tokens} new tokens, reused {usage.reused_tokens}{reread}; "
                f"{usage.live_tokens} live rows hold {usage.logical_tokens} tokens]", err=True)
     if usage.finish_reason == "length":

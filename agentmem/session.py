@@ -38,7 +38,10 @@ class Usage:
     live_tokens: int = 0
     logical_tokens: int = 0
     live_bytes: int = 0
-    reprefilled_tokens: int = 0  # read again because the caller's history diverged from the session's
+    # When the caller's history diverged from the session's: cached tokens thrown away from the
+    # divergence on, and the tokens of this turn read at positions the cache had held (read again).
+    dropped_tokens: int = 0
+    reprefilled_tokens: int = 0
     finish_reason: str = "stop"
     compaction_events: list[dict[str, Any]] = field(default_factory=list)  # rows before/after, seconds
 
@@ -160,6 +163,7 @@ class Session:
     def _reconcile(self, conversation: list[dict[str, Any]], usage: Usage) -> list[int]:
         """Tokens to read so the cache holds ``conversation``; re-reads from a divergence, visibly."""
         engine = self.manager.engine
+        held = self.cache.logical_length
         try:
             delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
         except HistoryDivergence as diverged:
@@ -170,16 +174,17 @@ class Session:
             # read again, since generation needs its logits.
             self._rewind(self.cache.logical_length - 1, usage)
             delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
+        usage.reprefilled_tokens += min(len(delta), held - self.cache.logical_length)
         return delta
 
     def _rewind(self, keep_tokens: int, usage: Usage) -> None:
-        """Drop what the cache holds after its first ``keep_tokens`` tokens, counting what must be re-read."""
+        """Drop what the cache holds after its first ``keep_tokens`` tokens, counting them."""
         held = self.cache.logical_length
         if keep_tokens >= held - self.cache.layers[0].tail_length:
             self.cache.truncate(keep_tokens)
         else:  # the cut reaches into compacted rows: only a full re-read is exact
             self.cache = self.manager.engine.new_cache()
-        usage.reprefilled_tokens += held - self.cache.logical_length
+        usage.dropped_tokens += held - self.cache.logical_length
 
     def _check_context(self, needed: int) -> None:
         limit = self.policy.max_context_tokens

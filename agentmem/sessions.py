@@ -273,7 +273,7 @@ class SessionManager:
         return self._worker.room(need, (keep.tenant, keep.session_id))
 
     def _record_turn(self, session: Session, usage: Usage) -> None:
-        for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "reprefilled_tokens"):
+        for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "dropped_tokens", "reprefilled_tokens"):
             self.metrics.add(name, getattr(usage, name))  # compactions are counted where they happen
         self.metrics.add("turns")
         self._worker.enforce(keep=session)

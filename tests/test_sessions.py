@@ -171,10 +171,16 @@ def test_edited_history_is_reread_and_reported(tiny, tmp_path):
         session.chat("Thanks.", max_new_tokens=3)
         edited = session.messages
         edited[0] = {"role": "user", "content": "My code is 9999."}
-        reply = session.chat(edited + [{"role": "user", "content": "Repeat it."}], max_new_tokens=3)
-        assert reply.usage.reprefilled_tokens > 0
+        held = session.cache.token_ids
         fresh = tiny.chat_delta(tiny.new_cache(), edited + [{"role": "user", "content": "Repeat it."}])
+        common = next(i for i, (a, b) in enumerate(zip(held, fresh)) if a != b)
+        reply = session.chat(edited + [{"role": "user", "content": "Repeat it."}], max_new_tokens=3)
         assert session.cache.token_ids[: len(fresh)] == fresh  # the cache now holds the edited history only
+        usage = reply.usage
+        assert usage.dropped_tokens == len(held) - common  # everything cached from the edit on
+        assert usage.prefilled_tokens == len(fresh) - common  # the new history from the edit on ...
+        assert usage.reprefilled_tokens == min(len(fresh), len(held)) - common  # ... of which this much again
+        assert manager.stats()["reprefilled_tokens"] == usage.reprefilled_tokens
 
 
 def test_fork_copies_and_diverges(tiny, tmp_path):
