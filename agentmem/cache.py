@@ -16,7 +16,9 @@ step never copies the cache (transformers' ``DynamicCache`` concatenates every s
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 from agentmem.errors import CorruptSessionError, InvalidInput
 
 CACHE_FORMAT_VERSION = 1
+SEGMENT_PARTS = ("keys", "values", "beta", "scores")  # a segment's packed tensors, as exported
 _CAPACITY_QUANTUM = 64  # slots: buffers are sized in multiples of this (an empty cache holds none)
 
 
@@ -187,15 +190,27 @@ class LayerCache:
 
     def segment(self, j: int) -> CompactedSegment:
         layout = self.layouts[j]
-        keys, values, beta, scores = [], [], [], []
+        rows = sum(layout.head_rows)
+        parts = {}
+        for part in SEGMENT_PARTS:
+            dtype = torch.float32 if part == "scores" else self._keys.dtype
+            shape = (rows, self._keys.shape[-1]) if part in ("keys", "values") else (rows,)
+            parts[part] = self.gather(j, part, torch.empty(shape, dtype=dtype, device=self._keys.device))
+        return CompactedSegment(head_rows=layout.head_rows, span=layout.span, **parts)
+
+    def gather(self, j: int, part: str, out: torch.Tensor) -> torch.Tensor:
+        """Write segment ``j``'s packed ``part`` (one of :data:`SEGMENT_PARTS`) into ``out``, on any device or dtype.
+
+        A copy into page-locked memory is asynchronous: synchronise before reading ``out``.
+        """
+        layout = self.layouts[j]
+        source = {"keys": self._keys, "values": self._values, "beta": self.bias, "scores": self.scores}[part]
+        start = 0
         for h, n in enumerate(layout.head_rows):
-            rows = slice(layout.offset, layout.offset + n)
-            keys.append(self._keys[h, rows])
-            values.append(self._values[h, rows])
-            beta.append(self.bias[h, rows] if self.bias is not None else self._keys.new_zeros(0))
-            scores.append(self.scores[h, rows] if self.scores is not None else self._keys.new_zeros(0, dtype=torch.float32))
-        return CompactedSegment(torch.cat(keys), torch.cat(values), torch.cat(beta), layout.head_rows, layout.span,
-                                torch.cat(scores))
+            if n:  # a segment of no rows at all has no bias table to read
+                out[start : start + n].copy_(source[h, layout.offset : layout.offset + n], non_blocking=True)
+            start += n
+        return out
 
     def slot_view(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Buffer slots ``[start, end)`` as ``(keys, values, prior)``: views plus a float32 ``(H, n)`` bias.
@@ -414,19 +429,33 @@ class SessionCache:
 
         ``SessionCache.from_tensors(*cache.to_tensors())`` rebuilds the cache bit-exactly.
         """
-        tensors: dict[str, torch.Tensor] = {
-            "token_ids": torch.tensor(self._token_ids, dtype=torch.int64, device="cpu"),
-        }
+        exports, meta = self.export()
+        return {name: export.write(torch.empty(export.shape, dtype=export.dtype, device="cpu"))
+                for name, export in exports.items()}, meta
+
+    def export(self) -> tuple[dict[str, TensorExport], dict[str, Any]]:
+        """What :meth:`to_tensors` returns, unmaterialised: each tensor's shape, dtype and a writer.
+
+        An encoder lays every tensor straight into its place in one output buffer (one copy of
+        the rows, converted on the way), instead of materialising them and serialising copies.
+        """
+        exports = {"token_ids": TensorExport(
+            (self.logical_length,), torch.int64,
+            lambda out: out.copy_(torch.tensor(self._token_ids, dtype=torch.int64, device=out.device)))}
         layers_meta = []
         for i, layer in enumerate(self.layers):
-            segments_meta = []
-            for j, seg in enumerate(layer.segments):
-                for part in ("keys", "values", "beta", "scores"):
-                    tensors[f"layers.{i}.segments.{j}.{part}"] = getattr(seg, part).detach().cpu().contiguous()
-                segments_meta.append({"head_rows": list(seg.head_rows), "span": list(seg.span)})
-            tensors[f"layers.{i}.tail.keys"] = layer.tail_keys.detach().cpu().contiguous()
-            tensors[f"layers.{i}.tail.values"] = layer.tail_values.detach().cpu().contiguous()
-            layers_meta.append({"segments": segments_meta, "tail_length": layer.tail_length})
+            for j, layout in enumerate(layer.layouts):
+                rows = sum(layout.head_rows)
+                for part in SEGMENT_PARTS:
+                    exports[f"layers.{i}.segments.{j}.{part}"] = TensorExport(
+                        (rows, self.head_dim) if part in ("keys", "values") else (rows,),
+                        torch.float32 if part == "scores" else self.dtype, functools.partial(layer.gather, j, part))
+            for part in ("keys", "values"):
+                exports[f"layers.{i}.tail.{part}"] = TensorExport(
+                    (self.num_kv_heads, layer.tail_length, self.head_dim), self.dtype,
+                    functools.partial(_copy_into, getattr(layer, f"tail_{part}")))
+            layers_meta.append({"segments": [{"head_rows": list(s.head_rows), "span": list(s.span)} for s in layer.layouts],
+                                "tail_length": layer.tail_length})
         meta = {
             "format_version": CACHE_FORMAT_VERSION,
             "fingerprint": self.fingerprint,
@@ -437,7 +466,7 @@ class SessionCache:
             "logical_length": self.logical_length,
             "layers": layers_meta,
         }
-        return tensors, meta
+        return exports, meta
 
     @classmethod
     def from_tensors(
@@ -499,6 +528,19 @@ class SessionCache:
         if len(layers) != int(meta["num_layers"]):
             raise CorruptSessionError(f"{len(layers)} layers stored, layout says {meta['num_layers']}")
         return cls(layers, token_ids.tolist(), str(meta["fingerprint"]))
+
+
+@dataclass(frozen=True)
+class TensorExport:
+    """One tensor of an export: ``write(out)`` fills ``out`` (this shape, any dtype or device) and returns it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    write: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _copy_into(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(source, non_blocking=True)
 
 
 def buffer_nbytes(prefix_slots: int, tail: int, *, heads: int, head_dim: int, element_size: int) -> int:

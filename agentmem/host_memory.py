@@ -1,8 +1,8 @@
-"""The host buffers a resume reads a stored session into.
+"""The host buffers a spill encodes a session into and a resume reads one into.
 
-A cache bound for a CUDA device is read into page-locked (pinned) memory: the copy from there
-to the device is a DMA at the bus's speed (55 GB/s on an H200 against 8.4 GB/s from pageable
-memory, ``../shared/gpu/README.md``) and runs asynchronously while the next layer is laid out.
+For a cache on a CUDA device they are page-locked (pinned): copies between them and the device
+are DMA at the bus's speed (55 GB/s on an H200 against 8.4 GB/s from pageable memory,
+``../shared/gpu/README.md``) and run asynchronously while the next tensor is laid out.
 A CPU cache gets a plain ``bytearray``: pinning would buy nothing and cost the allocation.
 Records read this way may stay in the host tier, which is then pinned too.
 """
@@ -20,5 +20,5 @@ def pinned_buffer(nbytes: int) -> memoryview:
 
 
 def read_buffer_for(device: torch.device | str) -> Allocate:
-    """What a store read for a cache on ``device`` should land in; see the module docstring."""
+    """What a spill or a store read for a cache on ``device`` should use; see the module docstring."""
     return pinned_buffer if torch.device(device).type == "cuda" else bytearray

@@ -27,6 +27,7 @@ from agentmem.errors import (
     VersionConflict,
 )
 from agentmem.leases import LeaseKeeper
+from agentmem.host_memory import read_buffer_for
 from agentmem.ledger import DeviceLedger, Key
 from agentmem.metrics import Metrics
 from agentmem.policy import BudgetPolicy
@@ -199,7 +200,9 @@ class SpillWorker:
             tenant=session.tenant, session_id=session.session_id, model_fingerprint=self.engine.fingerprint,
             logical_length=session.cache.logical_length, messages=session.messages,
             policy=policy.name, created_at=session.created_at, updated_at=time.time(),
-            ttl_seconds=policy.ttl_seconds, blob=encode_cache(session.cache, dtype=policy.storage_dtype),
+            ttl_seconds=policy.ttl_seconds,
+            # Page-locked on a GPU: the copy out of the device is DMA, and a host-tier copy resumes at bus speed.
+            blob=encode_cache(session.cache, dtype=policy.storage_dtype, into=read_buffer_for(self.engine.device)),
         )
 
     # ------------------------------------------------------------------------ the device budget

@@ -184,11 +184,11 @@ def main() -> None:
                 session_id = f"s{length}-{variant.split()[0]}"
                 record = SessionRecord(tenant="bench", session_id=session_id, model_fingerprint=engine.fingerprint,
                                        logical_length=cache.logical_length,
-                                       blob=encode_cache(cache, dtype=args.storage_dtype))
+                                       blob=encode_cache(cache, dtype=args.storage_dtype, into=read_buffer_for(device)))
                 for name, (store, url) in tiers.items():
                     def spill() -> None:
-                        store.put("bench", session_id, record.model_copy(
-                            update={"blob": encode_cache(cache, dtype=args.storage_dtype)}))
+                        blob = encode_cache(cache, dtype=args.storage_dtype, into=read_buffer_for(device))
+                        store.put("bench", session_id, record.model_copy(update={"blob": blob}))
 
                     def resume() -> SessionCache:
                         got = store.get("bench", session_id, into=read_buffer_for(device))

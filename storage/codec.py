@@ -27,15 +27,16 @@ import math
 import os
 import struct
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import xxhash
-from safetensors.torch import save as st_save
 
-from agentmem.cache import SessionCache, buffer_nbytes
+from agentmem.cache import SessionCache, TensorExport, buffer_nbytes
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
+from agentmem.record import Allocate
 
 _META_KEY = "agentmem"
 _HEADER_SUM_KEY = "agentmem_header_xxh3"
@@ -55,29 +56,32 @@ _TENSOR_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _TENSOR_DTYPES.items()}
 _SCALE_SUFFIX = ".int8_scale"
 
 
-def encode_cache(cache: SessionCache, *, dtype: str = "auto") -> bytes:
-    """Serialise ``cache`` for a store, its rows converted to the storage ``dtype``."""
+def encode_cache(cache: SessionCache, *, dtype: str = "auto", into: Allocate = bytearray) -> bytearray | memoryview:
+    """Serialise ``cache`` for a store, its rows converted to the storage ``dtype``, into ``into(nbytes)``.
+
+    The layout (names, shapes, offsets) is known before a row is read, so the output is
+    allocated once and every tensor is copied once, straight from the cache's buffer into its
+    place, converted on the way — where materialising the tensors and serialising them took
+    four copies. From a GPU into page-locked memory (``into``) those copies are asynchronous
+    DMA. The checksums are then computed on several cores, and the header written in front.
+    """
     if dtype not in STORAGE_CHOICES:
         raise InvalidInput(f"unknown storage dtype {dtype!r}; choose one of {', '.join(STORAGE_CHOICES)}")
     if dtype == "auto":
         dtype = _storage_name(cache.dtype)
-    tensors, layout = cache.to_tensors()
-    stored: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if not tensor.is_floating_point():
-            stored[name] = tensor
-        elif name.endswith((".beta", ".scores")):
-            stored[name] = tensor.to(torch.float32)
-        elif dtype == "int8":
-            stored[name], stored[name + _SCALE_SUFFIX] = _quantize(tensor)
-        else:
-            stored[name] = tensor.to(STORAGE_DTYPES[dtype])
-    tensors_only = st_save(stored)
-    data_start = 8 + struct.unpack("<Q", tensors_only[:8])[0]
-    data = memoryview(tensors_only)[data_start:]
+    exports, layout = cache.export()
+    stored = _stored_tensors(exports, dtype, cache.device)
+    # Larger elements first (as safetensors orders them): every tensor lies aligned to its element size.
+    entries, offset = {}, 0
+    for name in sorted(stored, key=lambda n: (-stored[n][1].itemsize, n)):
+        shape, stored_dtype, _ = stored[name]
+        size = math.prod(shape) * stored_dtype.itemsize
+        entries[name] = {"dtype": _SAFETENSORS_NAMES[stored_dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
     header = {
         "format_version": FORMAT_VERSION,
         "fingerprint": cache.fingerprint,
@@ -85,16 +89,53 @@ def encode_cache(cache: SessionCache, *, dtype: str = "auto") -> bytes:
         "cache_dtype": str(cache.dtype).removeprefix("torch."),
         "logical_length": cache.logical_length,
         "layout": layout,
-        "data_bytes": len(data),
-        "checksum": {"algorithm": "xxh3_64", "chunk_bytes": CHECKSUM_CHUNK, "chunks": _chunk_sums(data)},
+        "data_bytes": offset,
+        "checksum": {"algorithm": "xxh3_64", "chunk_bytes": CHECKSUM_CHUNK,
+                     "chunks": ["0" * 16] * len(range(0, max(1, offset), CHECKSUM_CHUNK))},  # filled in below
     }
-    # Add the metadata to the safetensors JSON header; the data region is unchanged by it.
-    st_header = json.loads(tensors_only[8:data_start])
-    st_header["__metadata__"] = {_META_KEY: json.dumps(header, separators=(",", ":"))}
+    data_start = 8 + len(_serialised_header(entries, header))  # hex digests are fixed-width: the length is final
+    blob = into(data_start + offset)
+    if offset:
+        region = torch.frombuffer(blob, dtype=torch.uint8, offset=data_start, count=offset)
+        for name, entry in entries.items():
+            start, end = entry["data_offsets"]
+            shape, stored_dtype, fill = stored[name]
+            if end > start:
+                fill(region[start:end].view(stored_dtype).view(shape))
+        if cache.device.type == "cuda":
+            torch.cuda.current_stream(cache.device).synchronize()  # the copies into host memory have landed
+    header["checksum"]["chunks"] = _chunk_sums(memoryview(blob)[data_start:])
+    head = _serialised_header(entries, header)
+    blob[:data_start] = struct.pack("<Q", len(head)) + head
+    return blob
+
+
+def _stored_tensors(exports: dict[str, TensorExport], dtype: str, device: torch.device,
+                    ) -> dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[torch.Tensor], object]]]:
+    """Per stored tensor: shape, storage dtype, and a writer that fills its place in the blob."""
+    stored = {}
+    for name, export in exports.items():
+        if not export.dtype.is_floating_point:
+            stored[name] = (export.shape, export.dtype, export.write)
+        elif name.endswith((".beta", ".scores")):  # tiny, and every logit uses β: always float32
+            stored[name] = (export.shape, torch.float32, export.write)
+        elif dtype == "int8":
+            quantized = functools.cache(lambda export=export: _quantize(
+                export.write(torch.empty(export.shape, dtype=torch.float32, device=device))))
+            scale_shape = (*export.shape[:-2], 1, export.shape[-1])
+            stored[name] = (export.shape, torch.int8, lambda out, q=quantized: out.copy_(q()[0]))
+            stored[name + _SCALE_SUFFIX] = (scale_shape, torch.float32, lambda out, q=quantized: out.copy_(q()[1]))
+        else:
+            stored[name] = (export.shape, STORAGE_DTYPES[dtype], export.write)
+    return stored
+
+
+def _serialised_header(entries: dict[str, Any], header: dict[str, Any]) -> bytes:
+    """The safetensors header: the tensor table plus our header and its checksum, padded to 8 bytes."""
+    st_header = {**entries, "__metadata__": {_META_KEY: json.dumps(header, separators=(",", ":"))}}
     st_header["__metadata__"][_HEADER_SUM_KEY] = xxhash.xxh3_64_hexdigest(_canonical(st_header))
     head = _canonical(st_header)
-    head += b" " * (-len(head) % 8)  # safetensors keeps the data region 8-byte aligned
-    return struct.pack("<Q", len(head)) + head + data.tobytes()
+    return head + b" " * (-len(head) % 8)  # safetensors keeps the data region 8-byte aligned
 
 
 def _storage_name(dtype: torch.dtype) -> str:

@@ -193,10 +193,20 @@ def test_a_tensor_entry_pointing_outside_the_data_is_refused(cache):
 
 
 def test_blob_is_a_plain_safetensors_file(cache):
+    """The encoder writes the safetensors layout itself; safetensors' own reader must accept it whole."""
     from safetensors.torch import load
 
-    tensors = load(encode_cache(cache, dtype="fp32"))
-    assert torch.equal(tensors["token_ids"], torch.tensor(cache.token_ids))
+    for dtype in ("fp32", "fp16", "int8"):
+        tensors = load(bytes(encode_cache(cache, dtype=dtype)))
+        exported = cache.to_tensors()[0]
+        assert set(tensors) - set(exported) == ({n + ".int8_scale" for n in exported if n.endswith((".keys", ".values"))}
+                                                if dtype == "int8" else set())
+        assert torch.equal(tensors["token_ids"], torch.tensor(cache.token_ids))
+        if dtype != "int8":
+            for name, tensor in exported.items():
+                as_stored = dtype == "fp32" or not tensor.is_floating_point() or name.endswith((".beta", ".scores"))
+                expected = tensor if as_stored else tensor.half()
+                assert tensors[name].dtype == expected.dtype and torch.equal(tensors[name], expected), name
 
 
 def test_unknown_storage_dtype_is_refused(cache):
