@@ -12,6 +12,11 @@ inspected with any safetensors tool. Keeping it one file (not a header in front 
 reader parse the stored bytes in place, without a copy. Blobs of format 1 (one SHA-256 of the
 data) are still read.
 
+The rows are copied once each way: the encoder writes the safetensors layout itself and copies
+every tensor from the cache's buffer straight into its place in the blob; the decoder reads
+tensors as views of the blob and copies them straight into the new cache's buffer. Both take
+the buffer from the caller (page-locked memory for a GPU cache, where the copies are DMA).
+
 Storage dtypes: ``auto`` (the cache's own dtype: bit-exact, the default), ``fp32``, ``fp16``
 and ``bf16`` (rounded), and ``int8`` (symmetric, one fp32 scale per channel — per head and
 dimension for the raw tail, per dimension for a segment). β is always kept in fp32: it is tiny
