@@ -76,7 +76,7 @@ class SessionRecord(BaseModel):
     version: int = Field(default=0, ge=0)
     ttl_seconds: float | None = Field(default=None, gt=0)
     # A store's read fills one preallocated buffer (no second copy to make it bytes).
-    blob: bytes | InstanceOf[bytearray] | InstanceOf[memoryview] = b""
+    blob: InstanceOf[bytes] | InstanceOf[bytearray] | InstanceOf[memoryview] = b""
 
     @property
     def expires_at(self) -> float | None:

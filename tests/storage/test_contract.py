@@ -258,3 +258,18 @@ def test_the_token_log_is_kept_once_in_the_blob_and_old_metadata_still_reads():
     restored = restore(old, b"blob", 3)
     assert restored.model_dump(exclude={"created_at", "updated_at"}) == fresh.model_copy(
         update={"version": 3}).model_dump(exclude={"created_at", "updated_at"})
+
+
+def test_a_record_holds_its_blob_without_copying_it():
+    """A spill's record wraps the encoder's bytearray, a resume's the store's buffer: a union that
+    tried ``bytes`` first copied every blob whole (and threw the copy away) on each of them."""
+    import tracemalloc
+
+    for blob in (bytearray(64 * 2**20), memoryview(bytearray(64 * 2**20)), bytes(64 * 2**20)):
+        tracemalloc.start()
+        try:
+            rec = SessionRecord(tenant="acme", session_id="s", model_fingerprint="m", logical_length=0, blob=blob)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert rec.blob is blob and peak < 2**20, (type(blob).__name__, peak)
