@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from agentmem.errors import CorruptSessionError, InvalidInput
+from agentmem.host_memory import wait_for_copies
 
 CACHE_FORMAT_VERSION = 1
 SEGMENT_PARTS = ("keys", "values", "beta", "scores")  # a segment's packed tensors, as exported
@@ -491,8 +492,7 @@ class SessionCache:
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
             raise CorruptSessionError(f"cache tensors do not match their layout: {exc!r}") from exc
         finally:
-            if torch.device(device).type == "cuda":
-                torch.cuda.current_stream(device).synchronize()  # the sources may be freed once we return
+            wait_for_copies(device)  # the sources may be freed once we return
 
     @classmethod
     def _from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device, dtype) -> SessionCache:

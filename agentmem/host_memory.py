@@ -19,6 +19,17 @@ def pinned_buffer(nbytes: int) -> memoryview:
     return memoryview(torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True).numpy())
 
 
+def wait_for_copies(device: torch.device | str) -> None:
+    """Return once the copies queued between host memory and ``device`` have landed.
+
+    Copies to or from page-locked memory are asynchronous: their host side must not be read,
+    reused or freed before this. On a CPU device every copy has already happened.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def read_buffer_for(device: torch.device | str) -> Allocate:
     """What a spill or a store read for a cache on ``device`` should use; see the module docstring."""
     return pinned_buffer if torch.device(device).type == "cuda" else bytearray

@@ -26,8 +26,8 @@ from agentmem.errors import (
     StoreUnavailable,
     VersionConflict,
 )
-from agentmem.leases import LeaseKeeper
 from agentmem.host_memory import read_buffer_for
+from agentmem.leases import LeaseKeeper
 from agentmem.ledger import DeviceLedger, Key
 from agentmem.metrics import Metrics
 from agentmem.policy import BudgetPolicy

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from agentmem.errors import CorruptSessionError
+from agentmem.errors import CorruptSessionError, InvalidInput
 from agentmem.record import Allocate
 
 
@@ -49,7 +49,7 @@ def read_chunks(chunks: Iterable[bytes], nbytes: int, *, session: str, recorded_
     """
     blob = into(nbytes)
     if len(blob) != nbytes:
-        raise ValueError(f"the buffer for {nbytes} bytes has {len(blob)}")
+        raise InvalidInput(f"session {session}: the read buffer allocated for {nbytes} bytes holds {len(blob)}")
     filled = 0
     for chunk in chunks:
         end = filled + len(chunk)

@@ -41,6 +41,7 @@ import xxhash
 
 from agentmem.cache import SessionCache, TensorExport, buffer_nbytes
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
+from agentmem.host_memory import wait_for_copies
 from agentmem.record import Allocate
 
 _META_KEY = "agentmem"
@@ -107,8 +108,7 @@ def encode_cache(cache: SessionCache, *, dtype: str = "auto", into: Allocate = b
             shape, stored_dtype, fill = stored[name]
             if end > start:
                 fill(region[start:end].view(stored_dtype).view(shape))
-        if cache.device.type == "cuda":
-            torch.cuda.current_stream(cache.device).synchronize()  # the copies into host memory have landed
+        wait_for_copies(cache.device)  # before the checksums read the blob
     header["checksum"]["chunks"] = _chunk_sums(memoryview(blob)[data_start:])
     head = _serialised_header(entries, header)
     blob[:data_start] = struct.pack("<Q", len(head)) + head

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentmem.errors import CorruptSessionError
+from agentmem.errors import CorruptSessionError, InvalidInput
 from agentmem.storage.chunks import chunk_count, read_chunks, write_chunks
 
 
@@ -40,3 +40,9 @@ def test_the_reader_puts_back_what_the_writer_cut(size):
 def test_a_missing_or_extra_chunk_is_a_corrupt_session(chunks):
     with pytest.raises(CorruptSessionError, match=f"acme/s1: blob is {sum(map(len, chunks))} bytes, meta says 10"):
         read_chunks(iter(chunks), 10, session="acme/s1", recorded_in="meta")
+
+
+def test_a_read_buffer_of_the_wrong_size_is_refused():
+    """An allocator that hands back a shorter or longer buffer would leave garbage or lose bytes."""
+    with pytest.raises(InvalidInput, match="acme/s1: the read buffer allocated for 10 bytes holds 9"):
+        read_chunks(iter([b"0123456789"]), 10, session="acme/s1", recorded_in="meta", into=lambda n: bytearray(n - 1))
