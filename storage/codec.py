@@ -29,7 +29,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import struct
 import warnings
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from agentmem.cache import SessionCache, TensorExport, buffer_nbytes
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
 from agentmem.host_memory import wait_for_copies
 from agentmem.record import Allocate
+from agentmem.storage.chunks import digests
 
 _META_KEY = "agentmem"
 _HEADER_SUM_KEY = "agentmem_header_xxh3"
@@ -156,18 +156,8 @@ def _canonical(st_header: dict[str, Any]) -> bytes:
 
 
 def _chunk_sums(data: memoryview) -> list[str]:
-    """XXH3-64 of every ``CHECKSUM_CHUNK`` bytes, hashed on several cores (xxhash releases the GIL)."""
-    starts = range(0, max(1, len(data)), CHECKSUM_CHUNK)
-    digest = lambda start: xxhash.xxh3_64_hexdigest(data[start : start + CHECKSUM_CHUNK])  # noqa: E731
-    if len(starts) == 1:  # most blobs of compacted sessions: no thread hand-off
-        return [digest(0)]
-    return list(_hashers().map(digest, starts))
-
-
-@functools.cache
-def _hashers() -> ThreadPoolExecutor:
-    """One pool for every checksum, made on first use (not one per encode or decode)."""
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="agentmem-xxh3")
+    """XXH3-64 of every ``CHECKSUM_CHUNK`` bytes, hashed on several cores."""
+    return digests(data, CHECKSUM_CHUNK, xxhash.xxh3_64_hexdigest)
 
 
 def read_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:

@@ -6,8 +6,11 @@ The URL picks the client (see :mod:`agentmem.storage.redis_client`): ``redis://h
 than one hash slot at a time. Keys of one session share the hash tag ``{tenant:session}``:
 
 - ``am:{t:s}:meta`` — a hash: ``version``, ``write_id``, ``chunks``, ``nbytes``, ``record``
-  (metadata JSON), ``logical_length``, ``updated_at``, ``expires_at``;
-- ``am:{t:s}:blob:<write_id>:<i>`` — the blob in chunks of ``CHUNK_BYTES``;
+  (metadata JSON), ``logical_length``, ``updated_at``, ``expires_at``, and per chunk position
+  the write that stored it (``chunk_writes``) and its XXH3-128 (``digests``), both JSON lists;
+- ``am:{t:s}:blob:<write_id>:<i>`` — chunk ``i`` of the blob (``CHUNK_BYTES`` each), stored by
+  ``write_id``: a version shares the chunks that did not change with the one it replaced
+  (see :mod:`agentmem.storage.chunks`);
 - ``am:{t:s}:writes`` — ids of puts under way (a set that expires after ``ORPHAN_TTL_MS``);
 - ``am:{t:s}:lease`` — the owner holding the session's lease (SET NX PX).
 
@@ -17,10 +20,11 @@ the index is done in separate steps, ordered so that a process dying between any
 leaves nothing worse than an index entry naming a missing session.
 
 A put takes three steps: (1, session slot) register its ``write_id`` in ``writes`` and store
-the chunks, both expiring after ``ORPHAN_TTL_MS`` so a writer that dies leaves nothing behind
-for long; (2, index slot) add the session to the index; (3, session slot) WATCH the meta
-hash, check the version (compare-and-set), and in one MULTI/EXEC replace the meta, make the
-chunks permanent (or give them the session's TTL), delete the replaced version's chunks and
+the chunks that changed, both expiring after ``ORPHAN_TTL_MS`` so a writer that dies leaves
+nothing behind for long; (2, index slot) add the session to the index; (3, session slot) WATCH
+the meta hash and the chunks it shares, check the version (compare-and-set) and that those
+chunks are still there, and in one MULTI/EXEC replace the meta, make the chunks permanent (or
+give them the session's TTL), delete the replaced version's chunks it does not share and
 unregister the write. A reader therefore sees the old version or the new one, never a mix (a
 reader that loses the race with the chunk deletion simply reads again). A delete removes the
 meta and chunks in one MULTI/EXEC, then the index entry.
@@ -44,6 +48,8 @@ Durability is Redis's: with RDB snapshots alone a restart loses recent writes; u
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -75,7 +81,7 @@ from agentmem.storage.base import (
     page_of,
     restore,
 )
-from agentmem.storage.chunks import chunk_count, read_chunks, write_chunks
+from agentmem.storage.chunks import ChunkPlan, plan_chunks, read_chunks, write_chunks
 from agentmem.storage.redis_client import Client, connect, redact
 
 CHUNK_BYTES = 8 * 2**20
@@ -95,6 +101,8 @@ class RedisStore:
 
     def __init__(self, url: str, *, client: Client | None = None) -> None:
         self.url = url
+        self.bytes_written = 0  # chunk bytes this store has sent (what shared chunks save shows here)
+        self._counting = threading.Lock()
         try:
             self._redis: Client = client or connect(url)
             self._redis.ping()
@@ -108,13 +116,19 @@ class RedisStore:
         meta_key, writes_key = _meta_key(tenant, session_id), _writes_key(tenant, session_id)
         write_id = uuid.uuid4().hex
         blob = record.blob
-        chunk_keys = _chunk_keys(tenant, session_id, write_id, chunk_count(len(blob), CHUNK_BYTES))
+        published = self._call(self._redis.hmget, meta_key, *_LAYOUT_FIELDS)
+        shared_from = None if published[0] is None else published[0].decode()
+        plan = plan_chunks(blob, CHUNK_BYTES, _digests(published))
+        writes = _new_owners(published, plan, write_id)
+        chunk_keys = _keys_of(tenant, session_id, writes)
+        fresh_keys = [chunk_keys[i] for i in plan.fresh]
+        kept_keys = [chunk_keys[i] for i in plan.kept]
         ttl_ms = None if record.ttl_seconds is None else milliseconds(record.ttl_seconds)
 
-        def store_chunks(first: int, chunks: list[memoryview]) -> None:
+        def store_chunks(positions: list[int], chunks: list[memoryview]) -> None:
             with self._redis.pipeline(transaction=False) as pipe:
-                for key, data in zip(chunk_keys[first : first + len(chunks)], chunks):
-                    pipe.set(key, data, px=ORPHAN_TTL_MS)
+                for i, data in zip(positions, chunks):
+                    pipe.set(chunk_keys[i], data, px=ORPHAN_TTL_MS)
                 pipe.execute()
 
         def register_and_store() -> None:
@@ -122,13 +136,15 @@ class RedisStore:
                 pipe.sadd(writes_key, write_id)
                 pipe.pexpire(writes_key, ORPHAN_TTL_MS)
                 pipe.execute()
-            write_chunks(blob, CHUNK_BYTES, store_chunks, per_call=_CHUNKS_PER_PIPELINE)
+            sent = write_chunks(blob, CHUNK_BYTES, store_chunks, positions=plan.fresh, per_call=_CHUNKS_PER_PIPELINE)
+            with self._counting:
+                self.bytes_written += sent
 
         def commit() -> int:
             with self._redis.pipeline(transaction=True) as pipe:
                 try:
-                    pipe.watch(meta_key)
-                    old = pipe.hmget(meta_key, "version", "write_id", "chunks")
+                    pipe.watch(meta_key, *kept_keys)
+                    old = pipe.hmget(meta_key, "version", *_LAYOUT_FIELDS)
                     if not pipe.sismember(writes_key, write_id):
                         raise StoreUnavailable(
                             f"session {tenant}/{session_id}: the write took longer than {ORPHAN_TTL_MS // 1000} s"
@@ -136,12 +152,19 @@ class RedisStore:
                         )
                     current = int(old[0]) if old[0] is not None else 0
                     check_expected_version(tenant, session_id, current, expected_version)
+                    replaced = old[1:]
+                    # The version it shares chunks with was replaced, or its chunks expired, since we read it.
+                    if kept_keys and (replaced[0] is None or replaced[0].decode() != shared_from
+                                      or pipe.exists(*kept_keys) != len(kept_keys)):
+                        raise changed_during_write(tenant, session_id)
                     pipe.multi()
                     pipe.delete(meta_key)
                     pipe.hset(meta_key, mapping={
                         "version": current + 1,
                         "write_id": write_id,
-                        "chunks": len(chunk_keys),
+                        "chunks": plan.count,
+                        "chunk_writes": json.dumps(writes),
+                        "digests": json.dumps(plan.digests),
                         "nbytes": len(blob),
                         "record": record.metadata_json(),
                         "logical_length": record.logical_length,
@@ -153,8 +176,9 @@ class RedisStore:
                             pipe.persist(key)
                         else:
                             pipe.pexpire(key, ttl_ms)
-                    if old[1] is not None:
-                        pipe.delete(*_chunk_keys(tenant, session_id, old[1].decode(), int(old[2])))
+                    unshared = set(_keys_of(tenant, session_id, _owners(replaced))) - set(chunk_keys)
+                    if unshared:
+                        pipe.delete(*unshared)
                     pipe.srem(writes_key, write_id)
                     pipe.execute()
                 except WatchError as exc:
@@ -163,7 +187,8 @@ class RedisStore:
 
         def abandon() -> None:
             with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(*chunk_keys)
+                if fresh_keys:
+                    pipe.delete(*fresh_keys)
                 pipe.srem(writes_key, write_id)
                 pipe.execute()
 
@@ -181,7 +206,7 @@ class RedisStore:
             meta = self._call(self._redis.hgetall, _meta_key(tenant, session_id))
             if not meta or not _alive(meta, time.time()):
                 raise not_found(tenant, session_id)
-            keys = _chunk_keys(tenant, session_id, meta[b"write_id"].decode(), int(meta[b"chunks"]))
+            keys = _keys_of(tenant, session_id, _owners(_layout_of(meta)))
             try:
                 blob = read_chunks(self._fetch_chunks(keys), int(meta[b"nbytes"]), session=f"{tenant}/{session_id}",
                                    recorded_in="meta", into=into)
@@ -214,11 +239,11 @@ class RedisStore:
             with self._redis.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(meta_key)
-                    write_id, chunks = pipe.hmget(meta_key, "write_id", "chunks")
-                    if write_id is None:
+                    layout = pipe.hmget(meta_key, *_LAYOUT_FIELDS)
+                    if layout[0] is None:
                         return False
                     pipe.multi()
-                    pipe.delete(meta_key, *_chunk_keys(tenant, session_id, write_id.decode(), int(chunks)))
+                    pipe.delete(meta_key, *_keys_of(tenant, session_id, _owners(layout)))
                     pipe.execute()
                     return True
                 except WatchError:
@@ -389,8 +414,39 @@ def _chunk_key(tenant: str, session_id: str, write_id: str, index: int) -> str:
     return f"am:{_tag(tenant, session_id)}:blob:{write_id}:{index}"
 
 
-def _chunk_keys(tenant: str, session_id: str, write_id: str, count: int) -> list[str]:
-    return [_chunk_key(tenant, session_id, write_id, i) for i in range(count)]
+def _keys_of(tenant: str, session_id: str, owners: list[str]) -> list[str]:
+    """The keys of a blob's chunks, given the write that stored each."""
+    return [_chunk_key(tenant, session_id, write_id, i) for i, write_id in enumerate(owners)]
+
+
+# The meta fields that say where a version's chunks lie, in this order.
+_LAYOUT_FIELDS = ("write_id", "chunks", "chunk_writes", "digests")
+Layout = list[bytes | None]
+
+
+def _layout_of(meta: dict[bytes, bytes]) -> Layout:
+    return [meta.get(field.encode()) for field in _LAYOUT_FIELDS]
+
+
+def _owners(layout: Layout) -> list[str]:
+    """The write that stored each chunk of the version (a version written before sharing stored all of its own)."""
+    write_id, chunks, chunk_writes, _ = layout
+    if write_id is None:
+        return []
+    if chunk_writes is None:
+        return [write_id.decode()] * int(chunks)
+    return json.loads(chunk_writes)
+
+
+def _digests(layout: Layout) -> list[str | None]:
+    """Each chunk's digest (unknown for a version written before digests were kept: none is shared)."""
+    return [] if layout[3] is None else json.loads(layout[3])
+
+
+def _new_owners(published: Layout, plan: ChunkPlan, write_id: str) -> list[str]:
+    """Per chunk of the new version: the published write it keeps the chunk of, or ``write_id``."""
+    owners, kept = _owners(published), set(plan.kept)
+    return [owners[i] if i in kept else write_id for i in range(plan.count)]
 
 
 def _writes_key(tenant: str, session_id: str) -> str:

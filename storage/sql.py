@@ -2,15 +2,18 @@
 
 One row per (tenant, session) holds the metadata JSON, the blob's size and ``write_id``, and a
 version used for compare-and-set; the blob itself lies in ordered chunk rows of
-``CHUNK_BYTES`` under its ``write_id``, so a session of any size is stored (SQLite caps one
-value at 1e9 bytes, PostgreSQL's ``bytea`` at 1 GB). A put takes three steps, as on Redis:
-(1) stage the chunks, one short transaction each, so other writers interleave; (2) in one
-transaction, check that every staged chunk is there and the version is the expected one,
-and point the session row at the new ``write_id`` (compare-and-set); (3) delete the replaced
-version's chunks. A reader reads the row and its chunks in one snapshot (SQLite WAL;
-REPEATABLE READ on PostgreSQL), so it sees the old version or the new one, never a mix. Chunks
-of a put that died before step 2 are removed by :meth:`SqlStore.prune` once they are
-``ORPHAN_SECONDS`` old.
+``CHUNK_BYTES``, so a session of any size is stored (SQLite caps one value at 1e9 bytes,
+PostgreSQL's ``bytea`` at 1 GB). Each chunk row records the write that staged it
+(``write_id``), its digest, and the write of the version it belongs to now (``published_in``):
+a new version re-publishes the chunks it shares with the replaced one instead of writing them
+again (see :mod:`agentmem.storage.chunks`). A put takes three steps, as on Redis: (1) stage
+the changed chunks, one short transaction each, so other writers interleave; (2) in one
+transaction, check that every staged and every shared chunk is there and the version is the
+expected one, mark them ``published_in`` the new write and point the session row at it
+(compare-and-set); (3) delete the replaced version's chunks that were not shared. A reader
+reads the row and its chunks in one snapshot (SQLite WAL; REPEATABLE READ on PostgreSQL), so
+it sees the old version or the new one, never a mix. Chunks of a put that died before step 2
+are removed by :meth:`SqlStore.prune` once they are ``ORPHAN_SECONDS`` old.
 
 One code path serves every dialect; the few differences are kept small and local:
 
@@ -27,6 +30,7 @@ One code path serves every dialect; the few differences are kept small and local
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -75,7 +79,7 @@ from agentmem.storage.base import (
     page_of,
     restore,
 )
-from agentmem.storage.chunks import read_chunks, write_chunks
+from agentmem.storage.chunks import ChunkPlan, plan_chunks, read_chunks, write_chunks
 
 BUSY_TIMEOUT_MS = 10_000
 _WRITE = "agentmem_write"  # execution option marking a write transaction
@@ -111,6 +115,8 @@ chunks_table = Table(
     Column("seq", Integer, primary_key=True),
     Column("data", LargeBinary, nullable=False),
     Column("staged_at", Float, nullable=False, index=True),
+    Column("digest", String(32)),  # XXH3-128 of ``data`` (NULL for chunks staged before digests were kept)
+    Column("published_in", String(32)),  # the write of the version holding this chunk; NULL while staged
 )
 leases_table = Table(
     "agentmem_leases",
@@ -137,6 +143,16 @@ _sessions_v1 = Table(
     Column("updated_at", Float, nullable=False),
     Column("expires_at", Float, nullable=True, index=True),
 )
+_chunks_v3 = Table(
+    "agentmem_chunks",
+    _history,
+    Column("tenant", String(128), primary_key=True),
+    Column("session_id", _SESSION_ID, primary_key=True),
+    Column("write_id", String(32), primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("data", LargeBinary, nullable=False),
+    Column("staged_at", Float, nullable=False, index=True),
+)
 
 
 def _create_v1(conn: Connection) -> None:
@@ -149,16 +165,16 @@ def _add_leases_v2(conn: Connection) -> None:
 
 def _chunk_blobs_v3(conn: Connection) -> None:
     """Move every blob into chunk rows, drop the blob column, widen ``nbytes`` to 64 bits."""
-    metadata.create_all(conn, tables=[chunks_table])
+    _history.create_all(conn, tables=[_chunks_v3])
     conn.execute(text("ALTER TABLE agentmem_sessions ADD COLUMN write_id VARCHAR(32)"))
     old = _sessions_v1.c
     for tenant, session_id in conn.execute(select(old.tenant, old.session_id)).all():
         blob = conn.execute(select(old.blob).where(old.tenant == tenant, old.session_id == session_id)).scalar_one()
         write_id = uuid.uuid4().hex
 
-        def insert_chunk(seq: int, data: list[memoryview]) -> None:
-            conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id, seq=seq,
-                                                     data=data[0], staged_at=time.time()))
+        def insert_chunk(seqs: list[int], data: list[memoryview]) -> None:
+            conn.execute(insert(_chunks_v3).values(tenant=tenant, session_id=session_id, write_id=write_id, seq=seqs[0],
+                                                   data=data[0], staged_at=time.time()))
 
         write_chunks(blob, CHUNK_BYTES, insert_chunk)
         conn.execute(update(sessions_table).where(*_key(tenant, session_id)).values(write_id=write_id))
@@ -167,8 +183,17 @@ def _chunk_blobs_v3(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE agentmem_sessions ALTER COLUMN nbytes TYPE BIGINT"))
 
 
+def _share_chunks_v4(conn: Connection) -> None:
+    """Give chunks a digest (unknown for existing ones: rewritten once) and the version they belong to."""
+    conn.execute(text("ALTER TABLE agentmem_chunks ADD COLUMN digest VARCHAR(32)"))
+    conn.execute(text("ALTER TABLE agentmem_chunks ADD COLUMN published_in VARCHAR(32)"))
+    t, c = sessions_table.c, chunks_table.c
+    conn.execute(update(chunks_table).values(published_in=c.write_id).where(
+        exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id)))
+
+
 # Each entry brings the schema from version i to i + 1; append, never edit.
-MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1, _add_leases_v2, _chunk_blobs_v3]
+MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1, _add_leases_v2, _chunk_blobs_v3, _share_chunks_v4]
 
 
 class SqlStore:
@@ -176,6 +201,8 @@ class SqlStore:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.bytes_written = 0  # chunk bytes this store has staged (what shared chunks save shows here)
+        self._counting = threading.Lock()
         try:
             self._engine = self._make_engine(url)
             self._writer = self._engine.execution_options(**{_WRITE: True})
@@ -228,9 +255,13 @@ class SqlStore:
     def put(self, tenant: str, session_id: str, record: SessionRecord, *, expected_version: int | None = None) -> int:
         check_record_key(tenant, session_id, record)
         write_id = uuid.uuid4().hex
-        count = self._stage(tenant, session_id, write_id, record.blob)
+        shared_from, published = self._published_digests(tenant, session_id)
+        plan = plan_chunks(record.blob, CHUNK_BYTES, published)
+        staged = self._stage(tenant, session_id, write_id, record.blob, plan)
+        with self._counting:
+            self.bytes_written += staged
         try:
-            version, replaced = self._publish(tenant, session_id, record, write_id, count, expected_version)
+            version, replaced = self._publish(tenant, session_id, record, write_id, plan, shared_from, expected_version)
         except BaseException:
             # Only if unpublished: a COMMIT that failed ambiguously may still have published them.
             self._discard(tenant, session_id, write_id, unless_published=True)
@@ -239,20 +270,32 @@ class SqlStore:
             self._discard(tenant, session_id, replaced)
         return version
 
-    def _stage(self, tenant: str, session_id: str, write_id: str, blob: bytes) -> int:
-        """Store the blob's chunks under ``write_id``, one transaction per chunk; their count."""
+    def _published_digests(self, tenant: str, session_id: str) -> tuple[str | None, list[str | None]]:
+        """The published version's write id and its chunks' digests by position (empty if none)."""
+        c = chunks_table.c
+        with self._snapshot() as conn:
+            write_id = conn.execute(select(sessions_table.c.write_id).where(*_key(tenant, session_id))).scalar()
+            if write_id is None:
+                return None, []
+            rows = conn.execute(select(c.seq, c.digest).where(*_published_key(tenant, session_id, write_id))).all()
+        found = dict(rows)
+        return write_id, [found.get(seq) for seq in range(max(found, default=-1) + 1)]
 
-        def stage_chunk(seq: int, data: list[memoryview]) -> None:
+    def _stage(self, tenant: str, session_id: str, write_id: str, blob: bytes, plan: ChunkPlan) -> int:
+        """Store the plan's fresh chunks under ``write_id``, one transaction per chunk; the bytes staged."""
+
+        def stage_chunk(seqs: list[int], data: list[memoryview]) -> None:
             with self._transaction() as conn:
                 conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id,
-                                                         seq=seq, data=data[0], staged_at=time.time()))
+                                                         seq=seqs[0], data=data[0], digest=plan.digests[seqs[0]],
+                                                         staged_at=time.time()))
 
-        return write_chunks(blob, CHUNK_BYTES, stage_chunk)
+        return write_chunks(blob, CHUNK_BYTES, stage_chunk, positions=plan.fresh)
 
-    def _publish(self, tenant: str, session_id: str, record: SessionRecord, write_id: str, count: int,
-                 expected_version: int | None) -> tuple[int, str | None]:
+    def _publish(self, tenant: str, session_id: str, record: SessionRecord, write_id: str, plan: ChunkPlan,
+                 shared_from: str | None, expected_version: int | None) -> tuple[int, str | None]:
         """Compare-and-set the session row onto ``write_id``; the new version and the replaced write id."""
-        key = _key(tenant, session_id)
+        key, c = _key(tenant, session_id), chunks_table.c
         values = {
             "record": record.metadata_json(),
             "write_id": write_id,
@@ -261,16 +304,24 @@ class SqlStore:
             "updated_at": record.updated_at,
             "expires_at": record.expires_at,
         }
+        lost = StoreUnavailable(f"session {tenant}/{session_id}: chunks of this write were removed before it "
+                                "committed (a concurrent delete); write again")
         with self._transaction() as conn:
-            staged = conn.execute(select(chunks_table.c.seq).where(*_chunk_key(tenant, session_id, write_id))
-                                  .with_for_update()).all()
-            if len(staged) != count:
-                raise StoreUnavailable(f"session {tenant}/{session_id}: {count - len(staged)} staged chunks of this "
-                                       "write were removed before it committed (a concurrent delete); write again")
+            staged = conn.execute(select(c.seq).where(*_chunk_key(tenant, session_id, write_id)).with_for_update()).all()
+            if len(staged) != len(plan.fresh):
+                raise lost
             current = conn.execute(select(sessions_table.c.version, sessions_table.c.write_id).where(*key)
                                    .with_for_update()).first()
             found = current.version if current else 0
             check_expected_version(tenant, session_id, found, expected_version)
+            if plan.kept and (current is None or current.write_id != shared_from):
+                raise changed_during_write(tenant, session_id)  # the chunks it meant to share may be gone
+            if plan.kept:
+                shared = conn.execute(update(chunks_table).where(
+                    *_published_key(tenant, session_id, shared_from), c.seq.in_(plan.kept)).values(published_in=write_id))
+                if shared.rowcount != len(plan.kept):
+                    raise lost
+            conn.execute(update(chunks_table).where(*_chunk_key(tenant, session_id, write_id)).values(published_in=write_id))
             if current is None:
                 try:
                     conn.execute(insert(sessions_table).values(tenant=tenant, session_id=session_id, version=1, **values))
@@ -285,10 +336,14 @@ class SqlStore:
             return found + 1, current.write_id
 
     def _discard(self, tenant: str, session_id: str, write_id: str, *, unless_published: bool = False) -> None:
-        """Delete one write's chunks; if the store is down they are left for :meth:`prune`."""
-        query = delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id))
+        """Delete the chunks of the version ``write_id`` published and the next did not share or, with
+        ``unless_published``, the chunks ``write_id`` staged if it never published; if the store is
+        down they are left for :meth:`prune`."""
         if unless_published:
-            query = query.where(~exists().where(*_key(tenant, session_id), sessions_table.c.write_id == write_id))
+            query = delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id),
+                                               chunks_table.c.published_in.is_(None))
+        else:
+            query = delete(chunks_table).where(*_published_key(tenant, session_id, write_id))
         try:
             with self._transaction() as conn:
                 conn.execute(query)
@@ -305,7 +360,7 @@ class SqlStore:
                 raise not_found(tenant, session_id)
             # Streamed (a server-side cursor on PostgreSQL, whose client otherwise receives every
             # row before the first is read), so only a few chunks are in memory beside the blob.
-            chunks = conn.execute(select(chunks_table.c.data).where(*_chunk_key(tenant, session_id, row.write_id))
+            chunks = conn.execute(select(chunks_table.c.data).where(*_published_key(tenant, session_id, row.write_id))
                                   .order_by(chunks_table.c.seq)
                                   .execution_options(stream_results=True, max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
             blob = read_chunks(chunks, row.nbytes, session=f"{tenant}/{session_id}", recorded_in="its row", into=into)
@@ -327,7 +382,7 @@ class SqlStore:
             write_id = conn.execute(select(sessions_table.c.write_id).where(*key).with_for_update()).scalar()
             if write_id is None:
                 return False
-            conn.execute(delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id)))
+            conn.execute(delete(chunks_table).where(*_published_key(tenant, session_id, write_id)))
             return conn.execute(delete(sessions_table).where(*key)).rowcount > 0
 
     def list(self, tenant: str, *, limit: int = 100, cursor: str | None = None) -> SessionPage:
@@ -371,10 +426,10 @@ class SqlStore:
         now = time.time() if now is None else now
         t, c = sessions_table.c, chunks_table.c
         expired = t.expires_at.is_not(None), t.expires_at <= now
-        published = exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id)
+        published = exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.published_in)
         with self._transaction() as conn:
             conn.execute(delete(chunks_table).where(
-                exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id, *expired)))
+                exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.published_in, *expired)))
             removed = conn.execute(delete(sessions_table).where(*expired)).rowcount
             conn.execute(delete(chunks_table).where(c.staged_at <= now - ORPHAN_SECONDS, ~published))
             return removed
@@ -470,8 +525,15 @@ def _key(tenant: str, session_id: str):
 
 
 def _chunk_key(tenant: str, session_id: str, write_id: str):
+    """The chunks ``write_id`` staged (published or not)."""
     c = chunks_table.c
     return c.tenant == tenant, c.session_id == session_id, c.write_id == write_id
+
+
+def _published_key(tenant: str, session_id: str, write_id: str):
+    """The chunks of the version ``write_id`` published, wherever each was staged."""
+    c = chunks_table.c
+    return c.tenant == tenant, c.session_id == session_id, c.published_in == write_id
 
 
 def _alive(now: float):

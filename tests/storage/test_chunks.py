@@ -1,31 +1,56 @@
-"""The chunked-blob writer and reader every store uses: order, sizes, views, and damage as a typed error."""
+"""The chunked-blob writer, planner and reader every store uses: order, sizes, views, shared chunks, and damage as a typed error."""
 
 from __future__ import annotations
 
 import pytest
 
 from agentmem.errors import CorruptSessionError, InvalidInput
-from agentmem.storage.chunks import chunk_count, read_chunks, write_chunks
+from agentmem.storage.chunks import chunk_count, digests, plan_chunks, read_chunks, write_chunks
 
 
-def written(blob: bytes, chunk_bytes: int, per_call: int) -> tuple[int, list[tuple[int, list[bytes]]]]:
-    calls: list[tuple[int, list[bytes]]] = []
+def written(blob: bytes, chunk_bytes: int, per_call: int, positions=None) -> tuple[int, list[tuple[list[int], list[bytes]]]]:
+    calls: list[tuple[list[int], list[bytes]]] = []
 
-    def store(first: int, chunks: list[memoryview]) -> None:
+    def store(indices: list[int], chunks: list[memoryview]) -> None:
         assert all(isinstance(c, memoryview) and c.obj is blob for c in chunks), "views of the blob, never copies"
-        calls.append((first, [bytes(c) for c in chunks]))
+        calls.append((indices, [bytes(c) for c in chunks]))
 
-    return write_chunks(blob, chunk_bytes, store, per_call=per_call), calls
+    return write_chunks(blob, chunk_bytes, store, positions=positions, per_call=per_call), calls
 
 
 def test_the_writer_hands_ordered_chunks_in_batches():
-    count, calls = written(b"0123456789", 4, per_call=2)
-    assert count == 3 == chunk_count(10, 4)
-    assert calls == [(0, [b"0123", b"4567"]), (2, [b"89"])]
+    handed, calls = written(b"0123456789", 4, per_call=2)
+    assert handed == 10 and chunk_count(10, 4) == 3
+    assert calls == [([0, 1], [b"0123", b"4567"]), ([2], [b"89"])]
+
+
+def test_the_writer_hands_only_the_positions_asked_for():
+    assert written(b"0123456789", 4, per_call=8, positions=[0, 2]) == (6, [([0, 2], [b"0123", b"89"])])
 
 
 def test_an_empty_blob_is_one_empty_chunk():
-    assert written(b"", 4, per_call=8) == (1, [(0, [b""])])
+    assert written(b"", 4, per_call=8) == (0, [([0], [b""])])
+
+
+def test_a_plan_keeps_exactly_the_chunks_whose_bytes_are_unchanged_at_their_place():
+    old = bytes(range(16)) * 4  # 64 bytes: 8 chunks of 8
+    new = bytearray(old[:40]) + b"changed!" + old[48:] + b"tail"  # chunk 5 differs, a short chunk 8 is new
+    published = digests(old, 8)
+    plan = plan_chunks(new, 8, published)
+    assert plan.kept == [0, 1, 2, 3, 4, 6, 7] and plan.fresh == [5, 8] and plan.count == 9
+    assert plan.digests == digests(new, 8)
+    shifted = plan_chunks(b"x" + old, 8, published)  # the same bytes one place later: nothing is at its place
+    assert shifted.kept == [] and shifted.fresh == list(range(9))
+    unknown = plan_chunks(old, 8, [None] * 8)  # chunks stored before digests were kept are rewritten
+    assert unknown.kept == [] and plan_chunks(old, 8).fresh == list(range(8))
+
+
+def test_digests_hash_every_chunk_in_parallel_as_one_would_in_order():
+    import xxhash
+
+    data = bytes(range(256)) * 1000
+    assert digests(data, 4096) == [xxhash.xxh3_128_hexdigest(data[i : i + 4096]) for i in range(0, len(data), 4096)]
+    assert digests(b"", 4096) == [xxhash.xxh3_128_hexdigest(b"")]
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 64])

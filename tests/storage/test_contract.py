@@ -47,6 +47,47 @@ def test_large_blob_is_chunked_and_exact(store):
     assert store.get("acme", "big").blob == b"small"
 
 
+@pytest.fixture
+def small_chunks(monkeypatch) -> int:
+    """Chunks of 1 KiB in every store, so a few KiB make a many-chunk blob."""
+    from agentmem.storage import redis as redis_store
+    from agentmem.storage import sql
+
+    monkeypatch.setattr(sql, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(redis_store, "CHUNK_BYTES", 1024)
+    return 1024
+
+
+def test_a_new_version_writes_only_the_chunks_that_changed(store, small_chunks):
+    """A session rewritten after a turn stores the chunks that differ, shares the rest, and reads back exactly."""
+    first = bytes(torch.randint(0, 256, (10 * small_chunks,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    before = store.bytes_written
+    assert store.put("acme", "s1", record("acme", "s1", first)) == 1
+    assert store.bytes_written - before == len(first)
+    grown = first[: 8 * small_chunks] + b"new turn " * 333  # chunks 0-7 unchanged, 8-10 new (2,997 bytes)
+    before = store.bytes_written
+    assert store.put("acme", "s1", record("acme", "s1", grown), expected_version=1) == 2
+    assert store.bytes_written - before == len(grown) - 8 * small_chunks
+    assert store.get("acme", "s1").blob == grown
+    shrunk = grown[: 3 * small_chunks]  # a rewind: every chunk kept, none written
+    before = store.bytes_written
+    assert store.put("acme", "s1", record("acme", "s1", shrunk), expected_version=2) == 3
+    assert store.bytes_written == before and store.get("acme", "s1").blob == shrunk
+    other = bytes(reversed(grown))  # another session with the same bytes at other places shares nothing
+    store.put("acme", "s2", record("acme", "s2", grown))
+    store.put("acme", "s2", record("acme", "s2", other), expected_version=1)
+    assert store.get("acme", "s2").blob == other and store.get("acme", "s1").blob == shrunk
+    assert store.delete("acme", "s1") and store.get("acme", "s2").blob == other
+
+
+def test_a_compare_and_set_that_fails_keeps_the_shared_chunks_of_the_stored_version(store, small_chunks):
+    blob = bytes(range(256)) * 12
+    store.put("acme", "s1", record("acme", "s1", blob))
+    with pytest.raises(VersionConflict):
+        store.put("acme", "s1", record("acme", "s1", blob[:2048] + b"lost"), expected_version=7)
+    assert store.get("acme", "s1").blob == blob and store.version("acme", "s1") == 1
+
+
 # The cluster shares the single-server code path: one 2 GiB copy per kind of server is enough.
 @pytest.mark.parametrize("store_url", ["sqlite", "postgres", "redis"], indirect=True)
 def test_a_session_over_2_gib_round_trips_bit_exactly(store):

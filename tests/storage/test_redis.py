@@ -145,3 +145,21 @@ def test_cluster_spreads_sessions_over_every_node_and_never_crosses_slots(redis_
         with node.client() as client:
             errors = client.info("errorstats")
         assert not any("CROSSSLOT" in name for name in errors), errors
+
+
+def test_a_new_version_leaves_no_chunk_of_the_old_one_but_those_it_shares(redis_url, raw, monkeypatch):
+    monkeypatch.setattr(redis_store, "CHUNK_BYTES", 4)
+    store = open_store(redis_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcccc"))
+        store.put("acme", "s1", record("acme", "s1", b"aaaaXXXXcccczz"), expected_version=1)  # shares 0 and 2
+        blob_keys = lambda: sorted(k.decode() for k in raw.scan_iter(match="am:{acme:s1}:blob:*"))  # noqa: E731
+        keys = blob_keys()
+        assert len(keys) == 4 and len({key.split(":")[-2] for key in keys}) == 2  # two writes hold them
+        assert all(raw.ttl(key) == -1 for key in keys)  # shared ones too: made permanent with the version
+        with pytest.raises(redis_store.VersionConflict):
+            store.put("acme", "s1", record("acme", "s1", b"aaaaYYYY"), expected_version=1)
+        assert blob_keys() == keys and store.get("acme", "s1").blob == b"aaaaXXXXcccczz"
+        assert store.delete("acme", "s1") and blob_keys() == []
+    finally:
+        store.close()

@@ -9,6 +9,7 @@ from sqlalchemy import create_engine, insert, select
 
 from agentmem.storage import open_store
 from agentmem.storage import sql
+from agentmem.storage.chunks import plan_chunks
 from agentmem.storage.sql import ORPHAN_SECONDS, chunks_table, engine_url
 
 from records import record
@@ -49,7 +50,8 @@ def test_chunks_of_a_put_that_died_before_publishing_are_pruned(sql_url):
     store = open_store(sql_url)
     try:
         store.put("acme", "kept", record("acme", "kept", b"published"))
-        store._stage("acme", "dead", "deadbeef" * 4, b"staged but never published")
+        dead = b"staged but never published"
+        store._stage("acme", "dead", "deadbeef" * 4, dead, plan_chunks(dead, sql.CHUNK_BYTES))
         assert store.prune(now=time.time()) == 0  # too young to be an orphan: a put may be under way
         with store._engine.connect() as conn:
             assert len(conn.execute(select(chunks_table.c.write_id)).all()) == 2
@@ -69,15 +71,15 @@ def test_a_put_whose_staged_chunks_were_deleted_fails_and_changes_nothing(sql_ur
         store.put("acme", "s1", record("acme", "s1", b"v1"))
         stage = store._stage
 
-        def stage_then_lose(tenant, session_id, write_id, blob):
-            count = stage(tenant, session_id, write_id, blob)
+        def stage_then_lose(tenant, session_id, write_id, blob, plan):
+            staged = stage(tenant, session_id, write_id, blob, plan)
             store.delete_tenant("globex")  # unrelated tenant: nothing of ours may vanish
             with store._transaction() as conn:
                 conn.execute(chunks_table.delete().where(chunks_table.c.write_id == write_id))
-            return count
+            return staged
 
         monkeypatch.setattr(store, "_stage", stage_then_lose)
-        with pytest.raises(StoreUnavailable, match="staged chunks"):
+        with pytest.raises(StoreUnavailable, match="chunks of this write were removed"):
             store.put("acme", "s1", record("acme", "s1", b"v2"))
         assert store.get("acme", "s1").blob == b"v1" and store.get("acme", "s1").version == 1
     finally:
@@ -109,5 +111,82 @@ def test_a_blob_missing_a_chunk_is_a_corrupt_session_not_a_short_read(sql_url, m
             conn.execute(chunks_table.delete().where(chunks_table.c.seq == 1))
         with pytest.raises(CorruptSessionError, match="its row says 10"):
             store.get("acme", "s1")
+    finally:
+        store.close()
+
+
+def chunk_rows(store) -> list[tuple[str, int, str | None]]:
+    c = chunks_table.c
+    with store._engine.connect() as conn:
+        return [tuple(row) for row in conn.execute(select(c.session_id, c.seq, c.published_in).order_by(c.session_id, c.seq))]
+
+
+def test_shared_chunks_stay_exactly_as_long_as_a_version_holds_them(sql_url, monkeypatch):
+    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcccc"))
+        store.put("acme", "s1", record("acme", "s1", b"aaaaXXXXcccczz"))  # shares chunks 0 and 2
+        with store._engine.connect() as conn:
+            current = conn.execute(select(sql.sessions_table.c.write_id)).scalar_one()
+        assert chunk_rows(store) == [("s1", i, current) for i in range(4)]  # nothing of version 1 is left over
+        store.prune(now=time.time() + ORPHAN_SECONDS + 1)  # a shared chunk is old, but published: kept
+        assert store.get("acme", "s1").blob == b"aaaaXXXXcccczz"
+        assert store.delete("acme", "s1") and chunk_rows(store) == []
+    finally:
+        store.close()
+
+
+def test_a_put_whose_shared_chunks_vanished_fails_and_changes_nothing(sql_url, monkeypatch):
+    from agentmem.errors import StoreUnavailable
+
+    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbb"))
+        stage = store._stage
+
+        def stage_then_lose_a_shared_chunk(tenant, session_id, write_id, blob, plan):
+            assert plan.kept == [0]
+            staged = stage(tenant, session_id, write_id, blob, plan)
+            with store._transaction() as conn:  # what a concurrent clean-up of the stored version would do
+                conn.execute(chunks_table.delete().where(chunks_table.c.seq == 0, chunks_table.c.write_id != write_id))
+            return staged
+
+        monkeypatch.setattr(store, "_stage", stage_then_lose_a_shared_chunk)
+        with pytest.raises(StoreUnavailable, match="chunks of this write were removed"):
+            store.put("acme", "s1", record("acme", "s1", b"aaaaXXXX"))
+        assert store.version("acme", "s1") == 1
+        assert [row[1] for row in chunk_rows(store)] == [1]  # the new write's staged chunk was removed too
+    finally:
+        store.close()
+
+
+def test_a_version_3_database_gains_chunk_digests_and_rewrites_unknown_chunks_once(sql_url, monkeypatch):
+    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
+    engine = create_engine(engine_url(sql_url))
+    with engine.begin() as conn:  # the schema and one chunked session exactly as agentmem 3 left them
+        for migrate in sql.MIGRATIONS[:3]:
+            migrate(conn)
+        sql.metadata.create_all(conn, tables=[sql.schema_table])
+        conn.execute(insert(sql.schema_table), [{"version": v} for v in (1, 2, 3)])
+        old = record("acme", "s1", b"aaaabbbb")
+        conn.execute(insert(sql.sessions_table).values(
+            tenant="acme", session_id="s1", version=2, record=old.metadata_json(), write_id="w" * 32, nbytes=8,
+            logical_length=old.logical_length, updated_at=old.updated_at, expires_at=None))
+        conn.execute(insert(sql._chunks_v3), [
+            {"tenant": "acme", "session_id": "s1", "write_id": "w" * 32, "seq": i, "data": d, "staged_at": time.time()}
+            for i, d in enumerate([b"aaaa", b"bbbb"])])
+    engine.dispose()
+    store = open_store(sql_url)
+    try:
+        assert store.get("acme", "s1").blob == b"aaaabbbb" and store.version("acme", "s1") == 2
+        before = store.bytes_written
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"), expected_version=2)
+        assert store.bytes_written - before == 10  # no digests were kept: every chunk is written once
+        before = store.bytes_written
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbccdd"), expected_version=3)
+        assert store.bytes_written - before == 4 and store.get("acme", "s1").blob == b"aaaabbbbccdd"
+        assert len(chunk_rows(store)) == 3
     finally:
         store.close()
