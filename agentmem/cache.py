@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +27,11 @@ import torch
 from agentmem.errors import CorruptSessionError, InvalidInput
 from agentmem.host_memory import wait_for_copies
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: the raw tail exported in blocks of TAIL_BLOCK tokens across layers; 1 still read
 SEGMENT_PARTS = ("keys", "values", "beta", "scores")  # a segment's packed tensors, as exported
+# Tokens per exported block of the raw tail. A spill after a turn changes only the last block and
+# the ones after it, so a store rewrites those (LMCache stores 256-token chunks too).
+TAIL_BLOCK = 256
 _CAPACITY_QUANTUM = 64  # slots: buffers are sized in multiples of this (an empty cache holds none)
 
 
@@ -100,8 +103,8 @@ class LayerCache:
     def __init__(
         self,
         segments: list[CompactedSegment],
-        tail_keys: torch.Tensor,
-        tail_values: torch.Tensor,
+        tail_keys: torch.Tensor | Sequence[torch.Tensor],
+        tail_values: torch.Tensor | Sequence[torch.Tensor],
         *,
         spare: int = 0,
         dtype: torch.dtype | None = None,
@@ -109,16 +112,19 @@ class LayerCache:
     ) -> None:
         """``dtype`` and ``device`` (default: the tail's) are the buffer's.
 
-        Inputs may lie anywhere: they are converted and moved while copied into place, once
-        (a resume builds straight from views of the stored bytes; from page-locked memory the
-        copies to a GPU are asynchronous, and the caller synchronises before using the cache).
+        The tail is one ``(kv_heads, tokens, head_dim)`` tensor or a sequence of them in token
+        order (the blocks a stored cache keeps). Inputs may lie anywhere: they are converted
+        and moved while copied into place, once (a resume builds straight from views of the
+        stored bytes; from page-locked memory the copies to a GPU are asynchronous, and the
+        caller synchronises before using the cache).
         """
-        if tail_keys.dim() != 3 or tail_keys.shape != tail_values.shape:
-            raise InvalidInput(
-                f"tail keys {tuple(tail_keys.shape)} and values {tuple(tail_values.shape)} must both be "
-                "(kv_heads, tokens, head_dim)"
-            )
-        heads, tail_len, head_dim = tail_keys.shape
+        key_pieces, value_pieces = _pieces(tail_keys), _pieces(tail_values)
+        shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in zip(key_pieces, value_pieces)]
+        if not key_pieces or len(key_pieces) != len(value_pieces) or any(
+                len(k) != 3 or k != v or k[0] != shapes[0][0][0] or k[2] != shapes[0][0][2] for k, v in shapes):
+            raise InvalidInput(f"tail keys and values {shapes} must both be (kv_heads, tokens, head_dim), piece by piece")
+        heads, _, head_dim = key_pieces[0].shape
+        tail_len = sum(k.shape[1] for k in key_pieces)
         for seg in segments:
             if len(seg.head_rows) != heads or seg.keys.shape[-1] != head_dim:
                 raise InvalidInput(
@@ -130,7 +136,8 @@ class LayerCache:
         self.layouts: tuple[SegmentLayout, ...] = tuple(
             SegmentLayout(seg.head_rows, seg.span, offset) for seg, offset in zip(segments, offsets))
         self.prefix_length = sum(seg.width for seg in segments)
-        dtype, device = dtype or tail_keys.dtype, torch.device(device) if device is not None else tail_keys.device
+        dtype = dtype or key_pieces[0].dtype
+        device = torch.device(device) if device is not None else key_pieces[0].device
         capacity = _round_up(self.prefix_length + tail_len + spare)
         # Uninitialised: every slot attention reads is written below or by stage().
         self._keys = torch.empty(heads, capacity, head_dim, dtype=dtype, device=device)
@@ -144,9 +151,12 @@ class LayerCache:
             self.scores = torch.full((heads, self.prefix_length), -math.inf, dtype=torch.float32, device=device)
         for seg, layout in zip(segments, self.layouts):
             self._place(seg, layout)
-        tail = slice(self.prefix_length, self.prefix_length + tail_len)
-        self._keys[:, tail].copy_(tail_keys, non_blocking=True)
-        self._values[:, tail].copy_(tail_values, non_blocking=True)
+        start = self.prefix_length
+        for keys, values in zip(key_pieces, value_pieces):
+            end = start + keys.shape[1]
+            self._keys[:, start:end].copy_(keys, non_blocking=True)
+            self._values[:, start:end].copy_(values, non_blocking=True)
+            start = end
         self.tail_length = tail_len
 
     def _place(self, seg: CompactedSegment, layout: SegmentLayout) -> None:
@@ -451,12 +461,18 @@ class SessionCache:
                     exports[f"layers.{i}.segments.{j}.{part}"] = TensorExport(
                         (rows, self.head_dim) if part in ("keys", "values") else (rows,),
                         torch.float32 if part == "scores" else self.dtype, functools.partial(layer.gather, j, part))
-            for part in ("keys", "values"):
-                exports[f"layers.{i}.tail.{part}"] = TensorExport(
-                    (self.num_kv_heads, layer.tail_length, self.head_dim), self.dtype,
-                    functools.partial(_copy_into, getattr(layer, f"tail_{part}")))
             layers_meta.append({"segments": [{"head_rows": list(s.head_rows), "span": list(s.span)} for s in layer.layouts],
                                 "tail_length": layer.tail_length})
+        tail = self.layers[0].tail_length
+        if any(layer.tail_length != tail for layer in self.layers):
+            raise InvalidInput(f"layers hold raw tails of {[layer.tail_length for layer in self.layers]} tokens; "
+                               "every layer must hold the same")
+        for b, start in enumerate(range(0, max(1, tail), TAIL_BLOCK)):  # an empty tail is one empty block
+            rows = slice(start, min(tail, start + TAIL_BLOCK))
+            for part in ("keys", "values"):
+                exports[f"tail.{b}.{part}"] = TensorExport(
+                    (self.num_layers, self.num_kv_heads, rows.stop - rows.start, self.head_dim), self.dtype,
+                    functools.partial(self._write_tail_block, part, rows))
         meta = {
             "format_version": CACHE_FORMAT_VERSION,
             "fingerprint": self.fingerprint,
@@ -465,9 +481,16 @@ class SessionCache:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "logical_length": self.logical_length,
+            "tail_block": TAIL_BLOCK,
             "layers": layers_meta,
         }
         return exports, meta
+
+    def _write_tail_block(self, part: str, rows: slice, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (layers, kv_heads, tokens, head_dim) with the tail's ``rows`` of every layer."""
+        for layer, into in zip(self.layers, out):
+            into.copy_(getattr(layer, f"tail_{part}")[:, rows], non_blocking=True)
+        return out
 
     @classmethod
     def from_tensors(
@@ -496,7 +519,7 @@ class SessionCache:
 
     @classmethod
     def _from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device, dtype) -> SessionCache:
-        if meta.get("format_version") != CACHE_FORMAT_VERSION:
+        if meta.get("format_version") not in (1, CACHE_FORMAT_VERSION):
             raise CorruptSessionError(f"unknown cache format version {meta.get('format_version')!r}")
         heads, head_dim = int(meta["num_kv_heads"]), int(meta["head_dim"])
         token_ids = tensors["token_ids"]
@@ -519,11 +542,14 @@ class SessionCache:
                     segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]), **parts))
                 except InvalidInput as exc:
                     raise CorruptSessionError(f"layer {i} segment {j}: {exc}") from exc
-            tail_k = tensors[f"layers.{i}.tail.keys"]  # converted and moved by LayerCache's copy
-            tail_v = tensors[f"layers.{i}.tail.values"]
+            tail_k, tail_v = _stored_tail(tensors, meta, i)  # converted and moved by LayerCache's copy
             expected = (heads, int(layer_meta["tail_length"]), head_dim)
-            if tail_k.shape != expected or tail_v.shape != expected:
-                raise CorruptSessionError(f"layer {i} tail has shape {tuple(tail_k.shape)}, expected {expected}")
+            for keys, values in zip(tail_k, tail_v):
+                if keys.shape[::2] != expected[::2] or keys.shape != values.shape:
+                    raise CorruptSessionError(f"layer {i} tail piece has shape {tuple(keys.shape)}, expected {expected}")
+            if sum(keys.shape[1] for keys in tail_k) != expected[1]:
+                raise CorruptSessionError(f"layer {i} tail holds {sum(k.shape[1] for k in tail_k)} tokens, "
+                                          f"its layout says {expected[1]}")
             layers.append(LayerCache(segments, tail_k, tail_v, dtype=dtype, device=device))
         if len(layers) != int(meta["num_layers"]):
             raise CorruptSessionError(f"{len(layers)} layers stored, layout says {meta['num_layers']}")
@@ -539,8 +565,18 @@ class TensorExport:
     write: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _copy_into(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return out.copy_(source, non_blocking=True)
+def _pieces(tail: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [tail] if isinstance(tail, torch.Tensor) else list(tail)
+
+
+def _stored_tail(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                 layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Layer ``layer``'s raw tail as exported, piece by piece: one tensor (format 1) or its part of every block."""
+    if meta["format_version"] == 1:
+        return [tensors[f"layers.{layer}.tail.keys"]], [tensors[f"layers.{layer}.tail.values"]]
+    tokens, block = int(meta["layers"][layer]["tail_length"]), int(meta["tail_block"])
+    blocks = range(max(1, -(-tokens // block)))
+    return ([tensors[f"tail.{b}.keys"][layer] for b in blocks], [tensors[f"tail.{b}.values"][layer] for b in blocks])
 
 
 def buffer_nbytes(prefix_slots: int, tail: int, *, heads: int, head_dim: int, element_size: int) -> int:

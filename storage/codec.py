@@ -10,7 +10,13 @@ names, dtypes, shapes, offsets and our header) as serialised without that entry,
 header is caught too. Every field is checked before anything is returned, and the blob can be
 inspected with any safetensors tool. Keeping it one file (not a header in front of one) lets a
 reader parse the stored bytes in place, without a copy. Blobs of format 1 (one SHA-256 of the
-data) are still read.
+data) and 2 are still read.
+
+The data region is laid out for incremental spills (format 3): compacted segments first, then
+the raw tail in blocks of ``TAIL_BLOCK`` tokens across layers, then the token log, with the
+header's room rounded up to a power of two. A spill after a turn that compacted nothing
+changes the header, the last tail block and what follows it; everything before keeps its bytes
+and offsets, and the stores write only the chunks that changed (:mod:`agentmem.storage.chunks`).
 
 The rows are copied once each way: the encoder writes the safetensors layout itself and copies
 every tensor from the cache's buffer straight into its place in the blob; the decoder reads
@@ -18,8 +24,8 @@ tensors as views of the blob and copies them straight into the new cache's buffe
 the buffer from the caller (page-locked memory for a GPU cache, where the copies are DMA).
 
 Storage dtypes: ``auto`` (the cache's own dtype: bit-exact, the default), ``fp32``, ``fp16``
-and ``bf16`` (rounded), and ``int8`` (symmetric, one fp32 scale per channel — per head and
-dimension for the raw tail, per dimension for a segment). β is always kept in fp32: it is tiny
+and ``bf16`` (rounded), and ``int8`` (symmetric, one fp32 scale per channel — per layer, head
+and dimension of each raw tail block, per dimension for a segment). β is always kept in fp32: it is tiny
 and every logit uses it.
 """
 
@@ -46,8 +52,8 @@ from agentmem.storage.chunks import digests
 
 _META_KEY = "agentmem"
 _HEADER_SUM_KEY = "agentmem_header_xxh3"
-FORMAT_VERSION = 2
-_READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3  # 3: data laid out for stable offsets (padding tensors, header room); 1 and 2 still read
+_READABLE_FORMATS = (1, 2, 3)
 CHECKSUM_CHUNK = 16 * 2**20
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -64,6 +70,8 @@ _TENSOR_DTYPES: dict[str, torch.dtype] = {
 }
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _TENSOR_DTYPES.items()}
 _SCALE_SUFFIX = ".int8_scale"
+_PADDING = "padding."  # name prefix of alignment gaps in the data region
+_MIN_HEADER_ROOM = 4096
 
 
 def encode_cache(cache: SessionCache, *, dtype: str = "auto", into: Allocate = bytearray) -> bytearray | memoryview:
@@ -81,13 +89,7 @@ def encode_cache(cache: SessionCache, *, dtype: str = "auto", into: Allocate = b
         dtype = _storage_name(cache.dtype)
     exports, layout = cache.export()
     stored = _stored_tensors(exports, dtype, cache.device)
-    # Larger elements first (as safetensors orders them): every tensor lies aligned to its element size.
-    entries, offset = {}, 0
-    for name in sorted(stored, key=lambda n: (-stored[n][1].itemsize, n)):
-        shape, stored_dtype, _ = stored[name]
-        size = math.prod(shape) * stored_dtype.itemsize
-        entries[name] = {"dtype": _SAFETENSORS_NAMES[stored_dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
+    entries, offset = _place(stored)
     header = {
         "format_version": FORMAT_VERSION,
         "fingerprint": cache.fingerprint,
@@ -99,20 +101,65 @@ def encode_cache(cache: SessionCache, *, dtype: str = "auto", into: Allocate = b
         "checksum": {"algorithm": "xxh3_64", "chunk_bytes": CHECKSUM_CHUNK,
                      "chunks": ["0" * 16] * len(range(0, max(1, offset), CHECKSUM_CHUNK))},  # filled in below
     }
-    data_start = 8 + len(_serialised_header(entries, header))  # hex digests are fixed-width: the length is final
+    data_start = _header_room(len(_serialised_header(entries, header)))  # hex digests are fixed-width
     blob = into(data_start + offset)
     if offset:
         region = torch.frombuffer(blob, dtype=torch.uint8, offset=data_start, count=offset)
         for name, entry in entries.items():
             start, end = entry["data_offsets"]
+            if name.startswith(_PADDING):  # zeros: the bytes must not depend on the buffer's old contents
+                region[start:end] = 0
+                continue
             shape, stored_dtype, fill = stored[name]
             if end > start:
                 fill(region[start:end].view(stored_dtype).view(shape))
         wait_for_copies(cache.device)  # before the checksums read the blob
     header["checksum"]["chunks"] = _chunk_sums(memoryview(blob)[data_start:])
-    head = _serialised_header(entries, header)
+    head = _serialised_header(entries, header).ljust(data_start - 8)  # safetensors allows trailing spaces
     blob[:data_start] = struct.pack("<Q", len(head)) + head
     return blob
+
+
+def _place(stored: dict[str, tuple[tuple[int, ...], torch.dtype, Any]]) -> tuple[dict[str, Any], int]:
+    """The safetensors entries of ``stored`` in the data region, and its size.
+
+    What a later spill is least likely to change comes first, so that it keeps its offset and
+    a store shares its chunks with the version before (:mod:`agentmem.storage.chunks`):
+    compacted segments in order, then the raw tail block by block, then the token log. Every
+    tensor starts aligned to its element size; a gap before it is a ``padding.<offset>`` byte
+    tensor, since safetensors wants the tensors to tile the region.
+    """
+    entries: dict[str, Any] = {}
+    offset = 0
+    for name in sorted(stored, key=_stability_order):
+        shape, stored_dtype, _ = stored[name]
+        if gap := -offset % stored_dtype.itemsize:
+            entries[f"{_PADDING}{offset}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            offset += gap
+        size = math.prod(shape) * stored_dtype.itemsize
+        entries[name] = {"dtype": _SAFETENSORS_NAMES[stored_dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    return entries, offset
+
+
+def _stability_order(name: str) -> tuple:
+    """Sort key: segments by index then layer, tail blocks by index, then the rest (the token log)."""
+    base, _, _ = name.partition(_SCALE_SUFFIX)  # an int8 scale follows its tensor
+    parts = base.split(".")
+    if parts[0] == "layers" and parts[2] == "segments":
+        return 0, int(parts[3]), int(parts[1]), parts[4], name
+    if parts[0] == "tail":
+        return 1, int(parts[1]), 0, parts[2], name
+    return 2, 0, 0, "", name
+
+
+def _header_room(length: int) -> int:
+    """Bytes before the data region: the length prefix and header, rounded up to a power of two (4 KiB at least).
+
+    The header grows by a few bytes a turn; rounding keeps the data at the same offset (and
+    the store's chunks shareable) until it doubles.
+    """
+    return max(_MIN_HEADER_ROOM, 1 << (8 + length - 1).bit_length())
 
 
 def _stored_tensors(exports: dict[str, TensorExport], dtype: str, device: torch.device,
@@ -283,6 +330,8 @@ def _read_tensors(blob: bytes | bytearray | memoryview, header: dict[str, Any]) 
         region = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8, device="cpu")
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in header["_tensors"].items():
+        if name.startswith(_PADDING):
+            continue
         dtype = _TENSOR_DTYPES[entry["dtype"]]
         shape = [int(n) for n in entry["shape"]]
         start, end = (int(offset) for offset in entry["data_offsets"])

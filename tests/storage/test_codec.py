@@ -199,14 +199,61 @@ def test_blob_is_a_plain_safetensors_file(cache):
     for dtype in ("fp32", "fp16", "int8"):
         tensors = load(bytes(encode_cache(cache, dtype=dtype)))
         exported = cache.to_tensors()[0]
-        assert set(tensors) - set(exported) == ({n + ".int8_scale" for n in exported if n.endswith((".keys", ".values"))}
-                                                if dtype == "int8" else set())
+        stored = {name for name in tensors if not name.startswith("padding.")}
+        assert stored - set(exported) == ({n + ".int8_scale" for n in exported if n.endswith((".keys", ".values"))}
+                                          if dtype == "int8" else set())
         assert torch.equal(tensors["token_ids"], torch.tensor(cache.token_ids))
         if dtype != "int8":
             for name, tensor in exported.items():
                 as_stored = dtype == "fp32" or not tensor.is_floating_point() or name.endswith((".beta", ".scores"))
                 expected = tensor if as_stored else tensor.half()
                 assert tensors[name].dtype == expected.dtype and torch.equal(tensors[name], expected), name
+
+
+def test_every_tensor_starts_aligned_and_gaps_are_padding_safetensors_reads(tokenizer):
+    """With head_dim 3 an fp16 tensor can end off a 4-byte boundary: the next fp32 tensor must not start there."""
+    gen = torch.Generator().manual_seed(0)
+    rows = (3, 2)
+    seg = CompactedSegment(torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen), torch.zeros(5), rows, (0, 9),
+                           torch.linspace(0.1, 0.5, 5))
+    layers = [LayerCache([seg], torch.randn(2, 7, 3, generator=gen), torch.randn(2, 7, 3, generator=gen))
+              for _ in range(2)]
+    odd = SessionCache(layers, list(range(16)), "llama-test")
+    from safetensors.torch import load
+
+    for dtype in ("fp16", "int8", "fp32"):
+        blob = encode_cache(odd, dtype=dtype)
+        entries = read_header(blob)["_tensors"]
+        assert all(e["data_offsets"][0] % torch.empty(0, dtype=_SAFE[e["dtype"]]).element_size() == 0
+                   for e in entries.values())
+        if dtype == "fp16":
+            assert any(name.startswith("padding.") for name in entries)
+        assert set(load(bytes(blob))) == set(entries)
+        assert_close(odd, decode_cache(blob), TOLERANCE.get(dtype, 0))
+
+
+_SAFE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I8": torch.int8,
+         "U8": torch.uint8}
+
+
+def test_a_spill_after_a_turn_keeps_every_byte_before_the_last_tail_block(cache, llama, monkeypatch):
+    """What a store may share between two spills: the header room, the segments and the full tail blocks stay put."""
+    import agentmem.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "TAIL_BLOCK", 8)  # the fixture's 20 tail tokens: blocks of 8, 8 and 4
+    for dtype in ("auto", "fp16", "int8"):
+        before = encode_cache(cache, dtype=dtype)
+        grown = llama.prefill(list(range(400, 403)), cache.clone())  # a short turn: block 2 grows to 7 tokens
+        after = encode_cache(grown, dtype=dtype)
+        old, new = read_header(before), read_header(after)
+        assert old["_data_start"] == new["_data_start"]
+        changed_from = old["_tensors"]["tail.2.keys"]["data_offsets"][0]
+        assert changed_from == new["_tensors"]["tail.2.keys"]["data_offsets"][0] > 0
+        stable = slice(old["_data_start"], old["_data_start"] + changed_from)
+        assert bytes(before[stable]) == bytes(after[stable]), dtype
+        ends = [e["data_offsets"][1] for n, e in old["_tensors"].items() if n.startswith(("layers.", "tail.0", "tail.1"))]
+        assert changed_from == max(ends)  # segments and the full blocks all lie before it
+        assert_close(grown, decode_cache(after), TOLERANCE.get(dtype, 0))
 
 
 def test_unknown_storage_dtype_is_refused(cache):
