@@ -7,7 +7,10 @@ default policy stores it), per tier:
 - ``host``: the record held in host memory, as the manager's host tier holds it (page-locked
   when the cache lives on a GPU); ``sqlite``, ``redis`` and ``postgres`` (a throwaway server,
   where PostgreSQL is installed): the durable stores;
-- ``spill s``: encode the cache and write it to the tier; ``resume s``: read it back (into the
+- ``spill s``: encode the cache and write it to the tier as a new session; ``turn spill s``:
+  encode and write it again after a turn of ``TURN_TOKENS`` new tokens, over the version spilled
+  before the turn (the stores write only the chunks that changed; ``turn MiB written`` is what
+  they wrote, from their ``bytes_written``; the host tier holds a new copy); ``resume s``: read it back (into the
   buffer a resume uses: ``read_buffer_for``) and decode it onto the device; ``raw read s``: the
   same bytes by the plain client (``sqlite3`` SELECT of the chunk rows, Redis MGET, psycopg
   SELECT; for ``host``, one copy of the bytes into device memory): the floor a resume cannot beat;
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sqlite3
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,13 +49,14 @@ from agentmem.record import SessionRecord
 from agentmem.storage import STORAGE_CHOICES, decode_cache, encode_cache, open_store, read_header
 from agentmem.storage.local_postgres import LocalPostgres
 from agentmem.storage.local_redis import LocalRedis
-from agentmem.storage.redis import _chunk_key, _meta_key
+from agentmem.storage.redis import _LAYOUT_FIELDS, _keys_of, _meta_key, _owners
 from common import RESULTS, SHAPES, command_line, machine, median_seconds, random_shape_engine, stdlib_text, write_results
 
 NEW_MESSAGE = "\nQuestion: what does the text above say about exceptions?"
+TURN_TOKENS = 128  # a turn's new tokens between two spills of a session
 TIERS = ("host", "sqlite", "redis", "postgres")
 SQL_CHUNKS = ("SELECT c.data FROM agentmem_chunks c JOIN agentmem_sessions s ON c.tenant = s.tenant AND "
-              "c.session_id = s.session_id AND c.write_id = s.write_id WHERE s.tenant={p} AND s.session_id={p} "
+              "c.session_id = s.session_id AND c.published_in = s.write_id WHERE s.tenant={p} AND s.session_id={p} "
               "ORDER BY c.seq")
 
 
@@ -70,6 +75,23 @@ def seconds(device: torch.device, fn: Callable[[], object], repeats: int) -> flo
     return median_seconds(lambda: (fn(), sync(device)), repeats)
 
 
+def spill_seconds(device: torch.device, store, spill: Callable[[SessionCache, str], None], cache: SessionCache,
+                  after_turn: SessionCache, repeats: int) -> tuple[float, float, float]:
+    """Medians of: spilling ``cache`` as a new session; spilling ``after_turn`` over it; and the bytes that wrote.
+
+    Each repeat spills under a fresh id (so the first write shares nothing) and deletes it after.
+    """
+    full, turn, written = [], [], []
+    for r in range(repeats):
+        into_id = f"spill-{r}"
+        full.append(seconds(device, lambda: spill(cache, into_id), 1))
+        before = store.bytes_written
+        turn.append(seconds(device, lambda: spill(after_turn, into_id), 1))
+        written.append(store.bytes_written - before)
+        store.delete("bench", into_id)
+    return statistics.median(full), statistics.median(turn), statistics.median(written)
+
+
 class HostTierStore:
     """The manager's host tier (:class:`HostTier`) behind the two store calls this benchmark makes.
 
@@ -79,9 +101,14 @@ class HostTierStore:
 
     def __init__(self) -> None:
         self.tier = HostTier(budget_bytes=2**40, tenant_budget=lambda tenant: None)
+        self.bytes_written = 0
 
     def put(self, tenant: str, session_id: str, record: SessionRecord) -> None:
         assert self.tier.put(record, dirty=False)
+        self.bytes_written += len(record.blob)  # a new copy of the whole blob, whatever changed
+
+    def delete(self, tenant: str, session_id: str) -> None:
+        self.tier.discard((tenant, session_id))
 
     def get(self, tenant: str, session_id: str, *, into=None) -> SessionRecord:
         return self.tier.get((tenant, session_id)).record
@@ -109,8 +136,8 @@ def raw_reader(tier: str, store, url: str, device: torch.device) -> Callable[[st
     client = redis.Redis.from_url(url)
 
     def redis_read(tenant: str, sid: str) -> bytes:
-        meta = client.hmget(_meta_key(tenant, sid), "write_id", "chunks")
-        return b"".join(client.mget([_chunk_key(tenant, sid, meta[0].decode(), i) for i in range(int(meta[1]))]))
+        layout = client.hmget(_meta_key(tenant, sid), *_LAYOUT_FIELDS)
+        return b"".join(client.mget(_keys_of(tenant, sid, _owners(layout))))
 
     return redis_read
 
@@ -185,21 +212,26 @@ def main() -> None:
             reprefill = seconds(device, lambda: transformers_first_token(engine.model, log + new_ids, device), 1)
             print(f"{length} tokens: transformers re-reads them and answers in {reprefill:.2f} s", flush=True)
             full = engine.prefill(log)
+            turn = ids[length : length + TURN_TOKENS]
             for variant, cache in (("full", full), ("compacted 10x", compacted_10x(engine, full))):
+                after_turn = engine.prefill(turn, cache.clone())
                 session_id = f"s{length}-{variant.split()[0]}"
                 record = SessionRecord(tenant="bench", session_id=session_id, model_fingerprint=engine.fingerprint,
                                        logical_length=cache.logical_length,
                                        blob=encode_cache(cache, dtype=args.storage_dtype, into=read_buffer_for(device)))
                 for name, (store, url) in tiers.items():
-                    def spill() -> None:
-                        blob = encode_cache(cache, dtype=args.storage_dtype, into=read_buffer_for(device))
-                        store.put("bench", session_id, record.model_copy(update={"blob": blob}))
+                    def spill(grown: SessionCache, into_id: str) -> None:
+                        blob = encode_cache(grown, dtype=args.storage_dtype, into=read_buffer_for(device))
+                        store.put("bench", into_id, record.model_copy(update={"blob": blob, "session_id": into_id}))
+
+                    spill_s, turn_s, turn_bytes = spill_seconds(device, store, spill, cache, after_turn, args.repeats)
+                    turn_size = len(encode_cache(after_turn, dtype=args.storage_dtype))
+                    store.put("bench", session_id, record)
 
                     def resume() -> SessionCache:
                         got = store.get("bench", session_id, into=read_buffer_for(device))
                         return decode_cache(got.blob, fingerprint=engine.fingerprint, device=device, dtype=engine.dtype)
 
-                    spill_s = seconds(device, spill, args.repeats)
                     raw = raw_reader(name, store, url, device)
                     raw_s = seconds(device, lambda: raw("bench", session_id), args.repeats)
                     resume_s = seconds(device, resume, args.repeats)
@@ -207,12 +239,16 @@ def main() -> None:
                     gb = len(record.blob) / 1e9
                     rows.append({
                         "tokens": length, "cache": variant, "tier": name, "MiB stored": len(record.blob) / 2**20,
-                        "spill s": spill_s, "spill GB/s": gb / spill_s, "raw read s": raw_s, "resume s": resume_s,
+                        "spill s": spill_s, "spill GB/s": gb / spill_s, "turn spill s": turn_s,
+                        "MiB after turn": turn_size / 2**20, "turn MiB written": turn_bytes / 2**20,
+                        "turn spill speed-up": spill_s / turn_s,
+                        "raw read s": raw_s, "resume s": resume_s,
                         "resume GB/s": gb / resume_s, "resume / raw read": resume_s / raw_s,
                         "first token s (resume)": ttft_s, "first token s (re-prefill)": reprefill,
                         "speed-up vs re-prefill": reprefill / ttft_s,
                     })
                     print(f"  {variant:14s} {name:8s} {len(record.blob) / 2**20:8.1f} MiB  spill {spill_s:7.3f} s  "
+                          f"after a turn {turn_s:7.3f} s ({turn_bytes / 2**20:.1f} MiB written)  "
                           f"raw {raw_s * 1e3:8.1f} ms  resume {resume_s * 1e3:8.1f} ms ({resume_s / raw_s:.2f}x raw)  "
                           f"first token {ttft_s:6.3f} s: {reprefill / ttft_s:5.1f}x faster than re-prefill", flush=True)
         for store, _ in tiers.values():
