@@ -5,20 +5,31 @@ and a background thread renews every lease the process holds each third of that,
 live session keeps its lease for as long as its process runs, and a process that dies
 (``kill -9``, OOM) blocks its sessions for at most ``lease_seconds``, not for the length of a
 long turn: renewal does not wait for turns to end.
+
+A lease's owner names its process (host, pid, and an id of this boot of the machine and its
+pid namespace, where pids are comparable). A process that finds a session held by a process
+of its own machine that no longer runs takes the lease at once, without waiting for it to
+expire; a holder on another machine (or in another container) cannot be checked, and its
+lease is waited out. :class:`SessionBusy` says which holder it is and when its lease ends.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Literal
 
 from agentmem.errors import SessionBusy, StoreUnavailable
-from agentmem.record import CacheStore
+from agentmem.record import CacheStore, Lease
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +53,21 @@ class LeaseKeeper:
         self._thread.start()
 
     def take(self, tenant: str, session_id: str, wait: float) -> None:
-        """Take the lease, waiting up to ``wait`` seconds for another holder to release it or die."""
+        """Take the lease, waiting up to ``wait`` seconds for another holder to release it or die.
+
+        A holder whose process is gone from this machine is replaced at once.
+        """
         deadline = time.monotonic() + wait
         while not self.store.acquire_lease(tenant, session_id, self.owner, self.seconds):
+            holder = self.store.lease_holder(tenant, session_id)
+            if holder is not None and holder_state(holder.owner) == "gone":
+                if self.store.acquire_lease(tenant, session_id, self.owner, self.seconds, replacing=holder.owner):
+                    log.warning("took the lease of %s/%s from %s, whose process is gone", tenant, session_id,
+                                holder.owner)
+                    return
+                continue  # someone else took it first: look again
             if time.monotonic() >= deadline:
-                raise SessionBusy(
-                    f"session {session_id!r} of tenant {tenant!r} is live in another process, which holds its "
-                    "lease; if that process died, the lease expires within its lease_seconds (30 s by default)")
+                raise SessionBusy(busy_message(tenant, session_id, holder))
             time.sleep(min(0.05, self.seconds / 10))
 
     def renew(self, tenant: str, session_id: str) -> bool:
@@ -107,3 +126,62 @@ def _renew_loop(keeper_ref: weakref.ref[LeaseKeeper]) -> None:
         del keeper  # hold no reference while sleeping, so an abandoned manager can be collected
         if stop.wait(period):
             return
+
+
+def process_owner() -> str:
+    """A lease owner name for a new holder in this process: ``host:pid:machine:nonce``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_machine()}:{uuid.uuid4().hex[:8]}"
+
+
+@functools.cache
+def _machine() -> str:
+    """This boot of this machine and this pid namespace, hashed ("" where that cannot be read).
+
+    Two owners with the same value can check each other's pid; anything else cannot.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            identity = boot.read().strip() + os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def holder_state(owner: str) -> Literal["running", "gone", "unknown"]:
+    """Whether the process named by a lease owner still runs, as far as this process can tell.
+
+    ``unknown`` for a holder on another machine or in another pid namespace (or an owner name
+    of another form): only its lease's expiry can free the session.
+    """
+    parts = owner.split(":")
+    if len(parts) != 4 or not parts[1].isdigit() or not _machine() or parts[2] != _machine():
+        return "unknown"
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return "running"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        return "running"  # it exists, under another user
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            zombie = stat.read().rpartition(")")[2].split()[0] == "Z"  # dead, not yet reaped by its parent
+    except OSError:
+        return "gone"
+    return "gone" if zombie else "running"
+
+
+def busy_message(tenant: str, session_id: str, holder: Lease | None) -> str:
+    """Why a session cannot be taken: who holds it, whether that process runs, and when its lease ends."""
+    head = f"session {session_id!r} of tenant {tenant!r} is live in another process"
+    if holder is None:
+        return f"{head}, whose lease just changed hands; try again"
+    parts = holder.owner.split(":")
+    who = f"process {parts[1]} on host {parts[0]}" if len(parts) == 4 else f"owner {holder.owner!r}"
+    state = {"running": "still running", "gone": "gone", "unknown": "on another machine or container, not checkable"}[
+        holder_state(holder.owner)]
+    left = max(0.0, holder.expires_at - time.time())
+    return (f"{head} ({who}, {state}); its lease ends in {left:.1f} s unless that process renews it "
+            "(a live holder renews it every third of its lease_seconds)")

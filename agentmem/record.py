@@ -77,6 +77,9 @@ class SessionRecord(BaseModel):
     ttl_seconds: float | None = Field(default=None, gt=0)
     # A store's read fills one preallocated buffer (no second copy to make it bytes).
     blob: InstanceOf[bytes] | InstanceOf[bytearray] | InstanceOf[memoryview] = b""
+    # Leading bytes of the blob that every write changes (the codec's header): stores keep them
+    # in a chunk of their own, so the chunks after them can be shared with the next version.
+    blob_head: int = Field(default=0, ge=0)
 
     @property
     def expires_at(self) -> float | None:
@@ -84,7 +87,7 @@ class SessionRecord(BaseModel):
 
     def metadata_json(self) -> str:
         """Every field but the blob and the version (which stores keep in their own columns)."""
-        return self.model_dump_json(exclude={"blob", "version"})
+        return self.model_dump_json(exclude={"blob", "blob_head", "version"})
 
 
 class SessionSummary(BaseModel):
@@ -107,6 +110,13 @@ class SessionPage(BaseModel):
 class StoreUsage(BaseModel):
     sessions: int
     bytes: int
+
+
+class Lease(BaseModel):
+    """Who holds a session's lease, and until when (seconds since the epoch)."""
+
+    owner: str
+    expires_at: float
 
 
 @runtime_checkable
@@ -137,8 +147,17 @@ class CacheStore(Protocol):
     def delete_tenant(self, tenant: str) -> int: ...
     def usage(self, tenant: str) -> StoreUsage: ...
     def prune(self, now: float | None = None) -> int: ...
-    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
-        """Take (or renew) the session's lease for ``owner``; False while another owner holds it."""
+    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float, *,
+                      replacing: str | None = None) -> bool:
+        """Take (or renew) the session's lease for ``owner``; False while another owner holds it.
+
+        ``replacing`` names a holder to take the lease from even before it expires (one known
+        to be dead); if anyone else holds it by then, nothing changes.
+        """
+        ...
+
+    def lease_holder(self, tenant: str, session_id: str) -> Lease | None:
+        """The unexpired lease of the session, if any."""
         ...
 
     def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
@@ -32,7 +29,7 @@ from agentmem.engine import Engine
 from agentmem.errors import AgentMemError, InvalidInput, SessionBusy
 from agentmem.host_memory import read_buffer_for
 from agentmem.host_tier import HostTier
-from agentmem.leases import LeaseKeeper
+from agentmem.leases import LeaseKeeper, process_owner
 from agentmem.ledger import DeviceLedger, Key
 from agentmem.metrics import Metrics, prometheus_text
 from agentmem.policy import BudgetPolicy
@@ -84,7 +81,7 @@ class SessionManager:
         self.policies = dict(policies or {})
         self.default_policy = default_policy or BudgetPolicy()
         self.device_budget_bytes = device_budget_bytes
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = process_owner()
         self.metrics = Metrics()
         self._registry = Registry()
         ledger = None if device_budget_bytes is None else DeviceLedger(device_budget_bytes, self._registry.live_bytes)

@@ -36,7 +36,7 @@ from agentmem.record import SessionRecord
 from agentmem.registry import Registry
 from agentmem.session import Session
 from agentmem.spill import Spiller
-from agentmem.storage import decode_cache, decoded_nbytes, encode_cache, read_header
+from agentmem.storage import data_offset, decode_cache, decoded_nbytes, encode_cache, read_header
 
 log = logging.getLogger(__name__)
 
@@ -196,13 +196,14 @@ class SpillWorker:
 
     def _record_of(self, session: Session) -> SessionRecord:
         policy = self.policy_for(session.tenant)
+        blob = encode_cache(session.cache, dtype=policy.storage_dtype, into=read_buffer_for(self.engine.device))
         return SessionRecord(
             tenant=session.tenant, session_id=session.session_id, model_fingerprint=self.engine.fingerprint,
             logical_length=session.cache.logical_length, messages=session.messages,
             policy=policy.name, created_at=session.created_at, updated_at=time.time(),
             ttl_seconds=policy.ttl_seconds,
             # Page-locked on a GPU: the copy out of the device is DMA, and a host-tier copy resumes at bus speed.
-            blob=encode_cache(session.cache, dtype=policy.storage_dtype, into=read_buffer_for(self.engine.device)),
+            blob=blob, blob_head=data_offset(blob),
         )
 
     # ------------------------------------------------------------------------ the device budget

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from agentmem.storage.codec import (
         STORAGE_CHOICES,
         STORAGE_DTYPES,
+        data_offset,
         decode_cache,
         decoded_nbytes,
         encode_cache,
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 # The codec's names are imported on first use: opening a store to list sessions needs no torch.
 __getattr__ = lazy_attributes(__name__, dict.fromkeys(
-    ("STORAGE_CHOICES", "STORAGE_DTYPES", "decode_cache", "decoded_nbytes", "encode_cache", "read_header"),
+    ("STORAGE_CHOICES", "STORAGE_DTYPES", "data_offset", "decode_cache", "decoded_nbytes", "encode_cache", "read_header"),
     "agentmem.storage.codec"))
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "SessionRecord",
     "SessionSummary",
     "StoreUsage",
+    "data_offset",
     "decode_cache",
     "decoded_nbytes",
     "default_url",

@@ -3,8 +3,9 @@
 No store keeps a session's blob as one value (SQLite caps a value at 1e9 bytes, PostgreSQL's
 ``bytea`` at 1 GB, a Redis string at 512 MB), so each writes numbered chunks and reads them
 back in order. The cutting, the reassembly and the choice of chunks to write live here once;
-each store only moves chunks (SQL rows, Redis keys) and chooses its chunk size. Chunk ``i`` is
-bytes ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` of the blob, and an empty blob is one empty
+each store only moves chunks (SQL rows, Redis keys) and chooses its chunk size. The blob's
+head (``SessionRecord.blob_head``: the codec's header, which every spill rewrites) is a chunk
+of its own, and the rest is cut every ``chunk_bytes`` from there; an empty blob is one empty
 chunk, so a stored session always has at least one.
 
 Writes are incremental: every stored chunk keeps its XXH3-128 digest, and a new version of a
@@ -28,22 +29,25 @@ from agentmem.errors import CorruptSessionError, InvalidInput
 from agentmem.record import Allocate
 
 
-def chunk_count(nbytes: int, chunk_bytes: int) -> int:
-    """How many chunks a blob of ``nbytes`` is stored as (one for an empty blob)."""
-    return max(1, -(-nbytes // chunk_bytes))
+def chunk_bounds(nbytes: int, chunk_bytes: int, head: int = 0) -> list[tuple[int, int]]:
+    """``(start, end)`` of every chunk: the first ``head`` bytes alone (if that fits one chunk),
+    then ``chunk_bytes`` at a time; one empty chunk for an empty blob."""
+    head = head if 0 < head <= min(nbytes, chunk_bytes) else 0
+    bounds = [(0, head)] if head else []
+    bounds += [(start, min(nbytes, start + chunk_bytes)) for start in range(head, nbytes, chunk_bytes)]
+    return bounds or [(0, 0)]
 
 
-def digests(data: bytes | bytearray | memoryview, chunk_bytes: int,
+def digests(data: bytes | bytearray | memoryview, bounds: list[tuple[int, int]],
             hexdigest: Callable[[memoryview], str] = xxhash.xxh3_128_hexdigest) -> list[str]:
-    """``hexdigest`` of every ``chunk_bytes`` of ``data`` (one for empty data), on several cores.
+    """``hexdigest`` of every chunk of ``data`` within ``bounds``, on several cores.
 
     xxhash releases the GIL, so the chunks hash in parallel at memory speed (tens of GB/s).
     """
     view = memoryview(data)
-    starts = range(0, max(1, len(view)), chunk_bytes)
-    if len(starts) == 1:  # small blobs: no thread hand-off
-        return [hexdigest(view)]
-    return list(_hashers().map(lambda start: hexdigest(view[start : start + chunk_bytes]), starts))
+    if len(bounds) == 1:  # small blobs: no thread hand-off
+        return [hexdigest(view[bounds[0][0] : bounds[0][1]])]
+    return list(_hashers().map(lambda bound: hexdigest(view[bound[0] : bound[1]]), bounds))
 
 
 @functools.cache
@@ -54,8 +58,9 @@ def _hashers() -> ThreadPoolExecutor:
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """What a put writes: each chunk's digest, and which positions are new or kept from the published version."""
+    """What a put writes: where each chunk lies, its digest, and which positions are new or kept from the published version."""
 
+    bounds: list[tuple[int, int]]
     digests: list[str]
     fresh: list[int]  # positions whose chunk this write stores
     kept: list[int]  # positions whose chunk the published version already holds, byte for byte
@@ -66,21 +71,26 @@ class ChunkPlan:
 
 
 def plan_chunks(blob: bytes | bytearray | memoryview, chunk_bytes: int,
-                published: Sequence[str | None] = ()) -> ChunkPlan:
-    """Which chunks of ``blob`` to write over a version whose chunk ``i`` has digest ``published[i]``.
+                published: Sequence[str | None] = (), *, head: int = 0) -> ChunkPlan:
+    """Which chunks of ``blob`` (cut by :func:`chunk_bounds`) to write over a version whose chunk
+    ``i`` has digest ``published[i]``.
 
     ``None`` marks a chunk of unknown digest (stored before digests were kept): it is rewritten.
+    A kept chunk holds the very bytes the new one would (up to an XXH3-128 collision, and the
+    codec's own checksums catch that on read), so the chunks read in order are the new blob.
     """
-    new = digests(blob, chunk_bytes)
+    bounds = chunk_bounds(len(blob), chunk_bytes, head)
+    new = digests(blob, bounds)
     kept = [i for i, digest in enumerate(new) if i < len(published) and published[i] == digest]
     kept_set = set(kept)
-    return ChunkPlan(digests=new, fresh=[i for i in range(len(new)) if i not in kept_set], kept=kept)
+    return ChunkPlan(bounds=bounds, digests=new, fresh=[i for i in range(len(new)) if i not in kept_set], kept=kept)
 
 
-def write_chunks(blob: bytes | bytearray | memoryview, chunk_bytes: int,
+def write_chunks(blob: bytes | bytearray | memoryview, bounds: list[tuple[int, int]],
                  store: Callable[[list[int], list[memoryview]], None], *,
                  positions: Iterable[int] | None = None, per_call: int = 1) -> int:
-    """Hand chunks of ``blob`` to ``store(indices, chunks)`` in order, ``per_call`` at a time; the bytes handed.
+    """Hand the chunks of ``blob`` within ``bounds`` to ``store(indices, chunks)`` in order, ``per_call``
+    at a time; the bytes handed.
 
     ``positions`` (default: every chunk) are the chunk indices to hand over. The chunks are
     views of ``blob``, never copies: a multi-GiB blob is sent as it lies. ``per_call`` lets a
@@ -88,11 +98,11 @@ def write_chunks(blob: bytes | bytearray | memoryview, chunk_bytes: int,
     writers interleave).
     """
     view = memoryview(blob)
-    wanted = list(range(chunk_count(len(view), chunk_bytes)) if positions is None else positions)
+    wanted = list(range(len(bounds)) if positions is None else positions)
     handed = 0
     for first in range(0, len(wanted), per_call):
         batch = wanted[first : first + per_call]
-        chunks = [view[i * chunk_bytes : (i + 1) * chunk_bytes] for i in batch]
+        chunks = [view[bounds[i][0] : bounds[i][1]] for i in batch]
         store(batch, chunks)
         handed += sum(len(chunk) for chunk in chunks)
     return handed

@@ -48,7 +48,7 @@ from agentmem.cache import SessionCache, TensorExport, buffer_nbytes
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
 from agentmem.host_memory import wait_for_copies
 from agentmem.record import Allocate
-from agentmem.storage.chunks import digests
+from agentmem.storage.chunks import chunk_bounds, digests
 
 _META_KEY = "agentmem"
 _HEADER_SUM_KEY = "agentmem_header_xxh3"
@@ -204,7 +204,12 @@ def _canonical(st_header: dict[str, Any]) -> bytes:
 
 def _chunk_sums(data: memoryview) -> list[str]:
     """XXH3-64 of every ``CHECKSUM_CHUNK`` bytes, hashed on several cores."""
-    return digests(data, CHECKSUM_CHUNK, xxhash.xxh3_64_hexdigest)
+    return digests(data, chunk_bounds(len(data), CHECKSUM_CHUNK), xxhash.xxh3_64_hexdigest)
+
+
+def data_offset(blob: bytes | bytearray | memoryview) -> int:
+    """Where the data region of an encoded blob starts: the bytes before it change on every spill."""
+    return 8 + struct.unpack("<Q", bytes(blob[:8]))[0]
 
 
 def read_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:

@@ -62,6 +62,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from agentmem.errors import StoreUnavailable, VersionConflict
 from agentmem.record import (
     Allocate,
+    Lease,
     SessionPage,
     SessionRecord,
     SessionSummary,
@@ -118,7 +119,7 @@ class RedisStore:
         blob = record.blob
         published = self._call(self._redis.hmget, meta_key, *_LAYOUT_FIELDS)
         shared_from = None if published[0] is None else published[0].decode()
-        plan = plan_chunks(blob, CHUNK_BYTES, _digests(published))
+        plan = plan_chunks(blob, CHUNK_BYTES, _digests(published), head=record.blob_head)
         writes = _new_owners(published, plan, write_id)
         chunk_keys = _keys_of(tenant, session_id, writes)
         fresh_keys = [chunk_keys[i] for i in plan.fresh]
@@ -136,7 +137,7 @@ class RedisStore:
                 pipe.sadd(writes_key, write_id)
                 pipe.pexpire(writes_key, ORPHAN_TTL_MS)
                 pipe.execute()
-            sent = write_chunks(blob, CHUNK_BYTES, store_chunks, positions=plan.fresh, per_call=_CHUNKS_PER_PIPELINE)
+            sent = write_chunks(blob, plan.bounds, store_chunks, positions=plan.fresh, per_call=_CHUNKS_PER_PIPELINE)
             with self._counting:
                 self.bytes_written += sent
 
@@ -311,28 +312,49 @@ class RedisStore:
                     self._call(self._unindex_if_absent, tenant, sid.decode())
         return removed
 
-    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
+    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float, *,
+                      replacing: str | None = None) -> bool:
         check_key(tenant, session_id)
         key, ttl_ms = _lease_key(tenant, session_id), milliseconds(ttl_seconds)
 
         def acquire() -> bool:
-            return bool(self._redis.set(key, owner, nx=True, px=ttl_ms)) or self._extend_lease(key, owner, ttl_ms,
-                                                                                               take_free=True)
+            return bool(self._redis.set(key, owner, nx=True, px=ttl_ms)) or self._extend_lease(
+                key, owner, ttl_ms, take_free=True, replacing=replacing)
 
         return self._call(acquire)
+
+    def lease_holder(self, tenant: str, session_id: str) -> Lease | None:
+        check_key(tenant, session_id)
+        key = _lease_key(tenant, session_id)
+
+        def read() -> tuple[bytes | None, int]:
+            with self._redis.pipeline(transaction=True) as pipe:  # one slot: owner and time left agree
+                pipe.get(key)
+                pipe.pttl(key)
+                return tuple(pipe.execute())
+
+        owner, ttl_ms = self._call(read)
+        if owner is None or ttl_ms < 0:
+            return None
+        return Lease(owner=owner.decode(), expires_at=time.time() + ttl_ms / 1000)
 
     def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
         check_key(tenant, session_id)
         key, ttl_ms = _lease_key(tenant, session_id), milliseconds(ttl_seconds)
         return self._call(lambda: self._extend_lease(key, owner, ttl_ms, take_free=False))
 
-    def _extend_lease(self, key: str, owner: str, ttl_ms: int, *, take_free: bool) -> bool:
-        """Set the lease to ``owner`` for ``ttl_ms`` if ``owner`` holds it (or, with ``take_free``, nobody does)."""
+    def _extend_lease(self, key: str, owner: str, ttl_ms: int, *, take_free: bool, replacing: str | None = None) -> bool:
+        """Set the lease to ``owner`` for ``ttl_ms`` if ``owner`` or ``replacing`` holds it (or, with
+        ``take_free``, nobody does)."""
         with self._redis.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(key)
                 holder = pipe.get(key)
-                if holder != owner.encode() and not (take_free and holder is None):
+                if holder is None:
+                    allowed = take_free
+                else:
+                    allowed = holder.decode() == owner or (replacing is not None and holder.decode() == replacing)
+                if not allowed:
                     return False
                 pipe.multi()
                 pipe.set(key, owner, px=ttl_ms)

@@ -39,6 +39,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     Float,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -62,6 +63,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from agentmem.errors import StoreUnavailable, VersionConflict
 from agentmem.record import (
     Allocate,
+    Lease,
     SessionPage,
     SessionRecord,
     SessionSummary,
@@ -79,7 +81,7 @@ from agentmem.storage.base import (
     page_of,
     restore,
 )
-from agentmem.storage.chunks import ChunkPlan, plan_chunks, read_chunks, write_chunks
+from agentmem.storage.chunks import ChunkPlan, chunk_bounds, plan_chunks, read_chunks, write_chunks
 
 BUSY_TIMEOUT_MS = 10_000
 _WRITE = "agentmem_write"  # execution option marking a write transaction
@@ -118,6 +120,9 @@ chunks_table = Table(
     Column("digest", String(32)),  # XXH3-128 of ``data`` (NULL for chunks staged before digests were kept)
     Column("published_in", String(32)),  # the write of the version holding this chunk; NULL while staged
 )
+# A version's chunks in order straight from the index: sorting them would copy every chunk's data.
+published_chunks_index = Index("agentmem_chunks_published", chunks_table.c.tenant, chunks_table.c.session_id,
+                               chunks_table.c.published_in, chunks_table.c.seq)
 leases_table = Table(
     "agentmem_leases",
     metadata,
@@ -176,7 +181,7 @@ def _chunk_blobs_v3(conn: Connection) -> None:
             conn.execute(insert(_chunks_v3).values(tenant=tenant, session_id=session_id, write_id=write_id, seq=seqs[0],
                                                    data=data[0], staged_at=time.time()))
 
-        write_chunks(blob, CHUNK_BYTES, insert_chunk)
+        write_chunks(blob, chunk_bounds(len(blob), CHUNK_BYTES), insert_chunk)
         conn.execute(update(sessions_table).where(*_key(tenant, session_id)).values(write_id=write_id))
     conn.execute(text("ALTER TABLE agentmem_sessions DROP COLUMN blob"))
     if conn.dialect.name == "postgresql":  # SQLite's INTEGER is already 64-bit
@@ -190,6 +195,7 @@ def _share_chunks_v4(conn: Connection) -> None:
     t, c = sessions_table.c, chunks_table.c
     conn.execute(update(chunks_table).values(published_in=c.write_id).where(
         exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id)))
+    published_chunks_index.create(conn)
 
 
 # Each entry brings the schema from version i to i + 1; append, never edit.
@@ -256,7 +262,7 @@ class SqlStore:
         check_record_key(tenant, session_id, record)
         write_id = uuid.uuid4().hex
         shared_from, published = self._published_digests(tenant, session_id)
-        plan = plan_chunks(record.blob, CHUNK_BYTES, published)
+        plan = plan_chunks(record.blob, CHUNK_BYTES, published, head=record.blob_head)
         staged = self._stage(tenant, session_id, write_id, record.blob, plan)
         with self._counting:
             self.bytes_written += staged
@@ -290,7 +296,7 @@ class SqlStore:
                                                          seq=seqs[0], data=data[0], digest=plan.digests[seqs[0]],
                                                          staged_at=time.time()))
 
-        return write_chunks(blob, CHUNK_BYTES, stage_chunk, positions=plan.fresh)
+        return write_chunks(blob, plan.bounds, stage_chunk, positions=plan.fresh)
 
     def _publish(self, tenant: str, session_id: str, record: SessionRecord, write_id: str, plan: ChunkPlan,
                  shared_from: str | None, expected_version: int | None) -> tuple[int, str | None]:
@@ -434,7 +440,8 @@ class SqlStore:
             conn.execute(delete(chunks_table).where(c.staged_at <= now - ORPHAN_SECONDS, ~published))
             return removed
 
-    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
+    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float, *,
+                      replacing: str | None = None) -> bool:
         check_key(tenant, session_id)
         now = time.time()
         key = leases_table.c.tenant == tenant, leases_table.c.session_id == session_id
@@ -447,12 +454,20 @@ class SqlStore:
                     conn.execute(insert(leases_table).values(tenant=tenant, session_id=session_id, owner=owner,
                                                              expires_at=now + ttl_seconds))
                     return True
-                if row.owner != owner and row.expires_at > now:
+                if row.owner not in (owner, replacing) and row.expires_at > now:
                     return False
                 conn.execute(update(leases_table).where(*key).values(owner=owner, expires_at=now + ttl_seconds))
                 return True
         except IntegrityError:
             return False  # another owner created the lease row between our read and our insert
+
+    def lease_holder(self, tenant: str, session_id: str) -> Lease | None:
+        check_key(tenant, session_id)
+        t = leases_table.c
+        with self._connection() as conn:
+            row = conn.execute(select(t.owner, t.expires_at).where(
+                t.tenant == tenant, t.session_id == session_id, t.expires_at > time.time())).first()
+        return None if row is None else Lease(owner=row.owner, expires_at=row.expires_at)
 
     def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
         check_key(tenant, session_id)

@@ -250,6 +250,46 @@ def test_a_killed_holder_blocks_its_session_only_until_its_short_lease_expires(e
         holder.wait()
 
 
+def test_a_killed_holder_on_this_machine_is_replaced_at_once_whatever_its_lease(engine, tmp_path):
+    db = f"sqlite:///{tmp_path / 'lease.db'}"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from agentmem import Engine, SessionManager
+        m = SessionManager(Engine.load("embedded", device="cpu"), {db!r}, lease_seconds=600)
+        m.session("busy", tenant="acme").chat("hello", max_new_tokens=2)
+        m.spill("acme", "busy")
+        m.session("busy", tenant="acme").chat("again", max_new_tokens=2)  # live, version 1 stored
+        print("ready", flush=True)
+        sys.stdin.readline()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        manager = SessionManager(engine, db)
+        with pytest.raises(SessionBusy, match=rf"process {holder.pid} on host .*, still running\); its lease ends in 59\d\.\d s"):
+            manager.session("busy", tenant="acme")
+        holder.kill()  # SIGKILL: no spill, no release; its lease has ~10 minutes to run
+        holder.wait()
+        killed = time.monotonic()
+        resumed = manager.session("busy", tenant="acme")
+        assert time.monotonic() - killed < 2.0  # not the 600 s lease
+        assert resumed.version == 1 and [m["content"] for m in resumed.messages] == ["hello", resumed.messages[1]["content"]]
+        manager.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_holder_on_another_machine_is_waited_out_and_named(tiny, tmp_path):
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", lease_wait=0.1) as manager:
+        manager.session("s").chat("hi", max_new_tokens=2)
+        manager.spill("default", "s")
+        # A process on another host (or in another container): its pid means nothing here.
+        assert manager.store.acquire_lease("default", "s", "elsewhere:1:0123456789abcdef:cafe0000", 30)
+        with pytest.raises(SessionBusy, match=r"process 1 on host elsewhere, on another machine or container, not "
+                                              r"checkable\); its lease ends in (29|30)\.\d s"):
+            manager.session("s")
+
+
 def test_threads_serialise_per_session_and_run_sessions_concurrently(tiny, tmp_path):
     errors = []
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager:

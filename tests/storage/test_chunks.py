@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentmem.errors import CorruptSessionError, InvalidInput
-from agentmem.storage.chunks import chunk_count, digests, plan_chunks, read_chunks, write_chunks
+from agentmem.storage.chunks import chunk_bounds, digests, plan_chunks, read_chunks, write_chunks
 
 
 def written(blob: bytes, chunk_bytes: int, per_call: int, positions=None) -> tuple[int, list[tuple[list[int], list[bytes]]]]:
@@ -15,13 +15,19 @@ def written(blob: bytes, chunk_bytes: int, per_call: int, positions=None) -> tup
         assert all(isinstance(c, memoryview) and c.obj is blob for c in chunks), "views of the blob, never copies"
         calls.append((indices, [bytes(c) for c in chunks]))
 
-    return write_chunks(blob, chunk_bytes, store, positions=positions, per_call=per_call), calls
+    return write_chunks(blob, chunk_bounds(len(blob), chunk_bytes), store, positions=positions, per_call=per_call), calls
 
 
 def test_the_writer_hands_ordered_chunks_in_batches():
     handed, calls = written(b"0123456789", 4, per_call=2)
-    assert handed == 10 and chunk_count(10, 4) == 3
+    assert handed == 10 and chunk_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert calls == [([0, 1], [b"0123", b"4567"]), ([2], [b"89"])]
+
+
+def test_the_head_is_a_chunk_of_its_own_and_the_rest_is_cut_from_its_end():
+    assert chunk_bounds(10, 4, head=3) == [(0, 3), (3, 7), (7, 10)]
+    assert chunk_bounds(10, 4, head=5) == chunk_bounds(10, 4)  # a head larger than a chunk is not set apart
+    assert chunk_bounds(0, 4, head=3) == [(0, 0)]
 
 
 def test_the_writer_hands_only_the_positions_asked_for():
@@ -35,10 +41,12 @@ def test_an_empty_blob_is_one_empty_chunk():
 def test_a_plan_keeps_exactly_the_chunks_whose_bytes_are_unchanged_at_their_place():
     old = bytes(range(16)) * 4  # 64 bytes: 8 chunks of 8
     new = bytearray(old[:40]) + b"changed!" + old[48:] + b"tail"  # chunk 5 differs, a short chunk 8 is new
-    published = digests(old, 8)
+    published = digests(old, chunk_bounds(64, 8))
     plan = plan_chunks(new, 8, published)
     assert plan.kept == [0, 1, 2, 3, 4, 6, 7] and plan.fresh == [5, 8] and plan.count == 9
-    assert plan.digests == digests(new, 8)
+    assert plan.digests == digests(new, chunk_bounds(len(new), 8))
+    headed = plan_chunks(b"HEAD" + new[4:], 8, digests(old, chunk_bounds(64, 8, head=4)), head=4)
+    assert headed.kept == [1, 2, 3, 4, 7] and headed.fresh == [0, 5, 6, 8]  # a new head costs its own chunk only
     shifted = plan_chunks(b"x" + old, 8, published)  # the same bytes one place later: nothing is at its place
     assert shifted.kept == [] and shifted.fresh == list(range(9))
     unknown = plan_chunks(old, 8, [None] * 8)  # chunks stored before digests were kept are rewritten
@@ -49,8 +57,9 @@ def test_digests_hash_every_chunk_in_parallel_as_one_would_in_order():
     import xxhash
 
     data = bytes(range(256)) * 1000
-    assert digests(data, 4096) == [xxhash.xxh3_128_hexdigest(data[i : i + 4096]) for i in range(0, len(data), 4096)]
-    assert digests(b"", 4096) == [xxhash.xxh3_128_hexdigest(b"")]
+    bounds = chunk_bounds(len(data), 4096)
+    assert digests(data, bounds) == [xxhash.xxh3_128_hexdigest(data[i : i + 4096]) for i in range(0, len(data), 4096)]
+    assert digests(b"", chunk_bounds(0, 4096)) == [xxhash.xxh3_128_hexdigest(b"")]
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 64])

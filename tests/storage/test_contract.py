@@ -73,10 +73,17 @@ def test_a_new_version_writes_only_the_chunks_that_changed(store, small_chunks):
     before = store.bytes_written
     assert store.put("acme", "s1", record("acme", "s1", shrunk), expected_version=2) == 3
     assert store.bytes_written == before and store.get("acme", "s1").blob == shrunk
+    headed = b"H" * 100 + shrunk[100:]
+    store.put("acme", "s1", record("acme", "s1", headed, blob_head=100))  # a header every write changes ...
+    before = store.bytes_written
+    rewritten = b"h" * 100 + shrunk[100:]
+    store.put("acme", "s1", record("acme", "s1", rewritten, blob_head=100), expected_version=4)
+    assert store.bytes_written - before == 100  # ... costs its own chunk, not the first chunk of data
+    assert store.get("acme", "s1").blob == rewritten
     other = bytes(reversed(grown))  # another session with the same bytes at other places shares nothing
     store.put("acme", "s2", record("acme", "s2", grown))
     store.put("acme", "s2", record("acme", "s2", other), expected_version=1)
-    assert store.get("acme", "s2").blob == other and store.get("acme", "s1").blob == shrunk
+    assert store.get("acme", "s2").blob == other and store.get("acme", "s1").blob == rewritten
     assert store.delete("acme", "s1") and store.get("acme", "s2").blob == other
 
 
@@ -227,6 +234,22 @@ def test_leases_exclude_other_owners_until_released_or_expired(store):
     assert store.acquire_lease("acme", "s1", "worker-b", 0.2)
     time.sleep(0.3)
     assert store.acquire_lease("acme", "s1", "worker-a", 30)  # expired: free again
+
+
+def test_a_lease_names_its_holder_and_is_taken_from_a_named_dead_one_only(store):
+    assert store.lease_holder("acme", "s1") is None
+    start = time.time()
+    assert store.acquire_lease("acme", "s1", "worker-a", 30)
+    holder = store.lease_holder("acme", "s1")
+    assert holder.owner == "worker-a" and start + 29 <= holder.expires_at <= time.time() + 30.5
+    assert not store.acquire_lease("acme", "s1", "worker-c", 30, replacing="worker-b")  # b holds nothing
+    assert store.acquire_lease("acme", "s1", "worker-c", 30, replacing="worker-a")  # taken before it expires
+    assert store.lease_holder("acme", "s1").owner == "worker-c"
+    assert not store.renew_lease("acme", "s1", "worker-a", 30)  # the replaced holder has lost it
+    assert not store.renew_lease("acme", "s9", "worker-a", 30, ) and store.lease_holder("acme", "s9") is None
+    store.acquire_lease("acme", "s2", "worker-a", 0.2)
+    time.sleep(0.3)
+    assert store.lease_holder("acme", "s2") is None  # expired: nobody holds it
 
 
 def test_renewal_extends_only_a_lease_the_owner_still_holds(store):
