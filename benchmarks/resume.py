@@ -46,7 +46,7 @@ from agentmem.errors import StoreUnavailable
 from agentmem.host_memory import read_buffer_for
 from agentmem.host_tier import HostTier
 from agentmem.record import SessionRecord
-from agentmem.storage import STORAGE_CHOICES, decode_cache, encode_cache, open_store, read_header
+from agentmem.storage import STORAGE_CHOICES, data_offset, decode_cache, encode_cache, open_store, read_header
 from agentmem.storage.local_postgres import LocalPostgres
 from agentmem.storage.local_redis import LocalRedis
 from agentmem.storage.redis import _LAYOUT_FIELDS, _keys_of, _meta_key, _owners
@@ -222,7 +222,8 @@ def main() -> None:
                 for name, (store, url) in tiers.items():
                     def spill(grown: SessionCache, into_id: str) -> None:
                         blob = encode_cache(grown, dtype=args.storage_dtype, into=read_buffer_for(device))
-                        store.put("bench", into_id, record.model_copy(update={"blob": blob, "session_id": into_id}))
+                        store.put("bench", into_id, record.model_copy(
+                            update={"blob": blob, "blob_head": data_offset(blob), "session_id": into_id}))
 
                     spill_s, turn_s, turn_bytes = spill_seconds(device, store, spill, cache, after_turn, args.repeats)
                     turn_size = len(encode_cache(after_turn, dtype=args.storage_dtype))

@@ -482,7 +482,7 @@ def test_bad_manager_settings_are_typed_errors(tiny, tmp_path):
 
 def test_a_spill_after_a_turn_writes_only_what_changed(tiny, tmp_path, monkeypatch):
     """The second spill of a session that compacted nothing shares its unchanged chunks with the first."""
-    from agentmem.storage import sql
+    from agentmem.storage import data_offset, sql
 
     monkeypatch.setattr(sql, "CHUNK_BYTES", 4096)
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager:
@@ -497,5 +497,10 @@ def test_a_spill_after_a_turn_writes_only_what_changed(tiny, tmp_path, monkeypat
         resumed.chat("And one more short line.", max_new_tokens=2)
         manager.spill("default", "s")
         second = manager.store.bytes_written - first
-        # ~550 tokens: the header's chunk and the last 256-token tail block (~12%), not the session
-        assert 0 < second < len(manager.store.get("default", "s").blob) / 4
+        after = manager.store.get("default", "s")
+        # Written: the header's chunk, then from the last 256-token block the turn changed to the
+        # end (its rows, the token log) — each end rounded out to a whole chunk — not the session.
+        last_block = stored.logical_length // 256 * 256
+        changed = data_offset(after.blob) + (after.logical_length - last_block) * tiny.bytes_per_token
+        assert 0 < second <= changed + 8 * after.logical_length + 2 * 4096
+        assert second < len(after.blob) / 4

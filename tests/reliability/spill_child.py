@@ -112,11 +112,14 @@ def main() -> None:
     record = SessionRecord(**fields, blob=Path(blob_file).read_bytes())
     store = open_store(url)
     if point.startswith("sql-"):
+        import agentmem.storage.sql as sql_store
+
+        sql_store.CHUNK_BYTES = 4096  # as test_kill_mid_spill.CHILD_CHUNK_BYTES: many chunks from a small blob, some shared with the version before
         arm_sql(store, point)
     elif point.startswith("redis-"):
         import agentmem.storage.redis as redis_store
 
-        redis_store.CHUNK_BYTES = 4096  # many chunks from a small blob: a kill can split them
+        redis_store.CHUNK_BYTES = 4096  # as test_kill_mid_spill.CHILD_CHUNK_BYTES: many chunks from a small blob: a kill can split them
         arm_redis(point)
     store.put(record.tenant, record.session_id, record, expected_version=fields["version"])
     if point == "after-put":

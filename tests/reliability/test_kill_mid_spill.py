@@ -3,7 +3,9 @@
 Afterwards the store must hold, for every session, exactly one committed version — the old
 one if the process died before the commit point, the new one after — decodable and bit-equal
 to what was written; never a mix of two versions, never a corrupt blob; other sessions
-untouched; and the next write must succeed.
+untouched; and the next write must succeed. The new version is the old one plus a turn, so it
+shares the old one's unchanged chunks (small chunks in the child): a kill at any point must
+not cost the old version a shared chunk.
 """
 
 from __future__ import annotations
@@ -18,22 +20,27 @@ from pathlib import Path
 import pytest
 
 from agentmem.record import SessionRecord
-from agentmem.storage import decode_cache, encode_cache, open_store
+from agentmem.storage import data_offset, decode_cache, encode_cache, open_store
+from agentmem.storage.chunks import chunk_bounds, digests, plan_chunks
+from agentmem.storage.redis import _keys_of, _layout_of, _owners
 from agentmem.storage.redis_client import connect
 
 CHILD = Path(__file__).with_name("spill_child.py")
+CHILD_CHUNK_BYTES = 4096  # what spill_child.py sets in both stores
 SQL_POINTS = {"sql-before-chunk-commit": 1, "sql-before-write": 1, "sql-after-write": 1, "sql-before-commit": 1,
               "sql-before-cleanup": 2, "after-put": 2}
 REDIS_POINTS = {"redis-before-chunks": 1, "redis-after-chunks": 1, "redis-before-swap": 1,
                 "redis-after-swap": 2, "after-put": 2}
 
 
-def _record(engine, tenant: str, session_id: str, text: str, version: int = 0) -> SessionRecord:
-    cache = engine.prefill(engine.tokenizer(text)["input_ids"])
+def _record(engine, tenant: str, session_id: str, text: str, version: int = 0, after=None) -> SessionRecord:
+    """A record of ``text`` read into a new cache, or into a copy of ``after``'s (a turn appended to it)."""
+    cache = engine.prefill(engine.tokenizer(text)["input_ids"], None if after is None else after.clone())
+    blob = encode_cache(cache, dtype="fp32")
     return SessionRecord(tenant=tenant, session_id=session_id, model_fingerprint=engine.fingerprint,
                          logical_length=cache.logical_length,
                          messages=[{"role": "user", "content": text}], version=version,
-                         blob=encode_cache(cache, dtype="fp32"))
+                         blob=blob, blob_head=data_offset(blob))
 
 
 def _kill_during_put(url: str, point: str, record: SessionRecord, tmp_path: Path) -> None:
@@ -66,12 +73,15 @@ def _check_survivors(url, engine, expected: dict[str, tuple[int, SessionRecord]]
 def _scenario(url: str, point: str, survivor_version: int, engine, tmp_path: Path) -> None:
     store = open_store(url)
     bystander = _record(engine, "acme", "bystander", "an unrelated session that must survive")
-    old = _record(engine, "acme", "victim", "version one of the victim session")
+    old = _record(engine, "acme", "victim", "version one of the victim session. " * 30)
     store.put("acme", "bystander", bystander)
     store.put("acme", "victim", old)
     store.close()
-    new = _record(engine, "acme", "victim", "version two of the victim session, longer than the first one",
-                  version=1)
+    new = _record(engine, "acme", "victim", " and a second turn, longer than the first one", version=1,
+                  after=decode_cache(old.blob))
+    shared = plan_chunks(new.blob, CHILD_CHUNK_BYTES, digests(old.blob, chunk_bounds(len(old.blob), CHILD_CHUNK_BYTES,
+                                                                                       old.blob_head)), head=new.blob_head)
+    assert len(shared.kept) >= 2, "the new version must share chunks with the old one for this test to mean anything"
     _kill_during_put(url, point, new, tmp_path)
     survivor = old if survivor_version == 1 else new
     _check_survivors(url, engine, {"bystander": (1, bystander), "victim": (survivor_version, survivor)})
@@ -90,8 +100,10 @@ def test_redis_kill_mid_spill_keeps_the_last_committed_version(point, small_engi
     _scenario(redis_url, point, REDIS_POINTS[point], small_engine, tmp_path)
     client = connect(redis_url)
     # Chunks of the dead writer (or of the replaced version) are orphans: they must expire.
-    meta = {key: client.hgetall(key) for key in client.scan_iter("am:*:meta")}
-    live_ids = {m[b"write_id"].decode() for m in meta.values()}
+    live = set()  # every chunk a stored version holds, wherever it was written
+    for key in client.scan_iter("am:*:meta"):
+        tenant, session_id = key.decode().partition("{")[2].partition("}")[0].split(":")
+        live.update(_keys_of(tenant, session_id, _owners(_layout_of(client.hgetall(key)))))
     for key in client.scan_iter("am:*:blob:*"):
-        if key.decode().split(":blob:")[1].split(":")[0] not in live_ids:
+        if key.decode() not in live:
             assert client.pttl(key) > 0, f"orphan chunk {key!r} would never expire"
