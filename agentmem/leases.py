@@ -60,12 +60,10 @@ class LeaseKeeper:
         deadline = time.monotonic() + wait
         while not self.store.acquire_lease(tenant, session_id, self.owner, self.seconds):
             holder = self.store.lease_holder(tenant, session_id)
-            if holder is not None and holder_state(holder.owner) == "gone":
-                if self.store.acquire_lease(tenant, session_id, self.owner, self.seconds, replacing=holder.owner):
-                    log.warning("took the lease of %s/%s from %s, whose process is gone", tenant, session_id,
-                                holder.owner)
-                    return
-                continue  # someone else took it first: look again
+            if holder is not None and holder_state(holder.owner) == "gone" and self.store.acquire_lease(
+                    tenant, session_id, self.owner, self.seconds, replacing=holder.owner):
+                log.warning("took the lease of %s/%s from %s, whose process is gone", tenant, session_id, holder.owner)
+                return
             if time.monotonic() >= deadline:
                 raise SessionBusy(busy_message(tenant, session_id, holder))
             time.sleep(min(0.05, self.seconds / 10))
@@ -129,7 +127,11 @@ def _renew_loop(keeper_ref: weakref.ref[LeaseKeeper]) -> None:
 
 
 def process_owner() -> str:
-    """A lease owner name for a new holder in this process: ``host:pid:machine:nonce``."""
+    """A lease owner name for a new holder in this process: ``host:pid:machine:nonce``.
+
+    The holder must renew from this process: a manager inherited across ``fork`` holds its
+    leases under its parent's pid (and without its renewal thread).
+    """
     return f"{socket.gethostname()}:{os.getpid()}:{_machine()}:{uuid.uuid4().hex[:8]}"
 
 
@@ -151,10 +153,13 @@ def holder_state(owner: str) -> Literal["running", "gone", "unknown"]:
     """Whether the process named by a lease owner still runs, as far as this process can tell.
 
     ``unknown`` for a holder on another machine or in another pid namespace (or an owner name
-    of another form): only its lease's expiry can free the session.
+    of another form), and for machines restored from one snapshot (same boot id, so the
+    host name must match too): only its lease's expiry can free the session. Anything that
+    cannot be read is taken as running: a lease is never taken from a process that may live.
     """
     parts = owner.split(":")
-    if len(parts) != 4 or not parts[1].isdigit() or not _machine() or parts[2] != _machine():
+    if (len(parts) != 4 or not parts[1].isdigit() or not _machine() or parts[2] != _machine()
+            or parts[0] != socket.gethostname()):
         return "unknown"
     pid = int(parts[1])
     if pid == os.getpid():
@@ -168,8 +173,14 @@ def holder_state(owner: str) -> Literal["running", "gone", "unknown"]:
     try:
         with open(f"/proc/{pid}/stat") as stat:
             zombie = stat.read().rpartition(")")[2].split()[0] == "Z"  # dead, not yet reaped by its parent
-    except OSError:
-        return "gone"
+    except OSError:  # hidden (hidepid) or gone since the signal: only a second signal can say which
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "gone"
+        except PermissionError:
+            pass
+        return "running"
     return "gone" if zombie else "running"
 
 

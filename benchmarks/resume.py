@@ -55,9 +55,10 @@ from common import RESULTS, SHAPES, command_line, machine, median_seconds, rando
 NEW_MESSAGE = "\nQuestion: what does the text above say about exceptions?"
 TURN_TOKENS = 128  # a turn's new tokens between two spills of a session
 TIERS = ("host", "sqlite", "redis", "postgres")
-SQL_CHUNKS = ("SELECT c.data FROM agentmem_chunks c JOIN agentmem_sessions s ON c.tenant = s.tenant AND "
-              "c.session_id = s.session_id AND c.published_in = s.write_id WHERE s.tenant={p} AND s.session_id={p} "
-              "ORDER BY c.seq")
+SQL_CHUNKS = ("SELECT c.data FROM agentmem_sessions s JOIN agentmem_manifests m ON m.tenant = s.tenant AND "
+              "m.session_id = s.session_id AND m.write_id = s.write_id JOIN agentmem_chunks c ON c.tenant = m.tenant "
+              "AND c.session_id = m.session_id AND c.write_id = m.chunk_write_id AND c.seq = m.seq "
+              "WHERE s.tenant={p} AND s.session_id={p} ORDER BY m.seq")
 
 
 def compacted_10x(engine: Engine, cache: SessionCache) -> SessionCache:
@@ -75,18 +76,19 @@ def seconds(device: torch.device, fn: Callable[[], object], repeats: int) -> flo
     return median_seconds(lambda: (fn(), sync(device)), repeats)
 
 
-def spill_seconds(device: torch.device, store, spill: Callable[[SessionCache, str], None], cache: SessionCache,
+def spill_seconds(device: torch.device, store, spill: Callable[[SessionCache, str, int], None], cache: SessionCache,
                   after_turn: SessionCache, repeats: int) -> tuple[float, float, float]:
     """Medians of: spilling ``cache`` as a new session; spilling ``after_turn`` over it; and the bytes that wrote.
 
-    Each repeat spills under a fresh id (so the first write shares nothing) and deletes it after.
+    Each repeat spills under a fresh id (so the first write shares nothing) and deletes it after;
+    both are compare-and-set writes, as the manager's spills are (only those share chunks).
     """
     full, turn, written = [], [], []
     for r in range(repeats):
         into_id = f"spill-{r}"
-        full.append(seconds(device, lambda: spill(cache, into_id), 1))
+        full.append(seconds(device, lambda: spill(cache, into_id, 0), 1))
         before = store.bytes_written
-        turn.append(seconds(device, lambda: spill(after_turn, into_id), 1))
+        turn.append(seconds(device, lambda: spill(after_turn, into_id, 1), 1))
         written.append(store.bytes_written - before)
         store.delete("bench", into_id)
     return statistics.median(full), statistics.median(turn), statistics.median(written)
@@ -103,7 +105,7 @@ class HostTierStore:
         self.tier = HostTier(budget_bytes=2**40, tenant_budget=lambda tenant: None)
         self.bytes_written = 0
 
-    def put(self, tenant: str, session_id: str, record: SessionRecord) -> None:
+    def put(self, tenant: str, session_id: str, record: SessionRecord, expected_version: int | None = None) -> None:
         assert self.tier.put(record, dirty=False)
         self.bytes_written += len(record.blob)  # a new copy of the whole blob, whatever changed
 
@@ -220,10 +222,11 @@ def main() -> None:
                                        logical_length=cache.logical_length,
                                        blob=encode_cache(cache, dtype=args.storage_dtype, into=read_buffer_for(device)))
                 for name, (store, url) in tiers.items():
-                    def spill(grown: SessionCache, into_id: str) -> None:
+                    def spill(grown: SessionCache, into_id: str, version: int) -> None:
                         blob = encode_cache(grown, dtype=args.storage_dtype, into=read_buffer_for(device))
                         store.put("bench", into_id, record.model_copy(
-                            update={"blob": blob, "blob_head": data_offset(blob), "session_id": into_id}))
+                            update={"blob": blob, "blob_head": data_offset(blob), "session_id": into_id}),
+                            expected_version=version)
 
                     spill_s, turn_s, turn_bytes = spill_seconds(device, store, spill, cache, after_turn, args.repeats)
                     turn_size = len(encode_cache(after_turn, dtype=args.storage_dtype))

@@ -117,9 +117,12 @@ class RedisStore:
         meta_key, writes_key = _meta_key(tenant, session_id), _writes_key(tenant, session_id)
         write_id = uuid.uuid4().hex
         blob = record.blob
-        published = self._call(self._redis.hmget, meta_key, *_LAYOUT_FIELDS)
+        # Only a compare-and-set write shares chunks (an unconditional one must not fail because a
+        # concurrent writer replaced the version it would share with), and only chunks still there.
+        published = [None] * len(_LAYOUT_FIELDS) if expected_version is None else self._call(
+            self._redis.hmget, meta_key, *_LAYOUT_FIELDS)
         shared_from = None if published[0] is None else published[0].decode()
-        plan = plan_chunks(blob, CHUNK_BYTES, _digests(published), head=record.blob_head)
+        plan = plan_chunks(blob, CHUNK_BYTES, self._present(tenant, session_id, published), head=record.blob_head)
         writes = _new_owners(published, plan, write_id)
         chunk_keys = _keys_of(tenant, session_id, writes)
         fresh_keys = [chunk_keys[i] for i in plan.fresh]
@@ -200,6 +203,18 @@ class RedisStore:
         except VersionConflict:
             self._call(abandon)
             raise
+
+    def _present(self, tenant: str, session_id: str, published: Layout) -> list[str | None]:
+        """The published version's chunk digests, ``None`` for a chunk whose key is gone (expired or
+        removed by hand): a later write rewrites it instead of sharing it for ever."""
+        keys = _keys_of(tenant, session_id, _owners(published))
+        if not keys:
+            return []
+        with self._redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.exists(key)
+            there = self._call(pipe.execute)
+        return [digest if found else None for digest, found in zip(_digests(published), there)]
 
     def get(self, tenant: str, session_id: str, *, into: Allocate = bytearray) -> SessionRecord:
         check_key(tenant, session_id)

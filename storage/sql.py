@@ -3,17 +3,21 @@
 One row per (tenant, session) holds the metadata JSON, the blob's size and ``write_id``, and a
 version used for compare-and-set; the blob itself lies in ordered chunk rows of
 ``CHUNK_BYTES``, so a session of any size is stored (SQLite caps one value at 1e9 bytes,
-PostgreSQL's ``bytea`` at 1 GB). Each chunk row records the write that staged it
-(``write_id``), its digest, and the write of the version it belongs to now (``published_in``):
-a new version re-publishes the chunks it shares with the replaced one instead of writing them
-again (see :mod:`agentmem.storage.chunks`). A put takes three steps, as on Redis: (1) stage
-the changed chunks, one short transaction each, so other writers interleave; (2) in one
-transaction, check that every staged and every shared chunk is there and the version is the
-expected one, mark them ``published_in`` the new write and point the session row at it
-(compare-and-set); (3) delete the replaced version's chunks that were not shared. A reader
-reads the row and its chunks in one snapshot (SQLite WAL; REPEATABLE READ on PostgreSQL), so
-it sees the old version or the new one, never a mix. Chunks of a put that died before step 2
-are removed by :meth:`SqlStore.prune` once they are ``ORPHAN_SECONDS`` old.
+PostgreSQL's ``bytea`` at 1 GB). A chunk row belongs to the write that staged it and is never
+changed afterwards (on SQLite an UPDATE rewrites a whole 16 MiB row). Which chunks make up a
+version is its *manifest*: one small row per position naming the write whose chunk lies there
+and that chunk's digest, so a new version lists the chunks it shares with the replaced one
+instead of writing them again (see :mod:`agentmem.storage.chunks`). A put takes three steps,
+as on Redis: (1) stage the changed chunks, one short transaction each, so other writers
+interleave; (2) in one transaction, check the version (compare-and-set), that every staged
+chunk is there and that the chunks it shares are still the published version's, write its
+manifest and point the session row at it; (3) delete the chunks of the replaced version that
+the new one does not share, and the replaced manifest. A reader reads the row, the manifest and
+the chunks in one snapshot (SQLite WAL; REPEATABLE READ on PostgreSQL), so it sees the old
+version or the new one, never a mix. Chunks of a put that died before step 2 are removed by
+:meth:`SqlStore.prune` once they are ``ORPHAN_SECONDS`` old. Versions written by agentmem before
+manifests (chunk rows under the version's own ``write_id``, no manifest) are still read,
+replaced and deleted.
 
 One code path serves every dialect; the few differences are kept small and local:
 
@@ -37,6 +41,7 @@ from collections.abc import Callable
 
 from sqlalchemy import (
     BigInteger,
+    and_,
     Column,
     Float,
     Index,
@@ -52,6 +57,7 @@ from sqlalchemy import (
     exists,
     func,
     insert,
+    null,
     or_,
     select,
     text,
@@ -117,12 +123,18 @@ chunks_table = Table(
     Column("seq", Integer, primary_key=True),
     Column("data", LargeBinary, nullable=False),
     Column("staged_at", Float, nullable=False, index=True),
-    Column("digest", String(32)),  # XXH3-128 of ``data`` (NULL for chunks staged before digests were kept)
-    Column("published_in", String(32)),  # the write of the version holding this chunk; NULL while staged
 )
-# A version's chunks in order straight from the index: sorting them would copy every chunk's data.
-published_chunks_index = Index("agentmem_chunks_published", chunks_table.c.tenant, chunks_table.c.session_id,
-                               chunks_table.c.published_in, chunks_table.c.seq)
+manifests_table = Table(
+    "agentmem_manifests",
+    metadata,
+    Column("tenant", String(128), primary_key=True),
+    Column("session_id", _SESSION_ID, primary_key=True),
+    Column("write_id", String(32), primary_key=True),  # the version's (the session row's ``write_id``)
+    Column("seq", Integer, primary_key=True),
+    Column("chunk_write_id", String(32), nullable=False),  # the write whose chunk row lies at ``seq``
+    Column("digest", String(32)),  # XXH3-128 of that chunk (NULL when unknown: it is rewritten, never shared)
+    Index("agentmem_manifests_chunk", "tenant", "session_id", "chunk_write_id", "seq"),
+)
 leases_table = Table(
     "agentmem_leases",
     metadata,
@@ -188,18 +200,18 @@ def _chunk_blobs_v3(conn: Connection) -> None:
         conn.execute(text("ALTER TABLE agentmem_sessions ALTER COLUMN nbytes TYPE BIGINT"))
 
 
-def _share_chunks_v4(conn: Connection) -> None:
-    """Give chunks a digest (unknown for existing ones: rewritten once) and the version they belong to."""
-    conn.execute(text("ALTER TABLE agentmem_chunks ADD COLUMN digest VARCHAR(32)"))
-    conn.execute(text("ALTER TABLE agentmem_chunks ADD COLUMN published_in VARCHAR(32)"))
+def _manifests_v4(conn: Connection) -> None:
+    """Give every published version a manifest of its own chunks (digests unknown: rewritten once)."""
+    metadata.create_all(conn, tables=[manifests_table])
     t, c = sessions_table.c, chunks_table.c
-    conn.execute(update(chunks_table).values(published_in=c.write_id).where(
-        exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id)))
-    published_chunks_index.create(conn)
+    conn.execute(insert(manifests_table).from_select(
+        ["tenant", "session_id", "write_id", "seq", "chunk_write_id", "digest"],
+        select(c.tenant, c.session_id, c.write_id, c.seq, c.write_id, null()).where(
+            exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id))))
 
 
 # Each entry brings the schema from version i to i + 1; append, never edit.
-MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1, _add_leases_v2, _chunk_blobs_v3, _share_chunks_v4]
+MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1, _add_leases_v2, _chunk_blobs_v3, _manifests_v4]
 
 
 class SqlStore:
@@ -261,7 +273,9 @@ class SqlStore:
     def put(self, tenant: str, session_id: str, record: SessionRecord, *, expected_version: int | None = None) -> int:
         check_record_key(tenant, session_id, record)
         write_id = uuid.uuid4().hex
-        shared_from, published = self._published_digests(tenant, session_id)
+        # Only a compare-and-set write shares chunks: an unconditional one must not fail because
+        # a concurrent writer replaced the version it would share with.
+        shared_from, published = (None, []) if expected_version is None else self._published_digests(tenant, session_id)
         plan = plan_chunks(record.blob, CHUNK_BYTES, published, head=record.blob_head)
         staged = self._stage(tenant, session_id, write_id, record.blob, plan)
         with self._counting:
@@ -270,22 +284,23 @@ class SqlStore:
             version, replaced = self._publish(tenant, session_id, record, write_id, plan, shared_from, expected_version)
         except BaseException:
             # Only if unpublished: a COMMIT that failed ambiguously may still have published them.
-            self._discard(tenant, session_id, write_id, unless_published=True)
+            self._discard_unpublished(tenant, session_id, write_id)
             raise
         if replaced is not None:
-            self._discard(tenant, session_id, replaced)
+            self._discard_replaced(tenant, session_id, replaced, write_id)
         return version
 
     def _published_digests(self, tenant: str, session_id: str) -> tuple[str | None, list[str | None]]:
-        """The published version's write id and its chunks' digests by position (empty if none)."""
-        c = chunks_table.c
+        """The live published version's write id and its chunks' digests by position (none if there is none)."""
+        m = manifests_table.c
         with self._snapshot() as conn:
-            write_id = conn.execute(select(sessions_table.c.write_id).where(*_key(tenant, session_id))).scalar()
+            write_id = conn.execute(select(sessions_table.c.write_id)
+                                    .where(*_key(tenant, session_id), _alive(time.time()))).scalar()
             if write_id is None:
                 return None, []
-            rows = conn.execute(select(c.seq, c.digest).where(*_published_key(tenant, session_id, write_id))).all()
-        found = dict(rows)
-        return write_id, [found.get(seq) for seq in range(max(found, default=-1) + 1)]
+            rows = conn.execute(select(m.seq, m.digest).where(*_manifest_key(tenant, session_id, write_id))
+                                .order_by(m.seq)).all()
+        return write_id, [digest for _, digest in rows]
 
     def _stage(self, tenant: str, session_id: str, write_id: str, blob: bytes, plan: ChunkPlan) -> int:
         """Store the plan's fresh chunks under ``write_id``, one transaction per chunk; the bytes staged."""
@@ -293,15 +308,17 @@ class SqlStore:
         def stage_chunk(seqs: list[int], data: list[memoryview]) -> None:
             with self._transaction() as conn:
                 conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id,
-                                                         seq=seqs[0], data=data[0], digest=plan.digests[seqs[0]],
-                                                         staged_at=time.time()))
+                                                         seq=seqs[0], data=data[0], staged_at=time.time()))
 
         return write_chunks(blob, plan.bounds, stage_chunk, positions=plan.fresh)
 
     def _publish(self, tenant: str, session_id: str, record: SessionRecord, write_id: str, plan: ChunkPlan,
                  shared_from: str | None, expected_version: int | None) -> tuple[int, str | None]:
-        """Compare-and-set the session row onto ``write_id``; the new version and the replaced write id."""
-        key, c = _key(tenant, session_id), chunks_table.c
+        """Compare-and-set the session row onto ``write_id`` with its manifest; the new version and the replaced write id.
+
+        Locks the session row first, then chunk and manifest rows, as every writer here does.
+        """
+        key, c, m = _key(tenant, session_id), chunks_table.c, manifests_table.c
         values = {
             "record": record.metadata_json(),
             "write_id": write_id,
@@ -313,21 +330,25 @@ class SqlStore:
         lost = StoreUnavailable(f"session {tenant}/{session_id}: chunks of this write were removed before it "
                                 "committed (a concurrent delete); write again")
         with self._transaction() as conn:
-            staged = conn.execute(select(c.seq).where(*_chunk_key(tenant, session_id, write_id)).with_for_update()).all()
-            if len(staged) != len(plan.fresh):
-                raise lost
             current = conn.execute(select(sessions_table.c.version, sessions_table.c.write_id).where(*key)
                                    .with_for_update()).first()
             found = current.version if current else 0
             check_expected_version(tenant, session_id, found, expected_version)
-            if plan.kept and (current is None or current.write_id != shared_from):
-                raise changed_during_write(tenant, session_id)  # the chunks it meant to share may be gone
+            staged = conn.execute(select(c.seq).where(*_chunk_key(tenant, session_id, write_id)).with_for_update()).all()
+            if len(staged) != len(plan.fresh):
+                raise lost
+            owners = dict.fromkeys(plan.fresh, write_id)
             if plan.kept:
-                shared = conn.execute(update(chunks_table).where(
-                    *_published_key(tenant, session_id, shared_from), c.seq.in_(plan.kept)).values(published_in=write_id))
-                if shared.rowcount != len(plan.kept):
+                if current is None or current.write_id != shared_from:
+                    raise changed_during_write(tenant, session_id)  # the chunks it meant to share may be gone
+                kept = conn.execute(select(m.seq, m.chunk_write_id).where(
+                    *_manifest_key(tenant, session_id, shared_from), m.seq.in_(plan.kept)).with_for_update()).all()
+                if len(kept) != len(plan.kept):
                     raise lost
-            conn.execute(update(chunks_table).where(*_chunk_key(tenant, session_id, write_id)).values(published_in=write_id))
+                owners.update(dict(kept))
+            conn.execute(insert(manifests_table), [
+                {"tenant": tenant, "session_id": session_id, "write_id": write_id, "seq": seq,
+                 "chunk_write_id": owners[seq], "digest": plan.digests[seq]} for seq in range(plan.count)])
             if current is None:
                 try:
                     conn.execute(insert(sessions_table).values(tenant=tenant, session_id=session_id, version=1, **values))
@@ -341,18 +362,27 @@ class SqlStore:
                 raise changed_during_write(tenant, session_id)
             return found + 1, current.write_id
 
-    def _discard(self, tenant: str, session_id: str, write_id: str, *, unless_published: bool = False) -> None:
-        """Delete the chunks of the version ``write_id`` published and the next did not share or, with
-        ``unless_published``, the chunks ``write_id`` staged if it never published; if the store is
-        down they are left for :meth:`prune`."""
-        if unless_published:
-            query = delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id),
-                                               chunks_table.c.published_in.is_(None))
-        else:
-            query = delete(chunks_table).where(*_published_key(tenant, session_id, write_id))
+    def _discard_replaced(self, tenant: str, session_id: str, replaced: str, kept_by: str) -> None:
+        """Delete the replaced version's manifest and its chunks the version ``kept_by`` does not share;
+        if the store is down they are left for :meth:`prune`."""
         try:
             with self._transaction() as conn:
-                conn.execute(query)
+                conn.execute(delete(chunks_table).where(
+                    *_session_chunks(tenant, session_id), _in_version(tenant, session_id, replaced),
+                    ~_in_manifest(tenant, session_id, kept_by)))
+                conn.execute(delete(manifests_table).where(*_manifest_key(tenant, session_id, replaced)))
+        except StoreUnavailable:
+            pass
+
+    def _discard_unpublished(self, tenant: str, session_id: str, write_id: str) -> None:
+        """Delete the chunks ``write_id`` staged that no manifest lists (all of them, unless its
+        COMMIT went through after all); if the store is down they are left for :meth:`prune`."""
+        m, c = manifests_table.c, chunks_table.c
+        listed = exists().where(m.tenant == c.tenant, m.session_id == c.session_id, m.chunk_write_id == c.write_id,
+                                m.seq == c.seq)
+        try:
+            with self._transaction() as conn:
+                conn.execute(delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id), ~listed))
         except StoreUnavailable:
             pass
 
@@ -365,10 +395,10 @@ class SqlStore:
             if row is None:
                 raise not_found(tenant, session_id)
             # Streamed (a server-side cursor on PostgreSQL, whose client otherwise receives every
-            # row before the first is read), so only a few chunks are in memory beside the blob.
-            chunks = conn.execute(select(chunks_table.c.data).where(*_published_key(tenant, session_id, row.write_id))
-                                  .order_by(chunks_table.c.seq)
-                                  .execution_options(stream_results=True, max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
+            # row before the first is read), so only a few chunks are in memory beside the blob;
+            # in manifest order straight from its index (sorting would copy every chunk).
+            query = _version_chunks(conn, tenant, session_id, row.write_id)
+            chunks = conn.execute(query.execution_options(stream_results=True, max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
             blob = read_chunks(chunks, row.nbytes, session=f"{tenant}/{session_id}", recorded_in="its row", into=into)
         return restore(row.record, blob, row.version)
 
@@ -388,7 +418,7 @@ class SqlStore:
             write_id = conn.execute(select(sessions_table.c.write_id).where(*key).with_for_update()).scalar()
             if write_id is None:
                 return False
-            conn.execute(delete(chunks_table).where(*_published_key(tenant, session_id, write_id)))
+            _delete_version(conn, tenant, session_id, write_id)
             return conn.execute(delete(sessions_table).where(*key)).rowcount > 0
 
     def list(self, tenant: str, *, limit: int = 100, cursor: str | None = None) -> SessionPage:
@@ -415,6 +445,7 @@ class SqlStore:
     def delete_tenant(self, tenant: str) -> int:
         with self._transaction() as conn:
             conn.execute(delete(chunks_table).where(chunks_table.c.tenant == check_tenant(tenant)))
+            conn.execute(delete(manifests_table).where(manifests_table.c.tenant == tenant))
             return conn.execute(delete(sessions_table).where(sessions_table.c.tenant == tenant)).rowcount
 
     def usage(self, tenant: str) -> StoreUsage:
@@ -427,18 +458,24 @@ class SqlStore:
         return StoreUsage(sessions=count, bytes=nbytes)
 
     def prune(self, now: float | None = None) -> int:
-        """Delete expired sessions (returns how many) and chunks no session points at that are
-        older than ``ORPHAN_SECONDS`` (a put that died between staging and publishing)."""
+        """Delete expired sessions (returns how many), manifests of versions no session points at,
+        and chunks no manifest or session holds that are older than ``ORPHAN_SECONDS`` (a put
+        that died between staging and publishing, or a clean-up that could not run)."""
         now = time.time() if now is None else now
-        t, c = sessions_table.c, chunks_table.c
-        expired = t.expires_at.is_not(None), t.expires_at <= now
-        published = exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.published_in)
+        t, c, m = sessions_table.c, chunks_table.c, manifests_table.c
         with self._transaction() as conn:
-            conn.execute(delete(chunks_table).where(
-                exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.published_in, *expired)))
-            removed = conn.execute(delete(sessions_table).where(*expired)).rowcount
-            conn.execute(delete(chunks_table).where(c.staged_at <= now - ORPHAN_SECONDS, ~published))
-            return removed
+            expired = conn.execute(select(t.tenant, t.session_id, t.write_id)
+                                   .where(t.expires_at.is_not(None), t.expires_at <= now).with_for_update()).all()
+            for tenant, session_id, write_id in expired:
+                _delete_version(conn, tenant, session_id, write_id)
+                conn.execute(delete(sessions_table).where(*_key(tenant, session_id)))
+            conn.execute(delete(manifests_table).where(~exists().where(
+                t.tenant == m.tenant, t.session_id == m.session_id, t.write_id == m.write_id)))
+            listed = exists().where(m.tenant == c.tenant, m.session_id == c.session_id, m.chunk_write_id == c.write_id,
+                                    m.seq == c.seq)
+            unlisted_version = exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id)
+            conn.execute(delete(chunks_table).where(c.staged_at <= now - ORPHAN_SECONDS, ~listed, ~unlisted_version))
+            return len(expired)
 
     def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float, *,
                       replacing: str | None = None) -> bool:
@@ -545,10 +582,44 @@ def _chunk_key(tenant: str, session_id: str, write_id: str):
     return c.tenant == tenant, c.session_id == session_id, c.write_id == write_id
 
 
-def _published_key(tenant: str, session_id: str, write_id: str):
-    """The chunks of the version ``write_id`` published, wherever each was staged."""
-    c = chunks_table.c
-    return c.tenant == tenant, c.session_id == session_id, c.published_in == write_id
+def _manifest_key(tenant: str, session_id: str, write_id: str):
+    """The manifest rows of the version ``write_id`` published."""
+    m = manifests_table.c
+    return m.tenant == tenant, m.session_id == session_id, m.write_id == write_id
+
+
+def _session_chunks(tenant: str, session_id: str):
+    return chunks_table.c.tenant == tenant, chunks_table.c.session_id == session_id
+
+
+def _in_manifest(tenant: str, session_id: str, write_id: str):
+    """Whether a chunk row is listed in the manifest of the version ``write_id``."""
+    m, c = manifests_table.c, chunks_table.c
+    return exists().where(*_manifest_key(tenant, session_id, write_id), m.chunk_write_id == c.write_id, m.seq == c.seq)
+
+
+def _in_version(tenant: str, session_id: str, write_id: str):
+    """Whether a chunk row belongs to the version ``write_id``: listed in its manifest, or staged by
+    it (all of a version stored before manifests, which has none)."""
+    return or_(_in_manifest(tenant, session_id, write_id), chunks_table.c.write_id == write_id)
+
+
+def _version_chunks(conn: Connection, tenant: str, session_id: str, write_id: str):
+    """The query for a version's chunk data in order: through its manifest, or (a version stored
+    before manifests) its own chunk rows."""
+    m, c = manifests_table.c, chunks_table.c
+    if conn.execute(select(m.seq).where(*_manifest_key(tenant, session_id, write_id)).limit(1)).first() is None:
+        return select(c.data).where(*_chunk_key(tenant, session_id, write_id)).order_by(c.seq)
+    joined = manifests_table.join(chunks_table, and_(
+        c.tenant == m.tenant, c.session_id == m.session_id, c.write_id == m.chunk_write_id, c.seq == m.seq))
+    return select(c.data).select_from(joined).where(*_manifest_key(tenant, session_id, write_id)).order_by(m.seq)
+
+
+def _delete_version(conn: Connection, tenant: str, session_id: str, write_id: str) -> None:
+    """Delete a session's chunks of the version ``write_id`` and every manifest row of the session."""
+    conn.execute(delete(chunks_table).where(*_session_chunks(tenant, session_id), _in_version(tenant, session_id, write_id)))
+    m = manifests_table.c
+    conn.execute(delete(manifests_table).where(m.tenant == tenant, m.session_id == session_id))
 
 
 def _alive(now: float):

@@ -163,3 +163,18 @@ def test_a_new_version_leaves_no_chunk_of_the_old_one_but_those_it_shares(redis_
         assert store.delete("acme", "s1") and blob_keys() == []
     finally:
         store.close()
+
+
+def test_a_chunk_key_gone_from_the_stored_version_is_rewritten_not_shared(redis_url, raw, monkeypatch):
+    """A key removed by hand (or expired) must not be kept by every later write, which would then all fail."""
+    monkeypatch.setattr(redis_store, "CHUNK_BYTES", 4)
+    store = open_store(redis_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbb"))
+        raw.delete(next(k for k in raw.scan_iter(match="am:{acme:s1}:blob:*") if k.decode().endswith(":0")))
+        before = store.bytes_written
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"), expected_version=1)
+        assert store.bytes_written - before == 6  # chunk 0 again (its key was gone) and the new chunk 2
+        assert store.get("acme", "s1").blob == b"aaaabbbbcc"
+    finally:
+        store.close()

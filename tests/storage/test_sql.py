@@ -93,9 +93,9 @@ def test_cleanup_after_a_failed_publish_never_deletes_published_chunks(sql_url):
         with store._engine.connect() as conn:
             write_id = conn.execute(select(sql.sessions_table.c.write_id)).scalar_one()
         # What put() does when its COMMIT failed ambiguously: the write may have been published.
-        store._discard("acme", "s1", write_id, unless_published=True)
+        store._discard_unpublished("acme", "s1", write_id)
         assert store.get("acme", "s1").blob == b"published"
-        store._discard("acme", "s1", "f" * 32, unless_published=True)  # an unpublished write's chunks go
+        store._discard_unpublished("acme", "s1", "f" * 32)  # an unpublished write's chunks go
     finally:
         store.close()
 
@@ -115,10 +115,19 @@ def test_a_blob_missing_a_chunk_is_a_corrupt_session_not_a_short_read(sql_url, m
         store.close()
 
 
-def chunk_rows(store) -> list[tuple[str, int, str | None]]:
+def chunk_rows(store) -> list[tuple[str, int]]:
     c = chunks_table.c
     with store._engine.connect() as conn:
-        return [tuple(row) for row in conn.execute(select(c.session_id, c.seq, c.published_in).order_by(c.session_id, c.seq))]
+        return [tuple(row) for row in conn.execute(select(c.write_id, c.seq).order_by(c.seq, c.write_id))]
+
+
+def manifest_of(store, session_id: str) -> list[tuple[str, int]]:
+    """The current version's manifest: (chunk_write_id, seq) per position."""
+    m, t = sql.manifests_table.c, sql.sessions_table.c
+    with store._engine.connect() as conn:
+        current = conn.execute(select(t.write_id).where(t.session_id == session_id)).scalar_one()
+        return [tuple(row) for row in conn.execute(
+            select(m.chunk_write_id, m.seq).where(m.session_id == session_id, m.write_id == current).order_by(m.seq))]
 
 
 def test_shared_chunks_stay_exactly_as_long_as_a_version_holds_them(sql_url, monkeypatch):
@@ -126,43 +135,56 @@ def test_shared_chunks_stay_exactly_as_long_as_a_version_holds_them(sql_url, mon
     store = open_store(sql_url)
     try:
         store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcccc"))
-        store.put("acme", "s1", record("acme", "s1", b"aaaaXXXXcccczz"))  # shares chunks 0 and 2
-        with store._engine.connect() as conn:
-            current = conn.execute(select(sql.sessions_table.c.write_id)).scalar_one()
-        assert chunk_rows(store) == [("s1", i, current) for i in range(4)]  # nothing of version 1 is left over
-        store.prune(now=time.time() + ORPHAN_SECONDS + 1)  # a shared chunk is old, but published: kept
+        store.put("acme", "s1", record("acme", "s1", b"aaaaXXXXcccczz"), expected_version=1)  # shares 0 and 2
+        manifest = manifest_of(store, "s1")
+        assert len({write for write, _ in manifest}) == 2 and [seq for _, seq in manifest] == [0, 1, 2, 3]
+        assert chunk_rows(store) == sorted(manifest, key=lambda row: (row[1], row[0]))  # nothing else is left
+        store.prune(now=time.time() + ORPHAN_SECONDS + 1)  # a shared chunk is old, but listed: kept
         assert store.get("acme", "s1").blob == b"aaaaXXXXcccczz"
         assert store.delete("acme", "s1") and chunk_rows(store) == []
+        with store._engine.connect() as conn:
+            assert conn.execute(select(sql.manifests_table.c.seq)).all() == []
     finally:
         store.close()
 
 
-def test_a_put_whose_shared_chunks_vanished_fails_and_changes_nothing(sql_url, monkeypatch):
-    from agentmem.errors import StoreUnavailable
+def test_an_unconditional_put_shares_nothing_and_always_lands(sql_url, monkeypatch):
+    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbb"))
+        before = store.bytes_written
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"))
+        assert store.bytes_written - before == 10 and store.get("acme", "s1").blob == b"aaaabbbbcc"
+    finally:
+        store.close()
 
+
+def test_a_put_whose_shared_version_was_replaced_meanwhile_fails_and_leaves_nothing(sql_url, monkeypatch):
     monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
     store = open_store(sql_url)
     try:
         store.put("acme", "s1", record("acme", "s1", b"aaaabbbb"))
         stage = store._stage
 
-        def stage_then_lose_a_shared_chunk(tenant, session_id, write_id, blob, plan):
+        def stage_then_lose_the_race(tenant, session_id, write_id, blob, plan):
             assert plan.kept == [0]
             staged = stage(tenant, session_id, write_id, blob, plan)
-            with store._transaction() as conn:  # what a concurrent clean-up of the stored version would do
-                conn.execute(chunks_table.delete().where(chunks_table.c.seq == 0, chunks_table.c.write_id != write_id))
+            other = open_store(sql_url)
+            other.put("acme", "s1", record("acme", "s1", b"ccccdddd"))  # another writer wins meanwhile
+            other.close()
             return staged
 
-        monkeypatch.setattr(store, "_stage", stage_then_lose_a_shared_chunk)
-        with pytest.raises(StoreUnavailable, match="chunks of this write were removed"):
-            store.put("acme", "s1", record("acme", "s1", b"aaaaXXXX"))
-        assert store.version("acme", "s1") == 1
-        assert [row[1] for row in chunk_rows(store)] == [1]  # the new write's staged chunk was removed too
+        monkeypatch.setattr(store, "_stage", stage_then_lose_the_race)
+        with pytest.raises(sql.VersionConflict):
+            store.put("acme", "s1", record("acme", "s1", b"aaaaXXXX"), expected_version=1)
+        assert store.get("acme", "s1").blob == b"ccccdddd" and store.version("acme", "s1") == 2
+        assert sorted(seq for _, seq in chunk_rows(store)) == [0, 1]  # only the winner's chunks remain
     finally:
         store.close()
 
 
-def test_a_version_3_database_gains_chunk_digests_and_rewrites_unknown_chunks_once(sql_url, monkeypatch):
+def test_a_version_3_database_gains_manifests_and_rewrites_unknown_chunks_once(sql_url, monkeypatch):
     monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
     engine = create_engine(engine_url(sql_url))
     with engine.begin() as conn:  # the schema and one chunked session exactly as agentmem 3 left them
@@ -180,6 +202,7 @@ def test_a_version_3_database_gains_chunk_digests_and_rewrites_unknown_chunks_on
     engine.dispose()
     store = open_store(sql_url)
     try:
+        assert manifest_of(store, "s1") == [("w" * 32, 0), ("w" * 32, 1)]
         assert store.get("acme", "s1").blob == b"aaaabbbb" and store.version("acme", "s1") == 2
         before = store.bytes_written
         store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"), expected_version=2)
@@ -188,5 +211,26 @@ def test_a_version_3_database_gains_chunk_digests_and_rewrites_unknown_chunks_on
         store.put("acme", "s1", record("acme", "s1", b"aaaabbbbccdd"), expected_version=3)
         assert store.bytes_written - before == 4 and store.get("acme", "s1").blob == b"aaaabbbbccdd"
         assert len(chunk_rows(store)) == 3
+    finally:
+        store.close()
+
+
+def test_a_version_written_without_a_manifest_is_read_replaced_and_never_pruned_as_an_orphan(sql_url, monkeypatch):
+    """What an agentmem of before manifests, still running during an upgrade, writes: chunk rows only."""
+    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
+    store = open_store(sql_url)
+    try:
+        old = record("acme", "s1", b"aaaabbbb")
+        with store._transaction() as conn:
+            conn.execute(insert(sql.sessions_table).values(
+                tenant="acme", session_id="s1", version=1, record=old.metadata_json(), write_id="w" * 32, nbytes=8,
+                logical_length=old.logical_length, updated_at=old.updated_at, expires_at=None))
+            conn.execute(insert(chunks_table), [
+                {"tenant": "acme", "session_id": "s1", "write_id": "w" * 32, "seq": i, "data": d,
+                 "staged_at": time.time() - 2 * ORPHAN_SECONDS} for i, d in enumerate([b"aaaa", b"bbbb"])])
+        store.prune()
+        assert store.get("acme", "s1").blob == b"aaaabbbb"
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"), expected_version=1)
+        assert store.get("acme", "s1").blob == b"aaaabbbbcc" and len(chunk_rows(store)) == 3  # the old rows are gone
     finally:
         store.close()
