@@ -32,7 +32,6 @@ import json
 import sqlite3
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
