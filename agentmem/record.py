@@ -125,7 +125,10 @@ class CacheStore(Protocol):
 
     ``put`` is compare-and-set: ``expected_version=None`` writes unconditionally, ``0`` only
     if the session does not exist, ``n`` only if the stored version is ``n``; otherwise
-    :class:`~agentmem.errors.VersionConflict`. It returns the new version.
+    :class:`~agentmem.errors.VersionConflict`. It returns the new version. A compare-and-set
+    ``put`` writes only the chunks of the blob that differ from the stored version's at the same
+    place (``SessionRecord.blob_head`` bytes are a chunk of their own); an unconditional one
+    writes them all.
     """
 
     def put(self, tenant: str, session_id: str, record: SessionRecord, *, expected_version: int | None = None) -> int: ...
