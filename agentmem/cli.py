@@ -378,7 +378,7 @@ def sessions_export(
     from agentmem.storage import decode_cache
 
     record = _get_record(store, tenant, session_id)
-    payload = {**record.model_dump(exclude={"blob", "blob_head"}), "token_ids": decode_cache(record.blob).token_ids}  # checked
+    payload = {**record.model_dump(exclude={"blob"}), "token_ids": decode_cache(record.blob).token_ids}  # checked
     _write_atomically(out, json.dumps(payload, indent=2).encode())
     if blob is not None:
         _write_atomically(blob, record.blob)

@@ -157,31 +157,39 @@ def holder_state(owner: str) -> Literal["running", "gone", "unknown"]:
     host name must match too): only its lease's expiry can free the session. Anything that
     cannot be read is taken as running: a lease is never taken from a process that may live.
     """
-    parts = owner.split(":")
-    if (len(parts) != 4 or not parts[1].isdigit() or not _machine() or parts[2] != _machine()
-            or parts[0] != socket.gethostname()):
+    parts = _owner_parts(owner)
+    if parts is None or not _machine() or parts[2] != _machine() or parts[0] != socket.gethostname():
         return "unknown"
-    pid = int(parts[1])
+    pid = parts[1]
     if pid == os.getpid():
         return "running"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not _exists(pid):
         return "gone"
-    except PermissionError:
-        return "running"  # it exists, under another user
     try:
         with open(f"/proc/{pid}/stat") as stat:
             zombie = stat.read().rpartition(")")[2].split()[0] == "Z"  # dead, not yet reaped by its parent
     except OSError:  # hidden (hidepid) or gone since the signal: only a second signal can say which
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return "gone"
-        except PermissionError:
-            pass
-        return "running"
+        return "running" if _exists(pid) else "gone"
     return "gone" if zombie else "running"
+
+
+def _owner_parts(owner: str) -> tuple[str, int, str] | None:
+    """``(host, pid, machine)`` of an owner named by :func:`process_owner`; None for any other name."""
+    parts = owner.split(":")
+    if len(parts) != 4 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1]), parts[2]
+
+
+def _exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists here (a zombie too), by the null signal."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, under another user
+    return True
 
 
 def busy_message(tenant: str, session_id: str, holder: Lease | None) -> str:
@@ -189,8 +197,8 @@ def busy_message(tenant: str, session_id: str, holder: Lease | None) -> str:
     head = f"session {session_id!r} of tenant {tenant!r} is live in another process"
     if holder is None:
         return f"{head}, whose lease just changed hands; try again"
-    parts = holder.owner.split(":")
-    who = f"process {parts[1]} on host {parts[0]}" if len(parts) == 4 else f"owner {holder.owner!r}"
+    parts = _owner_parts(holder.owner)
+    who = f"process {parts[1]} on host {parts[0]}" if parts else f"owner {holder.owner!r}"
     state = {"running": "still running", "gone": "gone", "unknown": "on another machine or container, not checkable"}[
         holder_state(holder.owner)]
     left = max(0.0, holder.expires_at - time.time())

@@ -79,7 +79,8 @@ class SessionRecord(BaseModel):
     blob: InstanceOf[bytes] | InstanceOf[bytearray] | InstanceOf[memoryview] = b""
     # Leading bytes of the blob that every write changes (the codec's header): stores keep them
     # in a chunk of their own, so the chunks after them can be shared with the next version.
-    blob_head: int = Field(default=0, ge=0)
+    # A hint for one write, not part of what is stored or exported.
+    blob_head: int = Field(default=0, ge=0, exclude=True)
 
     @property
     def expires_at(self) -> float | None:
@@ -87,7 +88,7 @@ class SessionRecord(BaseModel):
 
     def metadata_json(self) -> str:
         """Every field but the blob and the version (which stores keep in their own columns)."""
-        return self.model_dump_json(exclude={"blob", "blob_head", "version"})
+        return self.model_dump_json(exclude={"blob", "version"})
 
 
 class SessionSummary(BaseModel):

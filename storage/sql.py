@@ -160,16 +160,6 @@ _sessions_v1 = Table(
     Column("updated_at", Float, nullable=False),
     Column("expires_at", Float, nullable=True, index=True),
 )
-_chunks_v3 = Table(
-    "agentmem_chunks",
-    _history,
-    Column("tenant", String(128), primary_key=True),
-    Column("session_id", _SESSION_ID, primary_key=True),
-    Column("write_id", String(32), primary_key=True),
-    Column("seq", Integer, primary_key=True),
-    Column("data", LargeBinary, nullable=False),
-    Column("staged_at", Float, nullable=False, index=True),
-)
 
 
 def _create_v1(conn: Connection) -> None:
@@ -182,7 +172,7 @@ def _add_leases_v2(conn: Connection) -> None:
 
 def _chunk_blobs_v3(conn: Connection) -> None:
     """Move every blob into chunk rows, drop the blob column, widen ``nbytes`` to 64 bits."""
-    _history.create_all(conn, tables=[_chunks_v3])
+    metadata.create_all(conn, tables=[chunks_table])  # unchanged since version 3
     conn.execute(text("ALTER TABLE agentmem_sessions ADD COLUMN write_id VARCHAR(32)"))
     old = _sessions_v1.c
     for tenant, session_id in conn.execute(select(old.tenant, old.session_id)).all():
@@ -190,8 +180,8 @@ def _chunk_blobs_v3(conn: Connection) -> None:
         write_id = uuid.uuid4().hex
 
         def insert_chunk(seqs: list[int], data: list[memoryview]) -> None:
-            conn.execute(insert(_chunks_v3).values(tenant=tenant, session_id=session_id, write_id=write_id, seq=seqs[0],
-                                                   data=data[0], staged_at=time.time()))
+            conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id,
+                                                     seq=seqs[0], data=data[0], staged_at=time.time()))
 
         write_chunks(blob, chunk_bounds(len(blob), CHUNK_BYTES), insert_chunk)
         conn.execute(update(sessions_table).where(*_key(tenant, session_id)).values(write_id=write_id))

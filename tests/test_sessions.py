@@ -219,18 +219,25 @@ def test_lease_excludes_a_second_process(engine, tmp_path):
         holder.wait()
 
 
-def test_a_killed_holder_blocks_its_session_only_until_its_short_lease_expires(engine, tmp_path):
-    db = f"sqlite:///{tmp_path / 'lease.db'}"
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+def holding_process(db: str, *, lease_seconds: float, then: str) -> subprocess.Popen:
+    """A process that stores session acme/busy after one turn, runs ``then`` (on its manager ``m``)
+    prints "ready" and idles, holding the session's lease, until it reads a line."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from agentmem import Engine, SessionManager
-        m = SessionManager(Engine.load("embedded", device="cpu"), {db!r}, lease_seconds=2.0)
+        m = SessionManager(Engine.load("embedded", device="cpu"), {db!r}, lease_seconds={lease_seconds})
         m.session("busy", tenant="acme").chat("hello", max_new_tokens=2)
         m.spill("acme", "busy")
-        m.session("busy", tenant="acme")  # live again, then idle: the keeper renews its lease
+        {then}
         print("ready", flush=True)
         sys.stdin.readline()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_killed_holder_blocks_its_session_only_until_its_short_lease_expires(engine, tmp_path):
+    db = f"sqlite:///{tmp_path / 'lease.db'}"
+    # Live again, then idle: the keeper renews its lease.
+    holder = holding_process(db, lease_seconds=2.0, then='m.session("busy", tenant="acme")')
     try:
         assert holder.stdout.readline().strip() == "ready"
         manager = SessionManager(engine, db)
@@ -252,16 +259,8 @@ def test_a_killed_holder_blocks_its_session_only_until_its_short_lease_expires(e
 
 def test_a_killed_holder_on_this_machine_is_replaced_at_once_whatever_its_lease(engine, tmp_path):
     db = f"sqlite:///{tmp_path / 'lease.db'}"
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys
-        from agentmem import Engine, SessionManager
-        m = SessionManager(Engine.load("embedded", device="cpu"), {db!r}, lease_seconds=600)
-        m.session("busy", tenant="acme").chat("hello", max_new_tokens=2)
-        m.spill("acme", "busy")
-        m.session("busy", tenant="acme").chat("again", max_new_tokens=2)  # live, version 1 stored
-        print("ready", flush=True)
-        sys.stdin.readline()
-    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # Live, with a turn more than the stored version 1.
+    holder = holding_process(db, lease_seconds=600, then='m.session("busy", tenant="acme").chat("again", max_new_tokens=2)')
     try:
         assert holder.stdout.readline().strip() == "ready"
         manager = SessionManager(engine, db)

@@ -44,7 +44,7 @@ def _record(engine, tenant: str, session_id: str, text: str, version: int = 0, a
 
 
 def _kill_during_put(url: str, point: str, record: SessionRecord, tmp_path: Path) -> None:
-    (tmp_path / "record.json").write_text(json.dumps(record.model_dump(exclude={"blob"})))
+    (tmp_path / "record.json").write_text(json.dumps({**record.model_dump(exclude={"blob"}), "blob_head": record.blob_head}))
     (tmp_path / "blob").write_bytes(record.blob)
     child = subprocess.run([sys.executable, str(CHILD), url, point, str(tmp_path / "record.json"),
                             str(tmp_path / "blob")], capture_output=True, text=True, timeout=120)

@@ -22,14 +22,30 @@ def sql_url(request, tmp_path) -> str:
     return request.getfixturevalue("postgres_server").create_database(f"sql_{time.monotonic_ns()}")
 
 
+def schema_at(conn, version: int) -> None:
+    """The schema exactly as agentmem ``version`` left it: its migrations replayed and recorded."""
+    for migrate in sql.MIGRATIONS[:version]:
+        migrate(conn)
+    sql.metadata.create_all(conn, tables=[sql.schema_table])
+    conn.execute(insert(sql.schema_table), [{"version": v} for v in range(1, version + 1)])
+
+
+def insert_version_without_manifest(conn, version: int, staged_at: float) -> None:
+    """Session acme/s1 = b"aaaabbbb" as agentmem 3 stored it: a row and 4-byte chunks under its write id."""
+    old = record("acme", "s1", b"aaaabbbb")
+    conn.execute(insert(sql.sessions_table).values(
+        tenant="acme", session_id="s1", version=version, record=old.metadata_json(), write_id="w" * 32, nbytes=8,
+        logical_length=old.logical_length, updated_at=old.updated_at, expires_at=None))
+    conn.execute(insert(chunks_table), [
+        {"tenant": "acme", "session_id": "s1", "write_id": "w" * 32, "seq": i, "data": d, "staged_at": staged_at}
+        for i, d in enumerate([b"aaaa", b"bbbb"])])
+
+
 def test_a_version_2_database_is_migrated_to_chunks_without_losing_a_blob(sql_url):
     old = record("acme", "s1", bytes(range(256)) * 300)
     engine = create_engine(engine_url(sql_url))
     with engine.begin() as conn:  # the schema and one row exactly as agentmem 2 left them
-        for version, migrate in enumerate(sql.MIGRATIONS[:2], start=1):
-            migrate(conn)
-        sql.metadata.create_all(conn, tables=[sql.schema_table])
-        conn.execute(insert(sql.schema_table), [{"version": 1}, {"version": 2}])
+        schema_at(conn, 2)
         conn.execute(insert(sql._sessions_v1).values(
             tenant="acme", session_id="s1", version=4, record=old.metadata_json(), blob=old.blob,
             nbytes=len(old.blob), logical_length=old.logical_length, updated_at=old.updated_at, expires_at=None))
@@ -188,17 +204,8 @@ def test_a_version_3_database_gains_manifests_and_rewrites_unknown_chunks_once(s
     monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
     engine = create_engine(engine_url(sql_url))
     with engine.begin() as conn:  # the schema and one chunked session exactly as agentmem 3 left them
-        for migrate in sql.MIGRATIONS[:3]:
-            migrate(conn)
-        sql.metadata.create_all(conn, tables=[sql.schema_table])
-        conn.execute(insert(sql.schema_table), [{"version": v} for v in (1, 2, 3)])
-        old = record("acme", "s1", b"aaaabbbb")
-        conn.execute(insert(sql.sessions_table).values(
-            tenant="acme", session_id="s1", version=2, record=old.metadata_json(), write_id="w" * 32, nbytes=8,
-            logical_length=old.logical_length, updated_at=old.updated_at, expires_at=None))
-        conn.execute(insert(sql._chunks_v3), [
-            {"tenant": "acme", "session_id": "s1", "write_id": "w" * 32, "seq": i, "data": d, "staged_at": time.time()}
-            for i, d in enumerate([b"aaaa", b"bbbb"])])
+        schema_at(conn, 3)
+        insert_version_without_manifest(conn, version=2, staged_at=time.time())
     engine.dispose()
     store = open_store(sql_url)
     try:
@@ -220,14 +227,8 @@ def test_a_version_written_without_a_manifest_is_read_replaced_and_never_pruned_
     monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
     store = open_store(sql_url)
     try:
-        old = record("acme", "s1", b"aaaabbbb")
         with store._transaction() as conn:
-            conn.execute(insert(sql.sessions_table).values(
-                tenant="acme", session_id="s1", version=1, record=old.metadata_json(), write_id="w" * 32, nbytes=8,
-                logical_length=old.logical_length, updated_at=old.updated_at, expires_at=None))
-            conn.execute(insert(chunks_table), [
-                {"tenant": "acme", "session_id": "s1", "write_id": "w" * 32, "seq": i, "data": d,
-                 "staged_at": time.time() - 2 * ORPHAN_SECONDS} for i, d in enumerate([b"aaaa", b"bbbb"])])
+            insert_version_without_manifest(conn, version=1, staged_at=time.time() - 2 * ORPHAN_SECONDS)
         store.prune()
         assert store.get("acme", "s1").blob == b"aaaabbbb"
         store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"), expected_version=1)
