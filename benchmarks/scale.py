@@ -4,7 +4,7 @@ session lands on a random worker, which resumes the session from the store, answ
 A lease in the store keeps one live copy per session. With ``--kill-after F`` one worker is
 killed with SIGKILL once a fraction F of the turns is done: its in-flight turns are lost (never
 acknowledged) and retried on other workers, which resume those sessions from their last
-spilled version once the dead worker's lease expires. The run checks every session afterwards:
+spilled version (taking the dead worker's leases at once: it ran on this machine). The run checks every session afterwards:
 its stored version and messages must hold every acknowledged turn, in order, exactly once.
 
 Reports throughput against the number of workers, the time a worker takes to resume a session

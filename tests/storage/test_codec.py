@@ -304,3 +304,26 @@ def test_decoded_nbytes_of_a_damaged_layout_is_a_typed_error():
                    {"layout": {"num_kv_heads": 2, "head_dim": 4, "layers": [{}]}}):
         with pytest.raises(CorruptSessionError, match="layout is damaged"):
             decoded_nbytes(header, torch.float32)
+
+
+def test_a_tail_whose_blocks_disagree_with_its_layout_is_a_corrupt_session(cache):
+    tensors, meta = cache.to_tensors()
+    short = {name: tensor for name, tensor in tensors.items() if not name.startswith("tail.0.")}
+    short["tail.0.keys"] = tensors["tail.0.keys"][:, :, :-1]  # one token missing from every layer
+    short["tail.0.values"] = tensors["tail.0.values"][:, :, :-1]
+    with pytest.raises(CorruptSessionError, match="tail holds 19 tokens, its layout says 20"):
+        SessionCache.from_tensors(short, meta)
+    wide = dict(tensors, **{"tail.0.keys": torch.zeros(*tensors["tail.0.keys"].shape[:-1], 5)})
+    with pytest.raises(CorruptSessionError, match="tail piece has shape"):
+        SessionCache.from_tensors(wide, meta)
+
+
+def test_pieces_of_a_tail_must_agree_and_every_layer_must_hold_the_same_tail(cache):
+    keys = torch.zeros(2, 3, 4)
+    with pytest.raises(InvalidInput, match="piece by piece"):
+        LayerCache([], [keys, torch.zeros(3, 3, 4)], [keys, torch.zeros(3, 3, 4)])
+    with pytest.raises(InvalidInput, match="piece by piece"):
+        LayerCache([], [keys], [keys, keys])
+    uneven = SessionCache([LayerCache([], keys, keys), LayerCache([], keys[:, :2], keys[:, :2])], [1, 2, 3], "llama-test")
+    with pytest.raises(InvalidInput, match=r"raw tails of \[3, 2\] tokens"):
+        uneven.export()

@@ -95,6 +95,31 @@ def test_a_compare_and_set_that_fails_keeps_the_shared_chunks_of_the_stored_vers
     assert store.get("acme", "s1").blob == blob and store.version("acme", "s1") == 1
 
 
+def test_a_put_sharing_chunks_with_a_version_deleted_and_recreated_meanwhile_conflicts(store, store_url, small_chunks,
+                                                                                       monkeypatch):
+    """The recreated session is at version 1 again, but its chunks are not the ones this write planned to share."""
+    from agentmem.storage import redis as redis_store
+    from agentmem.storage import sql
+
+    store.put("acme", "s1", record("acme", "s1", b"a" * 3000))
+    module = redis_store if "redis" in store_url else sql
+    plan = module.plan_chunks
+
+    def plan_then_lose_the_race(*args, **kwargs):
+        planned = plan(*args, **kwargs)
+        monkeypatch.setattr(module, "plan_chunks", plan)  # the other writer plans as usual
+        other = open_store(store_url)
+        other.delete("acme", "s1")
+        other.put("acme", "s1", record("acme", "s1", b"b" * 3000))
+        other.close()
+        return planned
+
+    monkeypatch.setattr(module, "plan_chunks", plan_then_lose_the_race)
+    with pytest.raises(VersionConflict, match="changed during the write"):
+        store.put("acme", "s1", record("acme", "s1", b"a" * 3000 + b"more"), expected_version=1)
+    assert store.get("acme", "s1").blob == b"b" * 3000 and store.version("acme", "s1") == 1
+
+
 # The cluster shares the single-server code path: one 2 GiB copy per kind of server is enough.
 @pytest.mark.parametrize("store_url", ["sqlite", "postgres", "redis"], indirect=True)
 def test_a_session_over_2_gib_round_trips_bit_exactly(store):
