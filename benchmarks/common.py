@@ -78,10 +78,11 @@ def machine() -> dict[str, object]:
 
 
 def markdown_table(rows: Sequence[dict[str, object]]) -> str:
-    columns = list(rows[0])
+    """Every key of every row as a column, in first-seen order; a row without one shows "—" (not run, failed)."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(_cell(row[c]) for c in columns) + " |")
+        lines.append("| " + " | ".join(_cell(row.get(c, "—")) for c in columns) + " |")
     return "\n".join(lines)
 
 

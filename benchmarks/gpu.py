@@ -13,7 +13,9 @@ quality) or a local model folder; real text (Python's docs) as input. Per contex
 Run: ``python benchmarks/gpu.py`` (GPU: ``--shape llama-8b``, lengths 8k/32k/128k where memory
 allows; CPU: ``--shape wide-cpu``: 32 query / 8 KV heads, head_dim 128, 2 layers, fp32, at
 8k and 16k). Writes ``benchmarks/results/gpu.{md,json,png}`` on a GPU and
-``benchmarks/results/gpu-cpu.{md,json,png}`` on CPU. ``--plot-only gpu-cpu`` (or ``gpu``) redraws
+``benchmarks/results/gpu-cpu.{md,json,png}`` on CPU, after each context length (``--deadline S``:
+stages not started S seconds after the model is built are recorded as not run, for a machine
+lent by the minute). ``--plot-only gpu-cpu`` (or ``gpu``) redraws
 the plot from the saved JSON.
 """
 
@@ -155,6 +157,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=10.0)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after the model is built: stages not started by then are recorded as not run")
     parser.add_argument("--plot-only", choices=("gpu", "gpu-cpu"),
                         help="redraw results/NAME.png from results/NAME.json and exit")
     args = parser.parse_args()
@@ -167,8 +171,16 @@ def main() -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float32
 
     engine = build_engine(args, device, dtype)
+    started = time.monotonic()
+
+    def out_of_time() -> bool:
+        return args.deadline is not None and time.monotonic() - started > args.deadline
+
     rows = []
     for length in args.lengths:
+        if out_of_time():
+            rows.append({"tokens": length, "transformers prefill s": "not run (deadline)"})
+            continue
         ids = text_ids(engine, length)
         row = {"tokens": length}
         try:
@@ -185,6 +197,10 @@ def main() -> None:
         bound = 0.5 * cache.nbytes + 2 * GIB
         for method in args.methods:
             result = {"tokens": length, "method": method}
+            if out_of_time():
+                result["compact s"] = "not run (deadline)"
+                rows.append(result)
+                continue
             try:
                 with PeakMemory(device) as peak:
                     seconds, small = timed(device, lambda: compact(engine, cache, ratio=args.ratio, method=method,
@@ -200,6 +216,11 @@ def main() -> None:
             gc.collect()
         del cache
         gc.collect()
+        save(rows, args, dtype, on_gpu)  # after each length: a run cut short keeps what it measured
+
+
+def save(rows: list[dict], args: argparse.Namespace, dtype: torch.dtype, on_gpu: bool) -> None:
+    """Write ``results/gpu.*`` (or ``gpu-cpu.*``): the prefill/decode table, the compaction table and the plot."""
     name = "gpu" if on_gpu else "gpu-cpu"
     prefill = [r for r in rows if "method" not in r]
     compaction = [r for r in rows if "method" in r]
@@ -212,12 +233,15 @@ def main() -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps({"prefill and decode": prefill, "compaction": compaction, **extra},
                                                      indent=2, default=str))
     plot(name, compaction, title)
-    print(md)
+    print(md, flush=True)
 
 
 def _commit() -> str:
+    """The checkout's commit; ``$AGENTMEM_COMMIT`` where the tree was copied without its git folder."""
     import subprocess
 
+    if os.environ.get("AGENTMEM_COMMIT"):
+        return os.environ["AGENTMEM_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()

@@ -254,15 +254,19 @@ def main() -> None:
                           f"after a turn {turn_s:7.3f} s ({turn_bytes / 2**20:.1f} MiB written)  "
                           f"raw {raw_s * 1e3:8.1f} ms  resume {resume_s * 1e3:8.1f} ms ({resume_s / raw_s:.2f}x raw)  "
                           f"first token {ttft_s:6.3f} s: {reprefill / ttft_s:5.1f}x faster than re-prefill", flush=True)
+            # after each length: a run cut short (a machine lent by the minute) keeps what it measured
+            save("resume-gpu" if on_gpu else "resume", rows, f"{engine.name} on {device.type}",
+                 read_header(record.blob)["storage_dtype"])
         for store, _ in tiers.values():
             store.close()
-    name = "resume-gpu" if on_gpu else "resume"
-    model = f"{engine.name} on {device.type}"
-    stored = read_header(record.blob)["storage_dtype"]
-    md = write_results(name, f"Resume from each tier vs re-prefill ({model}, {stored} blobs)", rows,
+
+
+def save(name: str, rows: list[dict], model: str, stored_dtype: str) -> None:
+    """Write ``results/<name>.{md,json,png}`` from the rows measured so far."""
+    md = write_results(name, f"Resume from each tier vs re-prefill ({model}, {stored_dtype} blobs)", rows,
                        {"model": model, "machine": machine(), "command": command_line()})
     plot(name, rows, model)
-    print(md)
+    print(md, flush=True)
 
 
 def plot(name: str, rows: list[dict], model: str) -> None:
