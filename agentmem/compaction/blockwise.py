@@ -11,6 +11,12 @@ sized to at most ``BLOCK_ELEMENTS`` logits at once, keeping running statistics o
 - pass 2 (only for blocks whose per-key maxima are wanted): logits recomputed and
   ``max_q exp(logit − lse_q)`` folded into a running per-key maximum.
 
+The work is bound by memory traffic over the logit tiles (each tile is written by one matrix
+product and then read by every elementwise step), so the per-key bias and, in pass 2, each
+query's ``−lse`` enter the matrix product itself as extra columns: ``[q·scale, 1, −lse] ·
+[k, bias, 1]`` is the shifted, biased logit, and a tile is written once and read once
+(``amax``) in pass 2, and read four times in pass 1, instead of eight and twelve times.
+
 Inputs may be any floating dtype on any device; blocks are converted to float32 one at a
 time, so a bf16 cache is never copied whole into fp32. Every tensor is made on the device of
 the queries.
@@ -78,15 +84,16 @@ def attention_stats(
     key_max = [torch.zeros(heads, blocks[i].length, dtype=torch.float32, device=device) for i in key_max_of]
     for start in range(0, count, QUERY_CHUNK):
         rows = slice(start, min(count, start + QUERY_CHUNK))
-        qc = q[:, rows].float()
+        qc = q[:, rows].float() * scale
         visible = None if last_visible is None else last_visible[rows]
-        chunk_lse, chunk_out = _online_softmax(qc, blocks, scale, output, visible)
+        chunk_lse, chunk_out = _online_softmax(qc, blocks, output, visible)
         lse[:, rows] = chunk_lse
         if out is not None:
             out[:, rows] = chunk_out
+        shift = _negated(chunk_lse)
         for slot, i in enumerate(key_max_of):
-            for k0, logits in _block_logits(qc, blocks[i], scale, visible):
-                tile_max = (logits - chunk_lse[..., None]).amax(1).exp_()
+            for k0, shares in _block_logits(qc, blocks[i], visible, shift):
+                tile_max = shares.amax(1).exp_()
                 view = key_max[slot][:, k0 : k0 + tile_max.shape[1]]
                 torch.maximum(view, tile_max, out=view)
     return AttentionStats(lse, out, key_max)
@@ -100,15 +107,15 @@ def weighted_key_sums(
     total = torch.zeros(heads, block.length, dtype=torch.float32, device=q.device)
     for start in range(0, count, QUERY_CHUNK):
         rows = slice(start, min(count, start + QUERY_CHUNK))
-        qc, lse_c, w = q[:, rows].float(), lse[:, rows], weights[:, rows]
-        for k0, logits in _block_logits(qc, block, scale, None):
-            probs = (logits - lse_c[..., None]).exp_()
+        qc, w = q[:, rows].float() * scale, weights[:, rows]
+        for k0, shifted in _block_logits(qc, block, None, _negated(lse[:, rows])):
+            probs = shifted.exp_()
             total[:, k0 : k0 + probs.shape[2]] += torch.bmm(w[:, None, :], probs)[:, 0]
     return total
 
 
 def _online_softmax(
-    q: torch.Tensor, blocks: list[KeyBlock], scale: float, output: bool, visible: torch.Tensor | None
+    q: torch.Tensor, blocks: list[KeyBlock], output: bool, visible: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     heads, count, _ = q.shape
     running_max = torch.full((heads, count), float("-inf"), dtype=torch.float32, device=q.device)
@@ -117,12 +124,12 @@ def _online_softmax(
     if output:
         acc = torch.zeros(heads, count, blocks[0].values.shape[-1], dtype=torch.float32, device=q.device)
     for block in blocks:
-        for k0, logits in _block_logits(q, block, scale, visible):
+        for k0, logits in _block_logits(q, block, visible):
             new_max = torch.maximum(running_max, logits.amax(-1))
             # A query that has seen only hidden slots so far keeps max -inf: rescale by 0, not NaN.
             safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
             rescale = (running_max - safe_max).exp_()
-            probs = (logits - safe_max[..., None]).exp_()
+            probs = logits.sub_(safe_max[..., None]).exp_()
             running_sum = running_sum * rescale + probs.sum(-1)
             if acc is not None:
                 values = block.values[:, k0 : k0 + probs.shape[2]].float()
@@ -134,16 +141,36 @@ def _online_softmax(
     return lse, out
 
 
-def _block_logits(q: torch.Tensor, block: KeyBlock, scale: float, visible: torch.Tensor | None):
-    """Yield ``(first key, logits (H, n_q, k_tile))`` tiles of ``block`` for the float32 queries ``q``."""
+def _negated(lse: torch.Tensor) -> torch.Tensor:
+    """``−lse`` as a per-query logit shift; 0 for a query that sees nothing (its logits are all −inf anyway)."""
+    return torch.where(torch.isfinite(lse), -lse, torch.zeros_like(lse))
+
+
+def _block_logits(q: torch.Tensor, block: KeyBlock, visible: torch.Tensor | None, shift: torch.Tensor | None = None):
+    """Yield ``(first key, logits (H, n_q, k_tile))`` tiles of ``block`` for the scaled float32 queries ``q``.
+
+    The block's bias and the optional per-query ``shift`` ``(H, n_q)`` are added by the
+    matrix product (module doc): ``q`` gains a column of ones and a column ``shift``, each
+    key tile a column ``bias`` and a column of ones.
+    """
     heads, count, _ = q.shape
+    extra_q = []
+    if block.bias is not None:
+        extra_q.append(q.new_ones(heads, count, 1))
+    if shift is not None:
+        extra_q.append(shift[..., None])
+    query = torch.cat([q, *extra_q], -1) if extra_q else q
     tile = max(64, BLOCK_ELEMENTS // max(1, heads * count))
     for k0 in range(0, block.length, tile):
-        keys = block.keys[:, k0 : k0 + tile].float()
-        logits = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
-        if block.bias is not None:
-            logits += block.bias[:, None, k0 : k0 + keys.shape[1]].float()
+        keys = block.keys[:, k0 : k0 + tile]
+        n = keys.shape[1]
+        if extra_q:
+            extra_k = [] if block.bias is None else [block.bias[:, k0 : k0 + n, None].float()]
+            if shift is not None:
+                extra_k.append(keys.new_ones(heads, n, 1, dtype=torch.float32))
+            keys = torch.cat([keys.float(), *extra_k], -1)
+        logits = torch.bmm(query, keys.float().transpose(1, 2))
         if block.causal:
-            index = torch.arange(k0, k0 + keys.shape[1], device=q.device)
+            index = torch.arange(k0, k0 + n, device=q.device)
             logits.masked_fill_(index[None, None, :] > visible[None, :, None], float("-inf"))
         yield k0, logits
