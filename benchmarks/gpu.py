@@ -13,7 +13,7 @@ quality) or a local model folder; real text (Python's docs) as input. Per contex
 Run: ``python benchmarks/gpu.py`` (GPU: ``--shape llama-8b``, lengths 8k/32k/128k where memory
 allows; CPU: ``--shape wide-cpu``: 32 query / 8 KV heads, head_dim 128, 2 layers, fp32, at
 8k and 16k). Writes ``benchmarks/results/gpu.{md,json,png}`` on a GPU and
-``benchmarks/results/gpu-cpu.{md,json,png}`` on CPU, after each context length (``--deadline S``:
+``benchmarks/results/gpu-cpu.{md,json,png}`` on CPU, after each compaction (``--deadline S``:
 stages not started S seconds after the model is built are recorded as not run, for a machine
 lent by the minute). ``--plot-only gpu-cpu`` (or ``gpu``) redraws
 the plot from the saved JSON.
@@ -214,9 +214,9 @@ def main() -> None:
             print(result, flush=True)
             rows.append(result)
             gc.collect()
+            save(rows, args, dtype, on_gpu)  # after each row: a run cut short keeps what it measured
         del cache
         gc.collect()
-        save(rows, args, dtype, on_gpu)  # after each length: a run cut short keeps what it measured
 
 
 def save(rows: list[dict], args: argparse.Namespace, dtype: torch.dtype, on_gpu: bool) -> None:
@@ -233,7 +233,6 @@ def save(rows: list[dict], args: argparse.Namespace, dtype: torch.dtype, on_gpu:
     (RESULTS / f"{name}.json").write_text(json.dumps({"prefill and decode": prefill, "compaction": compaction, **extra},
                                                      indent=2, default=str))
     plot(name, compaction, title)
-    print(md, flush=True)
 
 
 def _commit() -> str:
