@@ -216,6 +216,7 @@ def main() -> None:
             turn = ids[length : length + TURN_TOKENS]
             for variant, cache in (("full", full), ("compacted 10x", compacted_10x(engine, full))):
                 after_turn = engine.prefill(turn, cache.clone())
+                turn_size = len(encode_cache(after_turn, dtype=args.storage_dtype))
                 session_id = f"s{length}-{variant.split()[0]}"
                 record = SessionRecord(tenant="bench", session_id=session_id, model_fingerprint=engine.fingerprint,
                                        logical_length=cache.logical_length,
@@ -228,7 +229,6 @@ def main() -> None:
                             expected_version=version)
 
                     spill_s, turn_s, turn_bytes = spill_seconds(device, store, spill, cache, after_turn, args.repeats)
-                    turn_size = len(encode_cache(after_turn, dtype=args.storage_dtype))
                     store.put("bench", session_id, record)
 
                     def resume() -> SessionCache:

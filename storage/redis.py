@@ -365,11 +365,7 @@ class RedisStore:
             try:
                 pipe.watch(key)
                 holder = pipe.get(key)
-                if holder is None:
-                    allowed = take_free
-                else:
-                    allowed = holder.decode() == owner or (replacing is not None and holder.decode() == replacing)
-                if not allowed:
+                if not (take_free if holder is None else holder.decode() in (owner, replacing)):
                     return False
                 pipe.multi()
                 pipe.set(key, owner, px=ttl_ms)

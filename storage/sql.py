@@ -367,12 +367,9 @@ class SqlStore:
     def _discard_unpublished(self, tenant: str, session_id: str, write_id: str) -> None:
         """Delete the chunks ``write_id`` staged that no manifest lists (all of them, unless its
         COMMIT went through after all); if the store is down they are left for :meth:`prune`."""
-        m, c = manifests_table.c, chunks_table.c
-        listed = exists().where(m.tenant == c.tenant, m.session_id == c.session_id, m.chunk_write_id == c.write_id,
-                                m.seq == c.seq)
         try:
             with self._transaction() as conn:
-                conn.execute(delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id), ~listed))
+                conn.execute(delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id), ~_listed()))
         except StoreUnavailable:
             pass
 
@@ -461,10 +458,8 @@ class SqlStore:
                 conn.execute(delete(sessions_table).where(*_key(tenant, session_id)))
             conn.execute(delete(manifests_table).where(~exists().where(
                 t.tenant == m.tenant, t.session_id == m.session_id, t.write_id == m.write_id)))
-            listed = exists().where(m.tenant == c.tenant, m.session_id == c.session_id, m.chunk_write_id == c.write_id,
-                                    m.seq == c.seq)
             unlisted_version = exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id)
-            conn.execute(delete(chunks_table).where(c.staged_at <= now - ORPHAN_SECONDS, ~listed, ~unlisted_version))
+            conn.execute(delete(chunks_table).where(c.staged_at <= now - ORPHAN_SECONDS, ~_listed(), ~unlisted_version))
             return len(expired)
 
     def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float, *,
@@ -582,10 +577,16 @@ def _session_chunks(tenant: str, session_id: str):
     return chunks_table.c.tenant == tenant, chunks_table.c.session_id == session_id
 
 
+def _listed(*in_version):
+    """Whether a chunk row is listed in a manifest (one matching ``in_version``, default any)."""
+    m, c = manifests_table.c, chunks_table.c
+    return exists().where(m.tenant == c.tenant, m.session_id == c.session_id, m.chunk_write_id == c.write_id,
+                          m.seq == c.seq, *in_version)
+
+
 def _in_manifest(tenant: str, session_id: str, write_id: str):
     """Whether a chunk row is listed in the manifest of the version ``write_id``."""
-    m, c = manifests_table.c, chunks_table.c
-    return exists().where(*_manifest_key(tenant, session_id, write_id), m.chunk_write_id == c.write_id, m.seq == c.seq)
+    return _listed(*_manifest_key(tenant, session_id, write_id))
 
 
 def _in_version(tenant: str, session_id: str, write_id: str):

@@ -164,11 +164,11 @@ def _block_logits(q: torch.Tensor, block: KeyBlock, visible: torch.Tensor | None
     for k0 in range(0, block.length, tile):
         keys = block.keys[:, k0 : k0 + tile]
         n = keys.shape[1]
-        if extra_q:
+        if extra_q:  # the float32 columns promote the keys to float32 in the same copy
             extra_k = [] if block.bias is None else [block.bias[:, k0 : k0 + n, None].float()]
             if shift is not None:
                 extra_k.append(keys.new_ones(heads, n, 1, dtype=torch.float32))
-            keys = torch.cat([keys.float(), *extra_k], -1)
+            keys = torch.cat([keys, *extra_k], -1)
         logits = torch.bmm(query, keys.float().transpose(1, 2))
         if block.causal:
             index = torch.arange(k0, k0 + n, device=q.device)

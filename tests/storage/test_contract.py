@@ -271,7 +271,7 @@ def test_a_lease_names_its_holder_and_is_taken_from_a_named_dead_one_only(store)
     assert store.acquire_lease("acme", "s1", "worker-c", 30, replacing="worker-a")  # taken before it expires
     assert store.lease_holder("acme", "s1").owner == "worker-c"
     assert not store.renew_lease("acme", "s1", "worker-a", 30)  # the replaced holder has lost it
-    assert not store.renew_lease("acme", "s9", "worker-a", 30, ) and store.lease_holder("acme", "s9") is None
+    assert not store.renew_lease("acme", "s9", "worker-a", 30) and store.lease_holder("acme", "s9") is None
     store.acquire_lease("acme", "s2", "worker-a", 0.2)
     time.sleep(0.3)
     assert store.lease_holder("acme", "s2") is None  # expired: nobody holds it
