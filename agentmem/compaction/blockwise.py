@@ -14,8 +14,9 @@ sized to at most ``BLOCK_ELEMENTS`` logits at once, keeping running statistics o
 The work is bound by memory traffic over the logit tiles (each tile is written by one matrix
 product and then read by every elementwise step), so the per-key bias and, in pass 2, each
 query's ``−lse`` enter the matrix product itself as extra columns: ``[q·scale, 1, −lse] ·
-[k, bias, 1]`` is the shifted, biased logit, and a tile is written once and read once
-(``amax``) in pass 2, and read four times in pass 1, instead of eight and twelve times.
+[k, bias, 1]`` is the shifted, biased logit. After the product writes a tile, pass 2 reads it
+once (``amax``; it was four reads and three writes) and pass 1 five times, two of them in-place
+updates (``exp`` of the shifted logits; it was seven reads and four writes).
 
 Inputs may be any floating dtype on any device; blocks are converted to float32 one at a
 time, so a bf16 cache is never copied whole into fp32. Every tensor is made on the device of
