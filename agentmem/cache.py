@@ -44,8 +44,13 @@ class CompactedSegment:
     head ``h``. Keys keep the RoPE rotation of the positions they came from.
 
     ``scores`` ``(R,)`` float32 is what each row scored when a compaction chose it (the largest
-    share of a reference query's attention it received; -inf where unknown). A later compaction
-    ranks the row by it without re-reading the text the row stands for.
+    share of a reference query's attention it received; -inf where unknown).
+
+    ``queries`` ``(kv_heads, K, head_dim)`` is a bounded sample of the reference queries the
+    compaction judged the rows by (GQA groups folded under their KV head), RoPE-rotated for
+    a reference window read at logical position ``queries_at``. A later compaction rotates
+    them to its own window and re-scores and re-fits these rows with them, instead of
+    re-reading the text they stand for.
     """
 
     keys: torch.Tensor
@@ -54,6 +59,8 @@ class CompactedSegment:
     head_rows: tuple[int, ...]
     span: tuple[int, int]
     scores: torch.Tensor | None = None  # None: unknown for every row
+    queries: torch.Tensor | None = None  # None: none kept (a cache from before they were)
+    queries_at: int = 0
 
     def __post_init__(self) -> None:
         rows = sum(self.head_rows)
@@ -67,6 +74,10 @@ class CompactedSegment:
             )
         if any(r < 0 for r in self.head_rows):
             raise InvalidInput(f"negative row count in head_rows {self.head_rows}")
+        if self.queries is not None and (self.queries.dim() != 3 or self.queries.shape[0] != len(self.head_rows)
+                                         or self.queries.shape[2] != self.keys.shape[-1]):
+            raise InvalidInput(f"segment queries {tuple(self.queries.shape)} must be (kv_heads={len(self.head_rows)}, "
+                               f"count, head_dim={self.keys.shape[-1]})")
         if not 0 <= self.span[0] <= self.span[1]:
             raise InvalidInput(f"invalid span {self.span}")
 
@@ -81,7 +92,16 @@ class CompactedSegment:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.beta, self.scores))
+        parts = (self.keys, self.values, self.beta, self.scores, self.queries)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+@dataclass(frozen=True)
+class SegmentQueries:
+    """A segment's reference-query sample ``(kv_heads, K, head_dim)``, rotated for a window read at position ``at``."""
+
+    queries: torch.Tensor
+    at: int
 
 
 @dataclass(frozen=True)
@@ -151,6 +171,12 @@ class LayerCache:
             self.scores = torch.full((heads, self.prefix_length), -math.inf, dtype=torch.float32, device=device)
         for seg, layout in zip(segments, self.layouts):
             self._place(seg, layout)
+        # Each segment's reference-query sample, outside the attention buffer (attention never reads
+        # it); copied like the rows, so the cache never shares memory with what it was built from.
+        self.queries: tuple[SegmentQueries | None, ...] = tuple(
+            None if seg.queries is None else SegmentQueries(
+                torch.empty(seg.queries.shape, dtype=dtype, device=device).copy_(seg.queries, non_blocking=True),
+                seg.queries_at) for seg in segments)
         start = self.prefix_length
         for keys, values in zip(key_pieces, value_pieces):
             end = start + keys.shape[1]
@@ -207,6 +233,9 @@ class LayerCache:
             dtype = torch.float32 if part == "scores" else self._keys.dtype
             shape = (rows, self._keys.shape[-1]) if part in ("keys", "values") else (rows,)
             parts[part] = self.gather(j, part, torch.empty(shape, dtype=dtype, device=self._keys.device))
+        stored = self.queries[j]
+        if stored is not None:
+            parts.update(queries=stored.queries, queries_at=stored.at)
         return CompactedSegment(head_rows=layout.head_rows, span=layout.span, **parts)
 
     def gather(self, j: int, part: str, out: torch.Tensor) -> torch.Tensor:
@@ -256,13 +285,17 @@ class LayerCache:
         """Bytes of real rows, as stored packed: keys, values, β and scores of segments, plus the tail."""
         row = self._keys.shape[-1] * self._keys.element_size()
         compacted = sum(sum(seg.head_rows) for seg in self.layouts) * (2 * row + self._keys.element_size() + 4)
-        return 2 * self.tail_length * self.num_heads * row + compacted
+        return 2 * self.tail_length * self.num_heads * row + compacted + self._queries_nbytes
+
+    @property
+    def _queries_nbytes(self) -> int:
+        return sum(s.queries.numel() * s.queries.element_size() for s in self.queries if s is not None)
 
     @property
     def allocated_nbytes(self) -> int:
         """Bytes actually held by the attention buffer, padding and spare capacity included."""
         prefix = sum(0 if t is None else t.numel() * t.element_size() for t in (self.bias, self.scores))
-        return 2 * self._keys.numel() * self._keys.element_size() + prefix
+        return 2 * self._keys.numel() * self._keys.element_size() + prefix + self._queries_nbytes
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new ``(heads, n, head_dim)`` rows after the tail without committing them.
@@ -461,7 +494,10 @@ class SessionCache:
                     exports[f"layers.{i}.segments.{j}.{part}"] = TensorExport(
                         (rows, self.head_dim) if part in ("keys", "values") else (rows,),
                         torch.float32 if part == "scores" else self.dtype, functools.partial(layer.gather, j, part))
-            layers_meta.append({"segments": [{"head_rows": list(s.head_rows), "span": list(s.span)} for s in layer.layouts],
+                if (stored := layer.queries[j]) is not None:
+                    exports[f"layers.{i}.segments.{j}.queries"] = TensorExport(
+                        tuple(stored.queries.shape), self.dtype, functools.partial(_copy_into, stored.queries))
+            layers_meta.append({"segments": [_segment_meta(s, q) for s, q in zip(layer.layouts, layer.queries)],
                                 "tail_length": layer.tail_length})
         tail = self.layers[0].tail_length
         if any(layer.tail_length != tail for layer in self.layers):
@@ -536,6 +572,11 @@ class SessionCache:
                 parts = {p: tensors[name + p] for p in ("keys", "values", "beta")}  # moved by LayerCache's copy
                 if name + "scores" in tensors:  # caches exported before scores were recorded have none
                     parts["scores"] = tensors[name + "scores"]
+                if name + "queries" in tensors:  # nor queries, before they were kept
+                    parts.update(queries=tensors[name + "queries"], queries_at=int(seg_meta["queries_at"]))
+                    if parts["queries"].shape[1:2] != (int(seg_meta["queries"]),):
+                        raise CorruptSessionError(f"layer {i} segment {j} queries have shape "
+                                                  f"{tuple(parts['queries'].shape)}, its layout says {seg_meta['queries']}")
                 if parts["keys"].shape != (sum(head_rows), head_dim):
                     raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
                 try:
@@ -565,6 +606,17 @@ class TensorExport:
     write: Callable[[torch.Tensor], torch.Tensor]
 
 
+def _copy_into(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(source, non_blocking=True)
+
+
+def _segment_meta(layout: SegmentLayout, stored: SegmentQueries | None) -> dict[str, Any]:
+    meta = {"head_rows": list(layout.head_rows), "span": list(layout.span)}
+    if stored is not None:
+        meta.update(queries=stored.queries.shape[1], queries_at=stored.at)
+    return meta
+
+
 def _pieces(tail: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [tail] if isinstance(tail, torch.Tensor) else list(tail)
 
@@ -579,10 +631,11 @@ def _stored_tail(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
     return ([tensors[f"tail.{b}.keys"][layer] for b in blocks], [tensors[f"tail.{b}.values"][layer] for b in blocks])
 
 
-def buffer_nbytes(prefix_slots: int, tail: int, *, heads: int, head_dim: int, element_size: int) -> int:
-    """Bytes a freshly built layer buffer allocates: keys and values of every slot, β and float32 scores of the prefix."""
-    return (2 * heads * head_dim * _round_up(prefix_slots + tail) + heads * prefix_slots) * element_size + (
-        4 * heads * prefix_slots)
+def buffer_nbytes(prefix_slots: int, tail: int, *, heads: int, head_dim: int, element_size: int, queries: int = 0) -> int:
+    """Bytes a freshly built layer allocates: keys and values of every slot, β and float32 scores of
+    the prefix, and the ``queries`` per head its segments kept."""
+    return (2 * heads * head_dim * _round_up(prefix_slots + tail) + heads * prefix_slots
+            + heads * queries * head_dim) * element_size + 4 * heads * prefix_slots
 
 
 def _round_up(n: int) -> int:

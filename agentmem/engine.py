@@ -166,6 +166,20 @@ class Engine:
                 self._run(ids, cache.logical_length + start, ForwardPass(cache, self.beta_mode, recorder, scratch))
                 scratch.commit(len(ids))
 
+    def rotate(self, rotated: torch.Tensor, shift: int) -> torch.Tensor:
+        """RoPE-rotated queries or keys ``(..., head_dim)`` moved ``shift`` positions later, in float32.
+
+        RoPE rotates each frequency pair by ``position · θ``, so a vector rotated for position
+        ``p`` becomes the one for ``p + shift`` by one more rotation of ``shift · θ``; the
+        rotary module's attention scaling multiplies both and is left out here.
+        """
+        rotary = self.model.base_model.rotary_emb
+        angles = shift * rotary.inv_freq.to(rotated.device, torch.float64)
+        cos, sin = (torch.cat([f, f]).float() for f in (angles.cos(), angles.sin()))
+        x = rotated.float()
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
     # ---------------------------------------------------------------------------- writing
 
     def generate(self, cache: SessionCache, prompt_ids: Sequence[int], **kwargs: Any) -> list[int]:

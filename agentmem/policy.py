@@ -39,7 +39,8 @@ class BudgetPolicy(BaseModel):
                                                     "(agentmem.compaction.queries)")
     reread: Literal["new", "all"] = Field(
         "all", description="what a compaction re-reads: all the text its span stands for (all: best retention, "
-                           "cost grows with history) or only text not compacted before (new: bounded cost, loses old text)")
+                           "cost grows with history) or only text not compacted before (new: bounded cost, old rows judged "
+                           "by the queries they kept; keeps less of the oldest text)")
     max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
     max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
     max_host_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the host-memory tier")

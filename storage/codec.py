@@ -249,7 +249,8 @@ def decoded_nbytes(header: dict[str, Any], dtype: torch.dtype) -> int:
         heads, head_dim = int(layout["num_kv_heads"]), int(layout["head_dim"])
         return sum(
             buffer_nbytes(sum(max(seg["head_rows"], default=0) for seg in layer["segments"]), int(layer["tail_length"]),
-                          heads=heads, head_dim=head_dim, element_size=dtype.itemsize)
+                          heads=heads, head_dim=head_dim, element_size=dtype.itemsize,
+                          queries=sum(int(seg.get("queries", 0)) for seg in layer["segments"]))
             for layer in layout["layers"])
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptSessionError(f"session blob layout is damaged: {exc!r}") from exc

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from pydoc_data.topics import topics
 
-from agentmem.compaction import METHODS, compact
+from agentmem import SessionCache
+from agentmem.compaction import METHODS, compact, methods
 from agentmem.compaction.queries import DEFAULT_SOURCE, collect_reference
 from agentmem.compaction.solvers import (
     SpanAttention,
@@ -164,7 +166,7 @@ def test_fits_reduce_error_on_random_caches():
 
     heads, n, d, queries = 2, 200, 16, 800
     keys, values = torch.randn(heads, n, d), torch.randn(heads, n, d)
-    span = LayerSpan(keys, values, torch.zeros(heads, n), torch.full((heads, n), -math.inf), [], 0, 0)
+    span = LayerSpan(keys, values, torch.zeros(heads, n), torch.full((heads, n), -math.inf), [], 0, [])
     q = torch.randn(heads, queries, d) * 2
     logits = torch.bmm(q, keys.transpose(1, 2)) * d**-0.5
     out = torch.bmm(logits.softmax(-1), values)
@@ -209,62 +211,84 @@ def reference_tokens_read(engine, monkeypatch) -> list[list[int]]:
     return log
 
 
+def old_rows_kept(before: SessionCache, after: SessionCache) -> tuple[int, int]:
+    """(kept rows of ``before``'s first segment found bit for bit in ``after``'s, of them those
+    whose β or value changed), over all layers and heads."""
+    kept = changed = 0
+    for layer_before, layer_after in zip(before.layers, after.layers):
+        old, new = layer_before.segment(0), layer_after.segment(0)
+        for h in range(layer_after.num_heads):
+            rows_old, rows_new = old.head_slice(h), new.head_slice(h)
+            match = (new.keys[rows_new][:, None] == old.keys[rows_old][None]).all(-1).nonzero()
+            kept += len(match)
+            for i, j in match.tolist():
+                changed += bool(new.beta[rows_new][i] != old.beta[rows_old][j]
+                                or not torch.equal(new.values[rows_new][i], old.values[rows_old][j]))
+    return kept, changed
+
+
 @pytest.mark.parametrize("method", ["global-eviction", "am-fast"])
-def test_incremental_compaction_reads_only_new_text_and_keeps_old_rows_as_they_were(llama, method, monkeypatch):
+def test_incremental_compaction_reads_only_new_text_and_judges_old_rows_by_their_kept_queries(llama, method, monkeypatch):
     ids = doc_ids(llama, 400)
     read = reference_tokens_read(llama, monkeypatch)
     first = compact(llama, llama.prefill(ids[:200]), ratio=4, method=method, keep_recent=32, reread="new")
     assert read == [[168, 168]]  # the span once after "repeat", and its tail (all of it: < 256 tokens)
-    assert all(torch.isfinite(seg.scores).all() for layer in first.layers for seg in layer.segments)
+    for layer in first.layers:
+        seg = layer.segment(0)
+        assert torch.isfinite(seg.scores).all()
+        # as many queries as rows a head keeps on average (42 of 168 span tokens), fewer than STORED_QUERIES
+        assert seg.queries.shape == (layer.num_heads, 168 // 4, llama.head_dim) and seg.queries_at == 200
     llama.prefill(ids[200:330], first)
     everything = compact(llama, first, ratio=2, method=method, keep_recent=32, reread="all")
+    # The fitted candidate, even where this random model's end-to-end check would keep rows unfitted:
+    monkeypatch.setattr(methods, "end_to_end_choice", lambda job, candidates: candidates[0])
     second = compact(llama, first, ratio=2, method=method, keep_recent=32, reread="new")
-    assert read[1:] == [[298, 256], [130, 130]]  # "all" re-reads the history (298), "new" only the unscored text
+    assert read[1:] == [[298, 256], [130, 130]]  # "all" re-reads the history (298), "new" only the new text
     assert everything.physical_length == second.physical_length
-    kept_old = 0
-    for before, after in zip(first.layers, second.layers):
-        old, new = before.segment(0), after.segment(0)
-        for h in range(after.num_heads):
-            rows_old, rows_new = old.head_slice(h), new.head_slice(h)
-            # A kept old row has its key bit for bit; its β and value must be as they were, its score no lower.
-            match = (new.keys[rows_new][:, None] == old.keys[rows_old][None]).all(-1).nonzero()
-            kept_old += len(match)
-            for i, j in match.tolist():
-                assert new.beta[rows_new][i] == old.beta[rows_old][j]
-                assert torch.equal(new.values[rows_new][i], old.values[rows_old][j])
-                assert new.scores[rows_new][i] >= old.scores[rows_old][j]
-        assert torch.isfinite(new.scores).all()
+    kept, changed = old_rows_kept(first, second)
     total = sum(sum(layer.segment(0).head_rows) for layer in second.layers)
-    assert 0 < kept_old < total  # old and new rows competed
+    assert 0 < kept < total  # old and new rows competed
+    assert changed == 0 if method == "global-eviction" else changed > 0  # am-fast re-fits old rows with new ones
+    for layer in second.layers:  # up to 86 a head (its rows): the old segment's 42 and the new text's, by their tokens
+        seg = layer.segment(0)
+        assert seg.queries_at == 330 and seg.queries.shape[1] == min(42, 86 * 168 // 298) + 86 * 130 // 298
     assert torch.isfinite(llama.score(second, ids[329:])).all()
 
 
-@pytest.mark.parametrize("method", ["global-eviction", "am-fast"])
-def test_rows_compete_by_recorded_scores_when_no_new_text_is_left(llama, method, monkeypatch):
-    from agentmem.compaction.methods import SINKS
+def test_a_segment_keeps_a_sample_of_the_reference_queries_that_judged_it(llama):
+    from agentmem.compaction.methods import Job
 
+    full = llama.prefill(doc_ids(llama, 300))
+    compacted = compact(llama, full, ratio=4, method="global-eviction", keep_recent=32)
+    plan = plan_span(full, protect_prefix=0, keep_recent=32)
+    reference = Job(llama, full, plan, round(plan.rows / 4), DEFAULT_SOURCE, None, 0).reference(max_queries=1)
+    for layer, sampled, kept in zip(compacted.layers, reference.queries, reference.kept):
+        assert torch.equal(layer.segment(0).queries, kept)
+        assert (kept[:, :, None] == sampled.q[:, None]).all(-1).any(-1).all()  # each one among the sampled queries
+
+
+@pytest.mark.parametrize("method", ["global-eviction", "am-fast"])
+def test_with_no_new_text_old_rows_are_judged_by_their_kept_queries_alone(llama, method, monkeypatch):
     ids = doc_ids(llama, 200)
     once = compact(llama, llama.prefill(ids), ratio=2, method=method, keep_recent=16)
     read = reference_tokens_read(llama, monkeypatch)
+    monkeypatch.setattr(methods, "end_to_end_choice", lambda job, candidates: candidates[0])  # the fitted candidate
     twice = compact(llama, once, ratio=2, method=method, keep_recent=16, reread="new")
-    assert read == []  # nothing to re-read: every span row has a recorded score
-    kept, dropped = [], []
-    for before, after in zip(once.layers, twice.layers):
-        old, new = before.segment(0), after.segment(0)
-        for h in range(after.num_heads):
-            keys_old, scores_old = old.keys[old.head_slice(h)], old.scores[old.head_slice(h)]
-            survived = (keys_old[:, None] == new.keys[new.head_slice(h)][None]).all(-1).any(1)
-            kept.append(scores_old[SINKS:][survived[SINKS:]])
-            dropped.append(scores_old[SINKS:][~survived[SINKS:]])
-    assert torch.cat(kept).min() >= torch.cat(dropped).max()
+    assert read == []  # nothing to re-read: every span row was compacted and kept its queries
     assert twice.physical_length < once.physical_length
+    if method == "am-fast":  # the fits are solved on the kept queries alone: other queries, other fits
+        blind = once.clone()
+        for layer in blind.layers:
+            layer.queries = tuple(replace(q, queries=torch.zeros_like(q.queries)) for q in layer.queries)
+        refit = compact(llama, blind, ratio=2, method=method, keep_recent=16, reread="new")
+        assert not torch.equal(twice.layers[0].segment(0).values, refit.layers[0].segment(0).values)
 
 
-def test_rows_without_a_recorded_score_are_re_read(llama, monkeypatch):
+def test_rows_whose_compaction_kept_no_queries_are_re_read(llama, monkeypatch):
     ids = doc_ids(llama, 300)
     read = reference_tokens_read(llama, monkeypatch)
     first = compact(llama, llama.prefill(ids[:200]), ratio=4, method="window", keep_recent=32)
-    assert read == [] and all(seg.scores.eq(-math.inf).all() for layer in first.layers for seg in layer.segments)
+    assert read == [] and all(seg.queries is None for layer in first.layers for seg in layer.segments)
     compact(llama, llama.prefill(ids[200:260], first), ratio=2, method="am-fast", keep_recent=32, reread="new")
     assert read == [[260 - 32, 260 - 32]]
 
@@ -299,6 +323,7 @@ def test_packed_rows_cost_the_bytes_reported(llama):
     for layer in small.layers:
         for seg in layer.segments:
             expected += sum(seg.head_rows) * ((2 * small.head_dim + 1) * elt + 4)  # keys, values, β; float32 score
+            expected += seg.queries.numel() * elt  # the reference queries it kept
         expected += 2 * layer.tail_length * small.num_kv_heads * small.head_dim * elt
     assert small.nbytes == expected
     rows = [seg.head_rows for layer in small.layers for seg in layer.segments]

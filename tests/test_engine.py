@@ -108,6 +108,18 @@ def test_positions_continue_at_logical_length_after_rows_are_dropped(tiny_engine
     assert dropped.logical_length == 100 and dropped.physical_length == len(keep) + 10
 
 
+@pytest.mark.parametrize("shift", [1, 37, 900])
+def test_rotate_moves_a_rope_rotated_vector_to_a_later_position(tiny_engine, shift):
+    """Layer 0's key of a token depends on the token and its position only: read at position p
+    and rotated by ``shift``, it must be the key read at p + shift."""
+    ids = text_ids(tiny_engine, 8)
+    early = tiny_engine.prefill(ids[:4] + ids[7:8])
+    late = tiny_engine.prefill(ids[:4] + [ids[5]] * shift + ids[7:8])
+    key_early, key_late = early.layers[0].tail_keys[:, 4], late.layers[0].tail_keys[:, 4 + shift]
+    assert not torch.allclose(key_early, key_late, atol=1e-3)
+    assert torch.allclose(tiny_engine.rotate(key_early, shift), key_late, atol=1e-4)
+
+
 def test_heads_with_different_row_counts_are_packed(tiny_engine):
     ids = text_ids(tiny_engine, 60)
     full = tiny_engine.prefill(ids[:40])

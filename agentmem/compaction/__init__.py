@@ -54,13 +54,17 @@ def compact(
     (:mod:`~agentmem.compaction.queries`): the default ``repeat+tail`` asks what a later
     recall of the text asks (a copy of it) and what a continuation asks (its end read again).
 
-    Scoring methods (AM, global and top-attention eviction) record each kept row's score.
+    Scoring methods (AM, global and top-attention eviction) record each kept row's score and
+    keep a bounded sample of their reference queries with the rows
+    (:data:`~agentmem.compaction.queries.STORED_QUERIES` per layer and KV head).
     ``reread="all"`` (default) re-reads all the text the span stands for and re-fits every
     row: the cost of a compaction grows with the session's history. ``reread="new"`` re-reads
-    only the text no compaction has scored yet: earlier rows compete by their recorded scores
-    and only new rows are fitted, so a compaction costs the live rows plus the new tokens —
-    but rows ranked by stale scores lose more of the oldest text with every compaction
-    (``benchmarks/results/online.md``).
+    only the text after the last compaction: earlier rows are judged by their recorded scores
+    and by the queries they kept (rotated to this compaction's window), and are re-fitted with
+    the new rows, so a compaction costs the live rows plus the new tokens — but over many
+    compactions it keeps less of the oldest text than re-reading it does
+    (``benchmarks/results/online.md``). Rows from a compaction that kept no queries (``window``,
+    or a cache stored before queries were kept) are re-read.
     """
     if method not in REGISTRY:
         raise InvalidInput(f"unknown compaction method {method!r}; choose one of {', '.join(REGISTRY)}")

@@ -6,13 +6,23 @@ Each method turns a :class:`SpanPlan` into per-layer, per-head :class:`HeadChoic
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from agentmem.compaction import budgets, solvers
-from agentmem.compaction.queries import REPEAT_PROMPT, Reference, collect_reference, sample_positions
+from agentmem.compaction.blockwise import attention_stats
+from agentmem.compaction.queries import (
+    REPEAT_PROMPT,
+    STORED_QUERIES,
+    LayerQueries,
+    Reference,
+    cache_blocks,
+    collect_reference,
+    sample_positions,
+)
 from agentmem.cache import SessionCache
 from agentmem.compaction.span import HeadChoice, LayerSpan, SpanPlan, assemble, prefix_cache, span_of_rows
 from agentmem.compaction.solvers import SpanAttention
@@ -24,7 +34,7 @@ VALIDATION_TOKENS = 256  # span tokens the end-to-end check re-reads (at most a 
 SUMMARY_PROMPT = "\n\nSummarise the text above in at most {words} words, keeping names, numbers and facts.\nSummary:"
 
 
-Chosen = tuple[list[list[HeadChoice]], list[torch.Tensor] | None]  # rows per layer and head, span scores if scored
+Chosen = tuple[list[list[HeadChoice]], Reference | None]  # rows per layer and head; the reference, if one judged them
 
 
 @dataclass
@@ -44,16 +54,15 @@ class Job:
     def read_start(self) -> int:
         """The first position whose text the reference queries re-read.
 
-        With ``reread="new"``, text whose rows all carry a recorded score is not re-read: the
-        rows are ranked by that score (and by what the new queries give them), so a compaction
-        costs the live rows plus the new tokens, not the whole history. Cached: deciding it
-        checks every layer's recorded scores.
+        With ``reread="new"``, text whose compacted rows kept their reference queries is not
+        re-read: those queries, rotated to this compaction's window, judge and re-fit the rows
+        again, so a compaction costs the live rows plus the new tokens, not the whole history.
         """
-        return self.plan.raw_start if self.reread == "new" and self.plan.scored else self.plan.start
+        return self.plan.raw_start if self.reread == "new" and self.plan.kept_queries else self.plan.start
 
     @property
     def incremental(self) -> bool:
-        """Whether earlier compacted rows are judged by their recorded scores instead of re-read."""
+        """Whether earlier compacted rows are judged by their kept queries instead of re-read."""
         return self.read_start > self.plan.start
 
     @property
@@ -79,16 +88,57 @@ class Job:
         Rows no query looks at cannot be judged, so the queries read every token of that text
         (re-reading only an evenly spread subset of it lost 0.10 of online retention on prose in
         ``benchmarks/online.py``: rows whose text was not re-read lost to new ones). In an
-        incremental compaction an earlier row scores the larger of its recorded score and what
-        the new queries give it: one scale for old and new rows. ``max_queries`` caps only the
-        sample kept for fits, which never holds queries reading the ``held_out`` positions.
+        incremental compaction the queries earlier compactions kept join them
+        (:meth:`_join_kept_queries`). ``max_queries`` caps only the sample kept for fits (at
+        least :data:`STORED_QUERIES`, which the new segment keeps), which never holds queries
+        reading the ``held_out`` positions.
         """
+        sample = None if max_queries is None else max(max_queries, STORED_QUERIES)
         reference = collect_reference(self.engine, self.cache, self.plan, self.queries, start=self.read_start,
-                                      budget=self.plan.end - self.read_start, max_queries=max_queries, seed=self.seed,
+                                      budget=self.plan.end - self.read_start, max_queries=sample, seed=self.seed,
                                       held_out=frozenset(held_out))
+        parts = [[(layer.q, self.plan.end - self.read_start)] for layer in reference.queries]
         if self.incremental:
-            reference.scores = [torch.fmax(s, span.recorded) for s, span in zip(reference.scores, self.plan.layers)]
+            for i, (layer, span) in enumerate(zip(self.cache.layers, self.plan.layers)):
+                parts[i] += self._join_kept_queries(reference, i, layer, span)
+        reference.kept = [self._subsample(layer_parts) for layer_parts in parts]
         return reference
+
+    def _join_kept_queries(self, reference: Reference, i: int, layer, span) -> list[tuple[torch.Tensor, int]]:
+        """Layer ``i``'s reference plus the queries the span's compacted segments kept.
+
+        They are rotated to this compaction's window and attend to the cache as it is: each
+        old row scores the largest of its recorded score, what the new queries give it and
+        what the kept queries give it, and the kept queries join the sample the fits are
+        solved on, so old rows are re-fitted with the new ones. The recorded scores stay in
+        the max because a few hundred kept queries see less than the thousands that read
+        the text once (scored by the kept queries alone, the old rows lost to new ones: online
+        retention 0.32 where 0.74 with them). Returns the kept queries with the tokens each
+        segment stands for.
+        """
+        mine = reference.queries[i]
+        old = [(self.engine.rotate(stored.queries, self.cache.logical_length - stored.at).to(mine.q.dtype), tokens)
+               for stored, tokens in span.replaced]
+        queries = torch.cat([q for q, _ in old], 1)
+        stats = attention_stats(queries, cache_blocks(layer, span), self.scale, output=True, key_max_of=(1,))
+        seen = stats.key_max[0].masked_fill(~span.valid, -math.inf)
+        reference.scores[i] = reference.scores[i].fmax(span.recorded).fmax(seen)
+        reference.queries[i] = LayerQueries(torch.cat([mine.q, queries], 1), torch.cat([mine.lse, stats.lse], 1),
+                                            torch.cat([mine.out, stats.output.to(mine.q.dtype)], 1))
+        return old
+
+    def _subsample(self, parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """What the new segment keeps: from ``(queries, tokens they stand for)`` parts, at most
+        :data:`STORED_QUERIES` queries per KV head and no more than the rows a head keeps on
+        average (so they never cost more than half the rows' bytes), each part's share
+        proportional to its tokens."""
+        budget = min(STORED_QUERIES, max(1, self.total // (self.cache.num_layers * self.cache.num_kv_heads)))
+        total = sum(tokens for _, tokens in parts) or 1
+        picked = []
+        for q, tokens in parts:
+            take = min(q.shape[1], budget * tokens // total)
+            picked.append(q[:, self.permutation(q.shape[1])[:take]])
+        return torch.cat(picked, dim=1)
 
     def permutation(self, n: int) -> torch.Tensor:
         """A seeded random order of ``n`` items, on the cache's device."""
@@ -147,48 +197,37 @@ def window(job: Job) -> Chosen:
 
 def top_attention(job: Job) -> Chosen:
     """H2O/SnapKV-like eviction: each head keeps the same number of its most-attended rows."""
-    scores = job.reference(max_queries=1).scores
-    return _unfitted(job, _select(job, scores, None, global_budget=False)), scores
+    reference = job.reference(max_queries=1)
+    return _unfitted(job, _select(job, reference.scores, None, global_budget=False)), reference
 
 
 def global_eviction(job: Job) -> Chosen:
     """KVzip-like: the most-attended rows over all layers and heads, no fitting."""
-    scores = job.reference(max_queries=1).scores
-    return _unfitted(job, _select(job, scores, job.head_budgets, global_budget=True)), scores
+    reference = job.reference(max_queries=1)
+    return _unfitted(job, _select(job, reference.scores, job.head_budgets, global_budget=True)), reference
 
 
 def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = False, holdout: float = 0.2) -> Chosen:
     """AM: global (or calibrated) budgets, rows by attention or OMP, validated β and value fits.
 
     Rows are scored by every reference query; ``max_queries`` caps (per KV head, random)
-    the sample the fits are solved and validated on. Layers are fitted one at a time. In an
-    incremental compaction the queries read only the new text, so only the span's raw rows
-    are fitted (against the raw rows' attention); earlier compacted rows that stay keep
-    their β and values, which those queries cannot judge.
+    the sample the fits are solved and validated on. Layers are fitted one at a time.
     """
     reference = job.reference(max_queries, held_out=job.validation_positions())
     selection = _select(job, reference.scores, job.head_budgets, global_budget=True)
-    fitted, kept = [], []
+    fitted = []
     for span, queries, rows in zip(job.plan.layers, reference.queries, selection):
-        frozen = span.raw_offset if job.incremental else 0
-        target = span.raw() if frozen else span
-        old = [r[r < frozen] for r in rows]
-        new = [r[r >= frozen] - frozen for r in rows]
         order = job.permutation(queries.q.shape[1])
         cut = max(1, int(len(order) * holdout))
-        train = SpanAttention.of(target, queries.take(order[cut:]), job.scale)
-        held = SpanAttention.of(target, queries.take(order[:cut]), job.scale)
-        if omp:
-            new = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in new])]
-        kept.append([torch.cat([o, n + frozen]) for o, n in zip(old, new)])
-        if not any(len(n) for n in new):  # only earlier rows kept (no new text left): nothing to fit
-            fitted.append(_as_they_are(span, kept[-1]))
+        train = SpanAttention.of(span, queries.take(order[cut:]), job.scale)
+        held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
+        if not any(len(r) for r in rows):  # the global budget left this layer nothing of the span
+            fitted.append(_as_they_are(span, rows))
             continue
-        choices = solvers.choose_fits(target, train, held, new, fit=True)
-        fitted.append([HeadChoice(torch.cat([o, c.index + frozen]), torch.cat([span.prior[h, o], c.beta]),
-                                  torch.cat([span.values[h, o].float(), c.values]))
-                       for h, (o, c) in enumerate(zip(old, choices))])
-    return end_to_end_choice(job, [fitted, _unfitted(job, kept)]), reference.scores
+        if omp:
+            rows[:] = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
+        fitted.append(solvers.choose_fits(span, train, held, rows, fit=True))
+    return end_to_end_choice(job, [fitted, _unfitted(job, selection)]), reference
 
 
 def end_to_end_choice(job: Job, candidates: list[list[list[HeadChoice]]]) -> list[list[HeadChoice]]:
@@ -251,7 +290,13 @@ def summary_then_am(job: Job) -> SessionCache:
 
 def _rows(choose: Callable[[Job], Chosen]) -> Callable[[Job], SessionCache]:
     """A row-selecting method as a cache builder."""
-    return lambda job: assemble(job.cache, job.plan, *choose(job))
+    def build(job: Job) -> SessionCache:
+        choices, reference = choose(job)
+        if reference is None:
+            return assemble(job.cache, job.plan, choices)
+        return assemble(job.cache, job.plan, choices, reference.scores, reference.kept)
+
+    return build
 
 
 @dataclass(frozen=True)

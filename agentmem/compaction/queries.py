@@ -35,7 +35,7 @@ import torch
 
 from agentmem.cache import LayerCache, SessionCache
 from agentmem.compaction.blockwise import KeyBlock, attention_stats
-from agentmem.compaction.span import SpanPlan
+from agentmem.compaction.span import LayerSpan, SpanPlan
 from agentmem.errors import InvalidInput
 
 SOURCES = ("repeat", "context", "self-study", "tail")
@@ -45,6 +45,9 @@ SELF_STUDY_PROMPT = "\n\nWrite a question about the details of the text above, t
 WINDOW_TOKENS = 2048  # span tokens per reference window: scratch is at most this (+ prompt) rows
 TAIL_TOKENS = 256  # span tokens the "tail" source re-reads
 SAMPLE_BYTES = 512 * 2**20  # all layers' sampled queries and outputs together
+# Reference queries per KV head and layer a compacted segment keeps, so that a later compaction
+# can judge and re-fit its rows without re-reading the text they stand for (8B model: 16 MiB).
+STORED_QUERIES = 256
 _CHUNK = 32
 
 
@@ -65,10 +68,12 @@ class LayerQueries:
 
 @dataclass
 class Reference:
-    """Per layer: span slot ``scores`` (``-inf`` on padding) and the sampled ``queries``."""
+    """Per layer: span slot ``scores`` (``-inf`` on padding), the sampled ``queries``, and the
+    queries ``kept`` with the compacted rows (``(H, K, d)``; see :data:`STORED_QUERIES`)."""
 
     scores: list[torch.Tensor]
     queries: list[LayerQueries]
+    kept: list[torch.Tensor] | None = None
 
 
 class ReferenceRecorder:
@@ -105,17 +110,8 @@ class ReferenceRecorder:
         return stats.output.to(query.dtype).reshape(q_heads, n, d)
 
     def _blocks_of(self, layer_idx: int, layer: LayerCache) -> list[KeyBlock]:
-        """The cache as blocks ``[before the span | span | after it]``; the span is block 1."""
         if layer_idx not in self._cache_blocks:
-            span = self.plan.layers[layer_idx]
-            end = span.slot_start + span.keys.shape[1]
-            before_k, before_v, before_prior = layer.slot_view(0, span.slot_start)
-            after_k, after_v, _ = layer.slot_view(end, layer.length)  # raw rows only: no bias
-            self._cache_blocks[layer_idx] = [
-                KeyBlock(before_k, before_v, before_prior),
-                KeyBlock(span.keys, span.values, span.prior),
-                KeyBlock(after_k, after_v),
-            ]
+            self._cache_blocks[layer_idx] = cache_blocks(layer, self.plan.layers[layer_idx])
         return self._cache_blocks[layer_idx]
 
     def _keep(self, layer_idx: int, q: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, n: int) -> None:
@@ -138,6 +134,15 @@ class ReferenceRecorder:
             return LayerQueries(*(torch.cat(parts, dim=1) for parts in zip(*self._kept[layer_idx])))
         keys = self.plan.layers[layer_idx].keys  # no query sampled (all held out): empty, fits are skipped
         return LayerQueries(keys[:, :0], keys.new_zeros(keys.shape[0], 0, dtype=torch.float32), keys[:, :0])
+
+
+def cache_blocks(layer: LayerCache, span: LayerSpan) -> list[KeyBlock]:
+    """A layer's rows as blocks ``[before the span | span | after it]``; the span is block 1."""
+    end = span.slot_start + span.keys.shape[1]
+    before_k, before_v, before_prior = layer.slot_view(0, span.slot_start)
+    after_k, after_v, _ = layer.slot_view(end, layer.length)  # raw rows only: no bias
+    return [KeyBlock(before_k, before_v, before_prior), KeyBlock(span.keys, span.values, span.prior),
+            KeyBlock(after_k, after_v)]
 
 
 def check_source(source: str) -> list[str]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentmem.cache import CompactedSegment, LayerCache, SessionCache
+from agentmem.cache import CompactedSegment, LayerCache, SegmentQueries, SessionCache
 
 
 @dataclass
@@ -26,7 +26,8 @@ class LayerSpan:
     """One layer's span slots: ``keys``/``values`` ``(H, n, d)`` buffer views, ``prior`` ``(H, n)`` float32.
 
     ``recorded`` ``(H, n)`` holds the scores earlier compactions recorded for their rows (-inf
-    on raw rows, padding and rows without one); slots from ``raw_offset`` on are raw rows.
+    on raw rows, padding and rows without one). ``replaced`` lists, per compacted segment in
+    the span, the reference queries it kept (``None``: none) and the tokens it stands for.
     """
 
     keys: torch.Tensor
@@ -35,25 +36,14 @@ class LayerSpan:
     recorded: torch.Tensor
     kept_segments: list[CompactedSegment]
     slot_start: int  # the span's first slot in the layer buffer
-    raw_offset: int  # the span's first raw slot, relative to slot_start
+    replaced: list[tuple[SegmentQueries | None, int]]
 
     @classmethod
     def of(cls, layer: LayerCache, start: int, end: int, kept: list[CompactedSegment]) -> LayerSpan:
         keys, values, prior = layer.slot_view(start, end)
-        raw_offset = min(end, max(start, layer.prefix_length)) - start
-        return cls(keys, values, prior, layer.recorded_scores(start, end), kept, start, raw_offset)
-
-    def raw(self) -> LayerSpan:
-        """The span's raw rows alone, as a span of their own (views, no copy)."""
-        cut = slice(self.raw_offset, None)
-        return LayerSpan(self.keys[:, cut], self.values[:, cut], self.prior[:, cut], self.recorded[:, cut],
-                         self.kept_segments, self.slot_start + self.raw_offset, 0)
-
-    @property
-    def scored(self) -> bool:
-        """Whether every compacted row of the span has a recorded score."""
-        rows = self.valid[:, : self.raw_offset]
-        return bool(torch.isfinite(self.recorded[:, : self.raw_offset])[rows].all())
+        replaced = [(stored, seg.span[1] - seg.span[0])
+                    for seg, stored in zip(layer.layouts[len(kept):], layer.queries[len(kept):])]
+        return cls(keys, values, prior, layer.recorded_scores(start, end), kept, start, replaced)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -85,9 +75,10 @@ class SpanPlan:
         return sum(layer.rows for layer in self.layers)
 
     @property
-    def scored(self) -> bool:
-        """Whether every compacted row in the span carries a recorded score."""
-        return all(layer.scored for layer in self.layers)
+    def kept_queries(self) -> bool:
+        """Whether the span holds compacted segments and every one kept its reference queries."""
+        return bool(self.layers[0].replaced) and all(
+            stored is not None for layer in self.layers for stored, _ in layer.replaced)
 
 
 def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> SpanPlan | None:
@@ -122,12 +113,14 @@ class HeadChoice:
 
 
 def assemble(
-    cache: SessionCache, plan: SpanPlan, choices: list[list[HeadChoice]], scores: list[torch.Tensor] | None = None
+    cache: SessionCache, plan: SpanPlan, choices: list[list[HeadChoice]], scores: list[torch.Tensor] | None = None,
+    queries: list[torch.Tensor] | None = None,
 ) -> SessionCache:
     """A new cache: kept segments, the protected raw rows, the compacted span, the recent rows.
 
     ``scores`` ``(H, n)`` per layer, when the method scored the span's rows, are recorded with
-    the rows kept (see :class:`CompactedSegment`).
+    the rows kept, and ``queries`` ``(H, K, d)`` per layer (reference queries of a window read
+    at the cache's logical end) are kept with them (see :class:`CompactedSegment`).
     """
     layers = []
     protected_start = cache.logical_length - cache.layers[0].tail_length
@@ -146,6 +139,8 @@ def assemble(
                 head_rows=tuple(len(c.index) for c in heads),
                 span=(plan.start, plan.end),
                 scores=layer_scores,
+                queries=None if queries is None else queries[i],
+                queries_at=cache.logical_length,
             )
         )
         recent = slice(layer.tail_length - plan.recent, layer.tail_length)

@@ -29,14 +29,17 @@ def llama(tokenizer) -> Engine:
 
 @pytest.fixture(scope="module")
 def cache(llama) -> SessionCache:
-    """A cache with a packed segment (heads keep 3 and 5 rows) plus a raw tail."""
+    """A cache with a packed segment (heads keep 3 and 5 rows, and 6 reference queries each) plus a raw tail."""
     full = llama.prefill(list(range(100, 160)))
     layers = []
+    generator = torch.Generator(device="cpu").manual_seed(0)
     for layer in full.layers:
         rows = (3, 5)
         keys = torch.cat([layer.tail_keys[h, : rows[h]] for h in range(2)])
         values = torch.cat([layer.tail_values[h, : rows[h]] for h in range(2)])
-        seg = CompactedSegment(keys, values, torch.linspace(-2, 2, 8), rows, (0, 40), torch.linspace(0.01, 0.9, 8))
+        queries = torch.randn(2, 6, keys.shape[-1], generator=generator, device="cpu")
+        seg = CompactedSegment(keys, values, torch.linspace(-2, 2, 8), rows, (0, 40), torch.linspace(0.01, 0.9, 8),
+                               queries, 52)
         layers.append(LayerCache([seg], layer.tail_keys[:, 40:], layer.tail_values[:, 40:]))
     return SessionCache(layers, full.token_ids, full.fingerprint)
 
@@ -82,6 +85,31 @@ def test_caches_exported_before_scores_were_recorded_load_unscored(cache):
     restored = SessionCache.from_tensors(older, meta)
     assert all(seg.scores.eq(-math.inf).all() for layer in restored.layers for seg in layer.segments)
     assert torch.equal(restored.layers[0].segment(0).beta, cache.layers[0].segment(0).beta)
+
+
+def test_caches_exported_before_queries_were_kept_load_without_them(cache):
+    tensors, meta = cache.to_tensors()
+    older = {name: t for name, t in tensors.items() if not name.endswith(".queries")}
+    for layer in meta["layers"]:
+        for seg in layer["segments"]:
+            del seg["queries"], seg["queries_at"]
+    restored = SessionCache.from_tensors(older, meta)
+    assert all(seg.queries is None for layer in restored.layers for seg in layer.segments)
+    assert torch.equal(restored.layers[0].segment(0).keys, cache.layers[0].segment(0).keys)
+
+
+def test_kept_queries_round_trip_with_their_position(cache):
+    restored = SessionCache.from_tensors(*cache.to_tensors())
+    for before, after in zip(cache.layers, restored.layers):
+        assert torch.equal(before.segment(0).queries, after.segment(0).queries)
+        assert after.segment(0).queries_at == 52
+
+
+def test_kept_queries_of_the_wrong_shape_are_refused(cache):
+    tensors, meta = cache.to_tensors()
+    tensors["layers.0.segments.0.queries"] = tensors["layers.0.segments.0.queries"][:1]
+    with pytest.raises(CorruptSessionError, match="queries"):
+        SessionCache.from_tensors(tensors, meta)
 
 
 def test_smaller_dtypes_make_smaller_blobs(cache):
@@ -200,7 +228,7 @@ def test_blob_is_a_plain_safetensors_file(cache):
         tensors = load(bytes(encode_cache(cache, dtype=dtype)))
         exported = cache.to_tensors()[0]
         stored = {name for name in tensors if not name.startswith("padding.")}
-        assert stored - set(exported) == ({n + ".int8_scale" for n in exported if n.endswith((".keys", ".values"))}
+        assert stored - set(exported) == ({n + ".int8_scale" for n in exported if n.endswith((".keys", ".values", ".queries"))}
                                           if dtype == "int8" else set())
         assert torch.equal(tensors["token_ids"], torch.tensor(cache.token_ids))
         if dtype != "int8":
