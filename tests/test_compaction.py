@@ -259,18 +259,21 @@ def test_a_segment_keeps_a_sample_of_the_reference_queries_that_judged_it(llama)
     from agentmem.compaction.methods import Job
 
     full = llama.prefill(doc_ids(llama, 300))
-    compacted = compact(llama, full, ratio=4, method="global-eviction", keep_recent=32)
+    compacted = compact(llama, full, ratio=4, method="global-eviction", keep_recent=32, reread="new")
     plan = plan_span(full, protect_prefix=0, keep_recent=32)
-    reference = Job(llama, full, plan, round(plan.rows / 4), DEFAULT_SOURCE, None, 0).reference(max_queries=1)
+    reference = Job(llama, full, plan, round(plan.rows / 4), DEFAULT_SOURCE, None, 0, "new").reference(max_queries=1)
     for layer, sampled, kept in zip(compacted.layers, reference.queries, reference.kept):
         assert torch.equal(layer.segment(0).queries, kept)
         assert (kept[:, :, None] == sampled.q[:, None]).all(-1).any(-1).all()  # each one among the sampled queries
+    # A compaction that the next one re-reads in full keeps none.
+    rereads = compact(llama, full, ratio=4, method="global-eviction", keep_recent=32, reread="all")
+    assert all(seg.queries is None for layer in rereads.layers for seg in layer.segments)
 
 
 @pytest.mark.parametrize("method", ["global-eviction", "am-fast"])
 def test_with_no_new_text_old_rows_are_judged_by_their_kept_queries_alone(llama, method, monkeypatch):
     ids = doc_ids(llama, 200)
-    once = compact(llama, llama.prefill(ids), ratio=2, method=method, keep_recent=16)
+    once = compact(llama, llama.prefill(ids), ratio=2, method=method, keep_recent=16, reread="new")
     read = reference_tokens_read(llama, monkeypatch)
     monkeypatch.setattr(methods, "end_to_end_choice", lambda job, candidates: candidates[0])  # the fitted candidate
     twice = compact(llama, once, ratio=2, method=method, keep_recent=16, reread="new")
@@ -294,12 +297,12 @@ def test_rows_whose_compaction_kept_no_queries_are_re_read(llama, monkeypatch):
 
 
 def test_incremental_path_keeping_every_row_is_exact(llama):
-    """Reference of the new text, fits of the raw rows only, old rows carried: with a budget of every row
-    the compacted cache must answer as the original does."""
+    """Reference of the new text plus the old rows' kept queries, every row re-fitted: with a budget of
+    every row the compacted cache must answer as the original does."""
     from agentmem.compaction.methods import REGISTRY, Job
 
     ids = doc_ids(llama, 300)
-    cache = compact(llama, llama.prefill(ids[:160]), ratio=4, method="am-fast", keep_recent=16)
+    cache = compact(llama, llama.prefill(ids[:160]), ratio=4, method="am-fast", keep_recent=16, reread="new")
     llama.prefill(ids[160:260], cache)
     plan = plan_span(cache, protect_prefix=0, keep_recent=16)
     job = Job(llama, cache, plan, plan.rows, "repeat", None, 0, "new")
@@ -317,7 +320,7 @@ def test_reread_must_be_new_or_all(llama):
 
 def test_packed_rows_cost_the_bytes_reported(llama):
     cache = llama.prefill(doc_ids(llama, 240))
-    small = compact(llama, cache, ratio=6, method="am-fast", keep_recent=16)
+    small = compact(llama, cache, ratio=6, method="am-fast", keep_recent=16, reread="new")  # it keeps queries too
     elt = small.dtype.itemsize
     expected = 0
     for layer in small.layers:

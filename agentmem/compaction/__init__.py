@@ -54,17 +54,17 @@ def compact(
     (:mod:`~agentmem.compaction.queries`): the default ``repeat+tail`` asks what a later
     recall of the text asks (a copy of it) and what a continuation asks (its end read again).
 
-    Scoring methods (AM, global and top-attention eviction) record each kept row's score and
-    keep a bounded sample of their reference queries with the rows
-    (:data:`~agentmem.compaction.queries.STORED_QUERIES` per layer and KV head).
+    Scoring methods (AM, global and top-attention eviction) record each kept row's score.
     ``reread="all"`` (default) re-reads all the text the span stands for and re-fits every
     row: the cost of a compaction grows with the session's history. ``reread="new"`` re-reads
-    only the text after the last compaction: earlier rows are judged by their recorded scores
-    and by the queries they kept (rotated to this compaction's window), and are re-fitted with
-    the new rows, so a compaction costs the live rows plus the new tokens — but over many
-    compactions it keeps less of the oldest text than re-reading it does
-    (``benchmarks/results/online.md``). Rows from a compaction that kept no queries (``window``,
-    or a cache stored before queries were kept) are re-read.
+    only the text after the last compaction, and keeps with the rows a bounded sample of
+    their reference queries (:data:`~agentmem.compaction.queries.STORED_QUERIES` per layer and
+    KV head at most, no more than the rows a head keeps): the next ``"new"`` compaction judges
+    earlier rows by their recorded scores and by those queries (rotated to its own window),
+    and re-fits them with the new rows, so a compaction costs the live rows plus the new
+    tokens — but over many tight compactions it keeps less of the oldest text than re-reading
+    it does (``benchmarks/results/online.md``). Rows whose compaction kept no queries
+    (``reread="all"``, ``window``, a cache stored before queries were kept) are re-read.
     """
     if method not in REGISTRY:
         raise InvalidInput(f"unknown compaction method {method!r}; choose one of {', '.join(REGISTRY)}")

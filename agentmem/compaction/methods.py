@@ -89,11 +89,16 @@ class Job:
         (re-reading only an evenly spread subset of it lost 0.10 of online retention on prose in
         ``benchmarks/online.py``: rows whose text was not re-read lost to new ones). In an
         incremental compaction the queries earlier compactions kept join them
-        (:meth:`_join_kept_queries`). ``max_queries`` caps only the sample kept for fits (at
-        least :data:`STORED_QUERIES`, which the new segment keeps), which never holds queries
-        reading the ``held_out`` positions.
+        (:meth:`_join_kept_queries`). ``max_queries`` caps only the sample kept for fits, which
+        never holds queries reading the ``held_out`` positions.
+
+        With ``reread="new"`` the reference also chooses the queries the new segment keeps for
+        the next compaction (``kept``; the sample is at least :data:`STORED_QUERIES` for that).
+        With ``"all"`` the next compaction re-reads the text, so none are kept: at high ratios
+        they would cost up to half the rows' bytes.
         """
-        sample = None if max_queries is None else max(max_queries, STORED_QUERIES)
+        keep = self.reread == "new"
+        sample = None if max_queries is None else max(max_queries, STORED_QUERIES if keep else 1)
         reference = collect_reference(self.engine, self.cache, self.plan, self.queries, start=self.read_start,
                                       budget=self.plan.end - self.read_start, max_queries=sample, seed=self.seed,
                                       held_out=frozenset(held_out))
@@ -101,7 +106,8 @@ class Job:
         if self.incremental:
             for i, (layer, span) in enumerate(zip(self.cache.layers, self.plan.layers)):
                 parts[i] += self._join_kept_queries(reference, i, layer, span)
-        reference.kept = [self._subsample(layer_parts) for layer_parts in parts]
+        if keep:
+            reference.kept = [self._subsample(layer_parts) for layer_parts in parts]
         return reference
 
     def _join_kept_queries(self, reference: Reference, i: int, layer, span) -> list[tuple[torch.Tensor, int]]:
