@@ -211,10 +211,10 @@ def reference_tokens_read(engine, monkeypatch) -> list[list[int]]:
     return log
 
 
-def old_rows_kept(before: SessionCache, after: SessionCache) -> tuple[int, int]:
+def old_rows_kept(before: SessionCache, after: SessionCache) -> tuple[int, int, int]:
     """(kept rows of ``before``'s first segment found bit for bit in ``after``'s, of them those
-    whose β or value changed), over all layers and heads."""
-    kept = changed = 0
+    whose β or value changed, and those whose recorded score went down), over all layers and heads."""
+    kept = changed = lowered = 0
     for layer_before, layer_after in zip(before.layers, after.layers):
         old, new = layer_before.segment(0), layer_after.segment(0)
         for h in range(layer_after.num_heads):
@@ -224,7 +224,8 @@ def old_rows_kept(before: SessionCache, after: SessionCache) -> tuple[int, int]:
             for i, j in match.tolist():
                 changed += bool(new.beta[rows_new][i] != old.beta[rows_old][j]
                                 or not torch.equal(new.values[rows_new][i], old.values[rows_old][j]))
-    return kept, changed
+                lowered += bool(new.scores[rows_new][i] < old.scores[rows_old][j])
+    return kept, changed, lowered
 
 
 @pytest.mark.parametrize("method", ["global-eviction", "am-fast"])
@@ -245,9 +246,10 @@ def test_incremental_compaction_reads_only_new_text_and_judges_old_rows_by_their
     second = compact(llama, first, ratio=2, method=method, keep_recent=32, reread="new")
     assert read[1:] == [[298, 256], [130, 130]]  # "all" re-reads the history (298), "new" only the new text
     assert everything.physical_length == second.physical_length
-    kept, changed = old_rows_kept(first, second)
+    kept, changed, lowered = old_rows_kept(first, second)
     total = sum(sum(layer.segment(0).head_rows) for layer in second.layers)
     assert 0 < kept < total  # old and new rows competed
+    assert lowered == 0  # an old row scores at least what it scored when chosen (kept queries see less)
     assert changed == 0 if method == "global-eviction" else changed > 0  # am-fast re-fits old rows with new ones
     for layer in second.layers:  # up to 86 a head (its rows): the old segment's 42 and the new text's, by their tokens
         seg = layer.segment(0)
@@ -411,6 +413,30 @@ def test_compaction_reads_its_reference_into_scratch_not_the_cache(wide, method,
     kept = sum(sum(layer.segments[-1].head_rows) for layer in small.layers)
     assert abs(kept - (600 - 36) * 2 * 8 / 8) <= 16
     assert torch.isfinite(wide.score(small, ids[599:640])).all()
+
+
+def test_incremental_compaction_at_the_wide_head_shape(wide, monkeypatch):
+    """Kept queries of 8 KV heads (GQA groups of 4) at head_dim 128 are rotated, attend and are
+    re-sampled: a second ``new`` compaction reads only the new text, with a protected prefix."""
+    ids = doc_ids(wide, 700)
+    first = compact(wide, wide.prefill(ids[:400]), ratio=8, method="am-fast", keep_recent=32, protect_prefix=4,
+                    reread="new")
+    wide.prefill(ids[400:600], first)
+    read = reference_tokens_read(wide, monkeypatch)
+    shifts = []
+    rotate = wide.rotate
+    monkeypatch.setattr(wide, "rotate", lambda q, shift: (shifts.append(shift), rotate(q, shift))[1])
+    second = compact(wide, first, ratio=8, method="am-fast", keep_recent=32, protect_prefix=4, reread="new")
+    assert read == [[200, 200]]  # the 200 tokens since the first compaction, after "repeat" and as the tail
+    assert shifts == [200, 200]  # each layer's kept queries, moved from the first compaction's window to this one
+    rows_per_head = (400 - 36) // 8
+    for layer in second.layers:
+        seg = layer.segments[-1]
+        assert seg.span == (4, 568) and seg.queries_at == 600
+        assert seg.queries.shape[0] == 8 and seg.queries.shape[2] == 128 and 0 < seg.queries.shape[1] <= 256
+        assert layer.segment(0).queries is None  # the protected prefix is kept as it is, with no queries
+    assert first.layers[0].segments[-1].queries.shape[1] == rows_per_head
+    assert torch.isfinite(wide.score(second, ids[599:640])).all()
 
 
 def test_tiled_statistics_give_the_same_compaction_as_one_tile(llama, monkeypatch):
