@@ -8,8 +8,9 @@ its recall of the text is compared with *one* compaction of the full cache to th
 number of rows (same method, same ``keep_recent``).
 
 Each method runs with ``reread="all"`` (the policy default: every compaction re-reads all the
-text its span stands for) and with ``reread="new"`` (a compaction re-reads only text no
-compaction has scored yet, so its cost follows the live rows plus the new tokens); the
+text its span stands for) and with ``reread="new"`` (a compaction re-reads only the text since
+the last one and judges older rows by the reference queries they kept, so its cost follows the
+live rows plus the new tokens); the
 ``re-read tokens`` column counts the tokens all of a session's compactions read (prompts included).
 
 Recall probes: from each third of the document, ``PASSAGES`` passages of ``PASSAGE`` tokens,

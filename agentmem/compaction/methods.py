@@ -48,7 +48,7 @@ class Job:
     queries: str
     head_budgets: torch.Tensor | None
     seed: int
-    reread: str = "all"  # see compact(): "new" re-reads only text no compaction has scored yet
+    reread: str = "all"  # see compact(): "new" re-reads only the text since the last compaction
 
     @functools.cached_property
     def read_start(self) -> int:
