@@ -223,13 +223,13 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
     selection = _select(job, reference.scores, job.head_budgets, global_budget=True)
     fitted = []
     for span, queries, rows in zip(job.plan.layers, reference.queries, selection):
+        if not any(len(r) for r in rows):  # the global budget left this layer nothing of the span
+            fitted.append(_as_they_are(span, rows))
+            continue
         order = job.permutation(queries.q.shape[1])
         cut = max(1, int(len(order) * holdout))
         train = SpanAttention.of(span, queries.take(order[cut:]), job.scale)
         held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
-        if not any(len(r) for r in rows):  # the global budget left this layer nothing of the span
-            fitted.append(_as_they_are(span, rows))
-            continue
         if omp:
             rows[:] = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
         fitted.append(solvers.choose_fits(span, train, held, rows, fit=True))
