@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 from pydoc_data.topics import topics
 
 from agentmem import BudgetPolicy, Engine, SessionManager
@@ -503,3 +504,33 @@ def test_a_spill_after_a_turn_writes_only_what_changed(tiny, tmp_path, monkeypat
         changed = data_offset(after.blob) + (after.logical_length - last_block) * tiny.bytes_per_token
         assert 0 < second <= changed + 8 * after.logical_length + 2 * 4096
         assert second < len(after.blob) / 4
+
+
+def test_incremental_compaction_keeps_its_queries_across_a_spill_and_reads_only_new_text(tiny, tmp_path, monkeypatch):
+    """A policy with ``reread="new"``: the queries a compaction keeps are stored with the session,
+    and after a resume the next compaction re-reads only what arrived since the last one."""
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    policy = BudgetPolicy(max_live_tokens=256, keep_recent=32, target_ratio=4, method="am-fast", reread="new")
+    with SessionManager(tiny, db, default_policy=policy) as manager:
+        session = manager.session("reader")
+        turn = 0
+        while not session.cache.is_compacted:
+            session.chat(filler(turn), max_new_tokens=4)
+            turn += 1
+        kept = [layer.segments[-1].queries for layer in session.cache.layers]
+        compacted_at = session.cache.layers[0].segments[-1].queries_at
+    assert all(q is not None and q.shape[1] > 0 for q in kept)
+    windows = []
+    observe = tiny.observe
+    monkeypatch.setattr(tiny, "observe", lambda cache, w, recorder: (windows.append([len(x) for x in w]),
+                                                                    observe(cache, w, recorder))[1])
+    with SessionManager(tiny, db, default_policy=policy) as manager:
+        session = manager.session("reader")
+        resumed = [layer.segments[-1] for layer in session.cache.layers]
+        assert all(seg.queries_at == compacted_at and torch.equal(seg.queries, q) for seg, q in zip(resumed, kept))
+        while session.cache.layers[0].segments[-1].queries_at == compacted_at:
+            session.chat(filler(turn), max_new_tokens=4)
+            turn += 1
+        after = session.cache.layers[0].segments[-1].queries_at
+    assert windows  # a compaction ran, and each of its windows read at most the text since the last one
+    assert max(max(w) for w in windows) <= after - compacted_at + 16 < after - policy.keep_recent
