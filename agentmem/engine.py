@@ -21,6 +21,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.models.llama.modeling_llama import rotate_half  # the same in every supported architecture
 
 from agentmem import attention
 from agentmem.attention import BetaMode, ForwardPass, QueryRecorder
@@ -173,12 +174,10 @@ class Engine:
         ``p`` becomes the one for ``p + shift`` by one more rotation of ``shift · θ``; the
         rotary module's attention scaling multiplies both and is left out here.
         """
-        rotary = self.model.base_model.rotary_emb
-        angles = shift * rotary.inv_freq.to(rotated.device, torch.float64)
+        angles = shift * self.model.base_model.rotary_emb.inv_freq.to(rotated.device, torch.float64)
         cos, sin = (torch.cat([f, f]).float() for f in (angles.cos(), angles.sin()))
         x = rotated.float()
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+        return x * cos + rotate_half(x) * sin
 
     # ---------------------------------------------------------------------------- writing
 
