@@ -110,6 +110,13 @@ def test_kept_queries_of_the_wrong_shape_are_refused(cache):
     tensors["layers.0.segments.0.queries"] = tensors["layers.0.segments.0.queries"][:1]
     with pytest.raises(CorruptSessionError, match="queries"):
         SessionCache.from_tensors(tensors, meta)
+    tensors, meta = cache.to_tensors()
+    meta["layers"][0]["segments"][0]["queries"] = 5  # the layout disagrees with the tensor's 6
+    with pytest.raises(CorruptSessionError, match="queries have shape"):
+        SessionCache.from_tensors(tensors, meta)
+    seg = cache.layers[0].segment(0)
+    with pytest.raises(InvalidInput, match="segment queries"):
+        CompactedSegment(seg.keys, seg.values, seg.beta, seg.head_rows, seg.span, queries=seg.queries[..., :3])
 
 
 def test_smaller_dtypes_make_smaller_blobs(cache):
