@@ -11,7 +11,11 @@ Notation per head: reference queries ``q`` (N of them), span keys ``K`` with pri
 A head keeps rows ``S``. Its mass is matched by ``w ≥ 0`` (β = b_S + log w, bounded) from
 non-negative least squares on ``Σ_i exp(q·K_i·s + b_i − lse_span)·w_i ≈ 1``; its values by a
 ridge fit toward the kept rows' own values: ``C_v = V_S + argmin ‖P·Δ − (Y − P·V_S)‖² + λ‖Δ‖²``
-(λ = mean of diag(PᵀP); unregularised fits collapse when a head keeps many rows).
+with ``λ = s · mean diag(PᵀP)`` for each ``s`` in :data:`RIDGE_STRENGTHS`. Unregularised fits
+collapse when a head keeps many rows; a fixed ``s = 1`` holds back heads that keep few rows
+seen by many queries, where the fit is well determined (at 50x over 8 documents, choosing ``s``
+per head lifted recall over selection alone from +0.03 to +0.07 on prose and +0.05 to +0.10 on
+code).
 
 Every fitted part is judged by the layer's true attention output on held-out queries (see
 :func:`output_error`) and dropped where it does not beat the unfitted choice.
@@ -29,6 +33,7 @@ from agentmem.compaction.queries import LayerQueries
 from agentmem.compaction.span import HeadChoice, LayerSpan
 
 BETA_BOUND = 3.0  # |β − prior| ≤ 3, as in the paper
+RIDGE_STRENGTHS = (1.0, 0.1, 0.01)  # value-fit ridge λ, in units of mean diag(PᵀP): held-out error picks per head
 MAX_FIT_ROWS = 512  # heads keeping more rows keep them unfitted: the O(t³) solves cost more than they gain
 _NEG = float("-inf")
 
@@ -111,31 +116,36 @@ def fit_scalar_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor
 
 
 def fit_values(
-    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, kept_values: torch.Tensor
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, kept_values: torch.Tensor,
+    strengths: tuple[float, ...] = (1.0,),
 ) -> torch.Tensor:
-    """Values ``(H, t, d)`` fitted toward the kept rows' own, ridge-regularised (module doc)."""
+    """Values ``(S, H, t, d)`` fitted toward the kept rows' own, one per ridge strength ``s``
+    (``λ = s · mean diag(PᵀP)``, module doc); the system is built once for all of them."""
     probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)
     weight = att.share[..., None]
     gram = torch.bmm(probs.transpose(1, 2), probs * weight)
-    lam = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
+    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
     eye = torch.eye(gram.shape[-1], device=gram.device)[None]
     eye_padded = eye + torch.diag_embed((~valid).float())  # keeps padded rows' Δ at zero
-    residual = att.output - torch.bmm(probs, kept_values)
-    delta = torch.linalg.solve(gram + lam * eye_padded, torch.bmm((probs * weight).transpose(1, 2), residual))
+    rhs = torch.bmm((probs * weight).transpose(1, 2), att.output - torch.bmm(probs, kept_values))
+    systems = torch.stack([gram + s * scale * eye_padded for s in strengths])  # (S, H, t, t)
+    delta = torch.linalg.solve(systems, rhs.expand(len(strengths), *rhs.shape))
     return kept_values + delta * valid[..., None]
 
 
 def output_error(
-    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, values: torch.Tensor
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-head mean squared error ``(H,)`` of the *layer's* attention output after compaction.
 
     With ``O`` the true output and ``a`` the span's share, the rest of the rows contribute
     ``O − a·Y`` (unchanged by compaction), so the compacted output is
     ``(a_c·Y_c + O − a·Y) / (a_c + 1 − a)`` with ``a_c``, ``Y_c`` the compacted span's share
-    and output. Exact for these queries, no extra attention pass needed.
+    and output. Exact for these queries, no extra attention pass needed. ``logits`` are
+    :func:`kept_logits` when the caller has them already (judging many candidates).
     """
-    logits = kept_logits(att, index, valid) + beta[:, None, :]
+    logits = (kept_logits(att, index, valid) if logits is None else logits) + beta[:, None, :]
     lse_c = logits.logsumexp(-1)
     share_c = (lse_c - att.queries.lse).exp()
     out_c = torch.bmm((logits - lse_c[..., None]).exp().nan_to_num(0.0), values)
@@ -182,7 +192,7 @@ def choose_fits(
     """Per head, the candidate with the least held-out output error.
 
     Candidates: kept rows as they are; each of no / one-scalar / per-row β, with the kept
-    values or fitted ones. On real caches (see the tests) fitted values usually help, and a
+    values or values fitted at each ridge strength. On real caches (see the tests) fitted values usually help, and a
     per-row β often hurts unless values are refitted with it — hence the validation.
     """
     index, valid = pad_selection(selection, span.prior.device)
@@ -194,8 +204,10 @@ def choose_fits(
                       fit_mass(train, index, valid).log()):
             if log_w.any():
                 candidates.append((prior + log_w, kept_values))
-            candidates.append((prior + log_w, fit_values(train, index, valid, log_w, kept_values)))
-    errors = torch.stack([output_error(held, index, valid, b - prior, v) for b, v in candidates])  # (C, H)
+            candidates += [(prior + log_w, values)
+                           for values in fit_values(train, index, valid, log_w, kept_values, RIDGE_STRENGTHS)]
+    logits = kept_logits(held, index, valid)
+    errors = torch.stack([output_error(held, index, valid, b - prior, v, logits) for b, v in candidates])  # (C, H)
     best = errors.nan_to_num(float("inf")).argmin(0)
     choices = []
     for h, rows in enumerate(selection):
