@@ -24,7 +24,7 @@ from agentmem.compaction.queries import (
     sample_positions,
 )
 from agentmem.cache import SessionCache
-from agentmem.compaction.span import HeadChoice, LayerSpan, SpanPlan, assemble, prefix_cache, span_of_rows
+from agentmem.compaction.span import HeadChoice, SpanPlan, assemble, prefix_cache, span_of_rows
 from agentmem.compaction.solvers import SpanAttention
 
 
@@ -154,11 +154,8 @@ class Job:
 
 def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadChoice]]:
     """Keep the selected rows as they are (β = their prior, original values)."""
-    return [_as_they_are(span, heads) for span, heads in zip(job.plan.layers, selection)]
-
-
-def _as_they_are(span: LayerSpan, heads: list[torch.Tensor]) -> list[HeadChoice]:
-    return [HeadChoice(rows, span.prior[h, rows], span.values[h, rows]) for h, rows in enumerate(heads)]
+    return [[span.as_they_are(h, rows) for h, rows in enumerate(heads)]
+            for span, heads in zip(job.plan.layers, selection)]
 
 
 def _keep_sinks(job: Job, scores: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -224,7 +221,7 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
     fitted = []
     for span, queries, rows in zip(job.plan.layers, reference.queries, selection):
         if not any(len(r) for r in rows):  # the global budget left this layer nothing of the span
-            fitted.append(_as_they_are(span, rows))
+            fitted.append([span.as_they_are(h, r) for h, r in enumerate(rows)])
             continue
         order = job.permutation(queries.q.shape[1])
         cut = max(1, int(len(order) * holdout))

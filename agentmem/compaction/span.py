@@ -58,6 +58,10 @@ class LayerSpan:
     def rows(self) -> int:
         return int(self.valid.sum())
 
+    def as_they_are(self, head: int, rows: torch.Tensor) -> HeadChoice:
+        """Head ``head`` keeps span slots ``rows`` unfitted: their prior as β, their own values."""
+        return HeadChoice(rows, self.prior[head, rows], self.values[head, rows])
+
 
 @dataclass
 class SpanPlan:
