@@ -195,8 +195,8 @@ def choose_fits(
     values or values fitted at each ridge strength. On real caches (see the tests) fitted values
     usually help, and a per-row β often hurts unless values are refitted with it — hence the
     validation. A layer whose heads keep up to :data:`MAX_FIT_ROWS` rows each is fitted; in any
-    other every head keeps its rows as they are (fitting the heads under the cap there lost
-    0.004 of recall at 10x and 0.005 at 4x over the 8 fidelity documents, at more cost).
+    other every head keeps its rows as they are (fitting the heads under the cap there too lost
+    0.004 of prose recall at 10x and 0.005 at 4x over the 8 fidelity documents, at more cost).
     """
     if not (fit and train.lse_span.shape[1] and max(len(rows) for rows in selection) <= MAX_FIT_ROWS):
         return [span.as_they_are(h, rows) for h, rows in enumerate(selection)]
