@@ -166,8 +166,8 @@ def test_fits_reduce_held_out_error_on_a_real_cache(engine, real_reference):
         kept_v = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
         zero = torch.zeros(index.shape)
         plain = output_error(unseen, index, valid, zero, kept_v)
-        values = output_error(unseen, index, valid, zero, fit_values(train, index, valid, zero, kept_v)[0])
-        chosen = unseen_error(span, unseen, choose_fits(span, train, held, selection, fit=True))
+        values = output_error(unseen, index, valid, zero, fit_values(train, index, valid, zero, kept_v, (1.0,))[0])
+        chosen = unseen_error(span, unseen, choose_fits(span, train, held, selection))
         wins["values"] += int((values < plain).sum())
         wins["chosen"] += int((chosen <= plain + 1e-7).sum())
         wins["chosen strictly"] += int((chosen < plain * 0.99).sum())
@@ -177,7 +177,7 @@ def test_fits_reduce_held_out_error_on_a_real_cache(engine, real_reference):
     assert wins["values"] >= 0.6 * total, wins
 
 
-def test_weaker_ridges_lower_unseen_error_where_heads_keep_few_rows(engine, real_reference, monkeypatch):
+def test_weaker_ridges_lower_unseen_error_where_heads_keep_few_rows(engine, real_reference):
     """At a high ratio (20 of 600 rows per head) the value fit is well determined by the
     queries; choosing the ridge strength per head on held-out queries beats the fixed
     strength 1 on queries neither fit nor choice saw."""
@@ -185,13 +185,25 @@ def test_weaker_ridges_lower_unseen_error_where_heads_keep_few_rows(engine, real
     for layer_idx in (4, 14, 24):
         span, train, held, unseen = split_attention(engine, real_reference, layer_idx)
         selection = [s.topk(20).indices for s in real_reference[1].scores[layer_idx]]
-        monkeypatch.setattr(solvers, "RIDGE_STRENGTHS", (1.0,))
-        fixed = unseen_error(span, unseen, choose_fits(span, train, held, selection, fit=True))
-        monkeypatch.undo()
-        chosen = unseen_error(span, unseen, choose_fits(span, train, held, selection, fit=True))
+        fixed = unseen_error(span, unseen, choose_fits(span, train, held, selection, strengths=(1.0,)))
+        chosen = unseen_error(span, unseen, choose_fits(span, train, held, selection))
         ratios += (chosen / fixed).tolist()
     assert statistics.median(ratios) < 0.9, ratios
     assert statistics.geometric_mean(ratios) < 0.8, ratios
+
+
+def test_a_layer_with_a_head_over_the_fit_cap_keeps_every_head_as_it_is(engine, real_reference):
+    """One head keeping more than MAX_FIT_ROWS rows leaves the whole layer unfitted: every head's
+    β is its prior and its values are the cache's own, in the cache's dtype."""
+    span, train, held, _ = split_attention(engine, real_reference, 14)
+    scores = real_reference[1].scores[14]
+    small = [s.topk(60).indices for s in scores]
+    assert any(not torch.equal(c.values, u.values)
+               for c, u in zip(choose_fits(span, train, held, small), span.unfitted(small)))  # fitted under the cap
+    over = [scores[0].topk(solvers.MAX_FIT_ROWS + 1).indices, *small[1:]]
+    for choice, plain in zip(choose_fits(span, train, held, over), span.unfitted(over)):
+        assert torch.equal(choice.index, plain.index) and torch.equal(choice.beta, plain.beta)
+        assert choice.values.dtype == span.values.dtype and torch.equal(choice.values, plain.values)
 
 
 def test_fits_reduce_error_on_random_caches():
@@ -212,7 +224,7 @@ def test_fits_reduce_error_on_random_caches():
     kept_v = values.gather(1, index[..., None].expand(-1, -1, d))
     log_w = fit_mass(train, index, valid).log()
     plain = output_error(held, index, valid, torch.zeros(index.shape), kept_v)
-    fitted = output_error(held, index, valid, log_w, fit_values(train, index, valid, log_w, kept_v)[0])
+    fitted = output_error(held, index, valid, log_w, fit_values(train, index, valid, log_w, kept_v, (1.0,))[0])
     assert (fitted < plain).all()
 
 

@@ -154,8 +154,7 @@ class Job:
 
 def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadChoice]]:
     """Keep the selected rows as they are (β = their prior, original values)."""
-    return [[span.as_they_are(h, rows) for h, rows in enumerate(heads)]
-            for span, heads in zip(job.plan.layers, selection)]
+    return [span.unfitted(heads) for span, heads in zip(job.plan.layers, selection)]
 
 
 def _keep_sinks(job: Job, scores: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -221,7 +220,7 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
     fitted = []
     for span, queries, rows in zip(job.plan.layers, reference.queries, selection):
         if not any(len(r) for r in rows):  # the global budget left this layer nothing of the span
-            fitted.append([span.as_they_are(h, r) for h, r in enumerate(rows)])
+            fitted.append(span.unfitted(rows))
             continue
         order = job.permutation(queries.q.shape[1])
         cut = max(1, int(len(order) * holdout))
@@ -229,7 +228,7 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
         held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
         if omp:
             rows[:] = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
-        fitted.append(solvers.choose_fits(span, train, held, rows, fit=True))
+        fitted.append(solvers.choose_fits(span, train, held, rows))
     return end_to_end_choice(job, [fitted, _unfitted(job, selection)]), reference
 
 

@@ -117,18 +117,17 @@ def fit_scalar_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor
 
 def fit_values(
     att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, kept_values: torch.Tensor,
-    strengths: tuple[float, ...] = (1.0,),
+    strengths: tuple[float, ...],
 ) -> torch.Tensor:
     """Values ``(S, H, t, d)`` fitted toward the kept rows' own, one per ridge strength ``s``
     (``λ = s · mean diag(PᵀP)``, module doc); the system is built once for all of them."""
-    probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)
-    weight = att.share[..., None]
-    gram = torch.bmm(probs.transpose(1, 2), probs * weight)
+    probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)  # 0 on padding
+    weighted = probs * att.share[..., None]
+    gram = torch.bmm(probs.transpose(1, 2), weighted)  # padded rows: zero rows and columns, so their Δ is 0
     scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
     eye = torch.eye(gram.shape[-1], device=gram.device)[None]
-    eye_padded = eye + torch.diag_embed((~valid).float())  # keeps padded rows' Δ at zero
-    rhs = torch.bmm((probs * weight).transpose(1, 2), att.output - torch.bmm(probs, kept_values))
-    systems = torch.stack([gram + s * scale * eye_padded for s in strengths])  # (S, H, t, t)
+    rhs = torch.bmm(weighted.transpose(1, 2), att.output - torch.bmm(probs, kept_values))
+    systems = torch.stack([gram + s * scale * eye for s in strengths])  # (S, H, t, t)
     delta = torch.linalg.solve(systems, rhs.expand(len(strengths), *rhs.shape))
     return kept_values + delta * valid[..., None]
 
@@ -187,19 +186,21 @@ def omp_select(att: SpanAttention, budgets: list[int], *, rounds: int = 8) -> li
 
 
 def choose_fits(
-    span: LayerSpan, train: SpanAttention, held: SpanAttention, selection: list[torch.Tensor], *, fit: bool
+    span: LayerSpan, train: SpanAttention, held: SpanAttention, selection: list[torch.Tensor], *,
+    strengths: tuple[float, ...] = RIDGE_STRENGTHS,
 ) -> list[HeadChoice]:
     """Per head, the candidate with the least held-out output error.
 
     Candidates: kept rows as they are; each of no / one-scalar / per-row β, with the kept
-    values or values fitted at each ridge strength. On real caches (see the tests) fitted values
-    usually help, and a per-row β often hurts unless values are refitted with it — hence the
-    validation. A layer whose heads keep up to :data:`MAX_FIT_ROWS` rows each is fitted; in any
-    other every head keeps its rows as they are (fitting the heads under the cap there too lost
-    0.004 of prose recall at 10x and 0.005 at 4x over the 8 fidelity documents, at more cost).
+    values or values fitted at each ridge strength in ``strengths``. On real caches (see the
+    tests) fitted values usually help, and a per-row β often hurts unless values are refitted
+    with it — hence the validation. A layer whose heads keep up to :data:`MAX_FIT_ROWS` rows
+    each is fitted; in any other every head keeps its rows as they are (fitting the heads under
+    the cap there too gave less recall over selection alone on the 4 prose fidelity documents
+    at 10x, +0.041 against +0.045, at more cost).
     """
-    if not (fit and train.lse_span.shape[1] and max(len(rows) for rows in selection) <= MAX_FIT_ROWS):
-        return [span.as_they_are(h, rows) for h, rows in enumerate(selection)]
+    if not (train.lse_span.shape[1] and max(len(rows) for rows in selection) <= MAX_FIT_ROWS):
+        return span.unfitted(selection)
     index, valid = pad_selection(selection, span.prior.device)
     kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
     prior = span.prior.gather(1, index)
@@ -208,7 +209,7 @@ def choose_fits(
         if log_w.any():
             candidates.append((prior + log_w, kept_values))
         candidates += [(prior + log_w, values)
-                       for values in fit_values(train, index, valid, log_w, kept_values, RIDGE_STRENGTHS)]
+                       for values in fit_values(train, index, valid, log_w, kept_values, strengths)]
     logits = kept_logits(held, index, valid)
     errors = torch.stack([output_error(held, index, valid, b - prior, v, logits) for b, v in candidates])  # (C, H)
     best = errors.nan_to_num(float("inf")).argmin(0).tolist()

@@ -58,9 +58,9 @@ class LayerSpan:
     def rows(self) -> int:
         return int(self.valid.sum())
 
-    def as_they_are(self, head: int, rows: torch.Tensor) -> HeadChoice:
-        """Head ``head`` keeps span slots ``rows`` unfitted: their prior as β, their own values."""
-        return HeadChoice(rows, self.prior[head, rows], self.values[head, rows])
+    def unfitted(self, selection: list[torch.Tensor]) -> list[HeadChoice]:
+        """Each head ``h`` keeps span slots ``selection[h]`` unfitted: their prior as β, their own values."""
+        return [HeadChoice(rows, self.prior[h, rows], self.values[h, rows]) for h, rows in enumerate(selection)]
 
 
 @dataclass
