@@ -205,7 +205,9 @@ def choose_fits(
     kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
     prior = span.prior.gather(1, index)
     candidates = [(prior, kept_values)]
-    for log_w in (torch.zeros_like(prior), fit_scalar_mass(train, index, valid).log(), fit_mass(train, index, valid).log()):
+    log_weights = (torch.zeros_like(prior), fit_scalar_mass(train, index, valid).log(),
+                   fit_mass(train, index, valid).log())
+    for log_w in log_weights:
         if log_w.any():
             candidates.append((prior + log_w, kept_values))
         candidates += [(prior + log_w, values)
@@ -213,8 +215,11 @@ def choose_fits(
     logits = kept_logits(held, index, valid)
     errors = torch.stack([output_error(held, index, valid, b - prior, v, logits) for b, v in candidates])  # (C, H)
     best = errors.nan_to_num(float("inf")).argmin(0).tolist()
-    return [HeadChoice(rows, candidates[best[h]][0][h, : len(rows)], candidates[best[h]][1][h, : len(rows)])
-            for h, rows in enumerate(selection)]
+    choices = []
+    for h, rows in enumerate(selection):
+        beta, values = candidates[best[h]]
+        choices.append(HeadChoice(rows, beta[h, : len(rows)], values[h, : len(rows)]))
+    return choices
 
 
 def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 10) -> torch.Tensor:
