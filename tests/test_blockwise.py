@@ -25,10 +25,16 @@ def dense(q, blocks, scale, last_visible):
     return torch.cat(parts, -1)
 
 
-@pytest.fixture(params=[2**24, 512], ids=["one-tile", "many-tiles"])
+@pytest.fixture(params=[("fused", 2**24), ("tiled", 2**24), ("tiled", 512)],
+                ids=["fused-kernel", "one-tile", "many-tiles"])
 def tiles(request, monkeypatch):
-    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", request.param)
-    monkeypatch.setattr(blockwise, "QUERY_CHUNK", 16 if request.param == 512 else 1024)
+    """Pass 1 by the fused CPU kernel or by logit tiles; every pass in one tile or in many small ones."""
+    kernel, elements = request.param
+    if kernel == "tiled":
+        monkeypatch.setattr(blockwise, "_CPU_FLASH", None)
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", elements)
+    monkeypatch.setattr(blockwise, "QUERY_CHUNK", 16 if elements == 512 else 1024)
+    return kernel
 
 
 def make_blocks(seed=0, heads=3, d=8):
@@ -47,12 +53,18 @@ def make_blocks(seed=0, heads=3, d=8):
 
 def test_lse_output_and_key_maxima_equal_dense_softmax(tiles):
     q, blocks, last_visible = make_blocks()
-    stats = attention_stats(q, blocks, 0.3, output=True, key_max_of=(0, 1), last_visible=last_visible)
+    stats = attention_stats(q, blocks, 0.3, output=True, key_max_of=(0, 1), softmax_of=(0, 2),
+                            last_visible=last_visible)
     logits = dense(q, blocks, 0.3, last_visible)
     lse = logits.logsumexp(-1)
     values = torch.cat([b.values for b in blocks], 1).double()
     assert torch.allclose(stats.lse.double(), lse, atol=1e-5)
     assert torch.allclose(stats.output.double(), torch.bmm(logits.softmax(-1), values), atol=1e-5)
+    for slot, (i, cut) in enumerate(((0, slice(0, 50)), (2, slice(220, 260)))):  # each block on its own
+        own = logits[..., cut]
+        assert torch.allclose(stats.block_lse[slot].double(), own.logsumexp(-1), atol=1e-5)
+        assert torch.allclose(stats.block_output[slot].double(), torch.bmm(own.softmax(-1), blocks[i].values.double()),
+                              atol=1e-5)
     share = (logits - lse[..., None]).exp().amax(1)
     assert torch.allclose(stats.key_max[0].double(), share[:, :50], atol=1e-6)
     assert torch.allclose(stats.key_max[1].double(), share[:, 50:220], atol=1e-6)
@@ -69,7 +81,7 @@ def test_weighted_key_sums_equal_dense(tiles):
     assert torch.allclose(got.double(), torch.einsum("hn,hnk->hk", weights.double(), probs), atol=1e-5)
 
 
-def test_bf16_inputs_are_computed_in_float32():
+def test_bf16_inputs_are_computed_in_float32(tiles):
     q, blocks, last_visible = make_blocks(seed=3)
     low = [KeyBlock(b.keys.bfloat16(), b.values.bfloat16(), b.bias, b.causal) for b in blocks]
     stats = attention_stats(q.bfloat16(), low, 0.3, output=True, last_visible=last_visible)
@@ -79,7 +91,7 @@ def test_bf16_inputs_are_computed_in_float32():
     assert torch.allclose(stats.lse, exact.lse, atol=1e-5) and torch.allclose(stats.output, exact.output, atol=1e-5)
 
 
-def test_a_query_seeing_only_hidden_slots_gets_zero_output():
+def test_a_query_seeing_only_hidden_slots_gets_zero_output(tiles):
     keys = torch.randn(1, 4, 8)
     block = KeyBlock(keys, torch.randn(1, 4, 8), torch.full((1, 4), -math.inf))
     stats = attention_stats(torch.randn(1, 3, 8), [block], 0.3, output=True)

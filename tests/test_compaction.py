@@ -12,7 +12,7 @@ from pydoc_data.topics import topics
 
 from agentmem import SessionCache
 from agentmem.compaction import METHODS, compact, methods, solvers
-from agentmem.compaction.queries import DEFAULT_SOURCE, collect_reference
+from agentmem.compaction.queries import DEFAULT_SOURCE, LayerQueries, collect_reference
 from agentmem.compaction.solvers import (
     SpanAttention,
     choose_fits,
@@ -155,6 +155,21 @@ def unseen_error(span, unseen, choices) -> torch.Tensor:
     return output_error(unseen, index, valid, beta, torch.stack([c.values for c in choices]))
 
 
+def test_recorded_span_statistics_equal_a_pass_over_the_span(engine, real_reference):
+    """The span's log-mass and output the reference records while reading are what a separate
+    pass of the same queries over the span gives."""
+    plan, reference = real_reference
+    scale = engine.head_dim**-0.5
+    for layer_idx in (0, 14, 29):
+        queries, span = reference.queries[layer_idx], plan.layers[layer_idx]
+        recorded = SpanAttention.of(span, queries, scale)
+        computed = SpanAttention.of(span, LayerQueries(queries.q, queries.lse, queries.out), scale)
+        assert recorded.lse_span is queries.span_lse and computed.lse_span is not queries.span_lse
+        assert torch.allclose(recorded.lse_span, computed.lse_span, atol=1e-5)
+        assert torch.allclose(recorded.output, computed.output, atol=1e-5)
+        assert torch.allclose(recorded.share, computed.share, atol=1e-6)
+
+
 def test_fits_reduce_held_out_error_on_a_real_cache(engine, real_reference):
     """On the embedded model and real text, fits lower the layer-output error on unseen queries."""
     wins = {"values": 0, "chosen": 0, "chosen strictly": 0}
@@ -208,7 +223,6 @@ def test_a_layer_with_a_head_over_the_fit_cap_keeps_every_head_as_it_is(engine, 
 
 def test_fits_reduce_error_on_random_caches():
     torch.manual_seed(0)
-    from agentmem.compaction.queries import LayerQueries
     from agentmem.compaction.span import LayerSpan
 
     heads, n, d, queries = 2, 200, 16, 800
@@ -486,8 +500,10 @@ def test_incremental_compaction_at_the_wide_head_shape(wide, monkeypatch):
     assert torch.isfinite(wide.score(second, ids[599:640])).all()
 
 
-def test_tiled_statistics_give_the_same_compaction_as_one_tile(llama, monkeypatch):
-    """The streaming (many small tiles) path against the plain one-tile path: same rows, same logits."""
+@pytest.mark.parametrize("kernel", ["fused", "tiled"])
+def test_tiled_statistics_give_the_same_compaction_as_one_tile(llama, monkeypatch, kernel):
+    """The streaming path (many small tiles; every softmax by tiles, not the fused CPU kernel)
+    against the plain one-tile path: same rows, same logits."""
     from agentmem.compaction import blockwise
 
     ids = doc_ids(llama, 300)
@@ -495,6 +511,8 @@ def test_tiled_statistics_give_the_same_compaction_as_one_tile(llama, monkeypatc
     plain = compact(llama, cache, ratio=5, method="am", keep_recent=20)
     monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 2048)
     monkeypatch.setattr(blockwise, "QUERY_CHUNK", 48)
+    if kernel == "tiled":
+        monkeypatch.setattr(blockwise, "_CPU_FLASH", None)
     tiled = compact(llama, cache, ratio=5, method="am", keep_recent=20)
     for a, b in zip(plain.layers, tiled.layers):
         assert a.layouts == b.layouts

@@ -126,11 +126,12 @@ class Job:
         old = [(self.engine.rotate(stored.queries, self.cache.logical_length - stored.at).to(mine.q.dtype), tokens)
                for stored, tokens in span.replaced]
         queries = torch.cat([q for q, _ in old], 1)
-        stats = attention_stats(queries, cache_blocks(layer, span), self.scale, output=True, key_max_of=(1,))
+        stats = attention_stats(queries, cache_blocks(layer, span), self.scale, output=True, key_max_of=(1,),
+                                softmax_of=(1,))
         seen = stats.key_max[0].masked_fill(~span.valid, -math.inf)
         reference.scores[i] = reference.scores[i].fmax(span.recorded).fmax(seen)
-        reference.queries[i] = LayerQueries(torch.cat([mine.q, queries], 1), torch.cat([mine.lse, stats.lse], 1),
-                                            torch.cat([mine.out, stats.output.to(mine.q.dtype)], 1))
+        reference.queries[i] = LayerQueries.cat([mine, LayerQueries(queries, stats.lse, stats.output.to(mine.q.dtype),
+                                                                    stats.block_lse[0], stats.block_output[0])])
         return old
 
     def _subsample(self, parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:

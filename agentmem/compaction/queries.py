@@ -10,8 +10,9 @@ the cache is never grown or changed. For every layer, as the forward runs,
   Normalising by everything a query sees, as KVzip does, is what makes scores comparable
   across layers and heads for global selection;
 - a bounded random *sample* of the queries (post-RoPE, GQA groups folded under their KV
-  head), with each one's total log-mass and attention output, stored in the cache's dtype
-  for the fits (which solve in float32).
+  head), with each one's total log-mass and attention output, and its log-mass and output
+  over the span alone, for the fits (which solve in float32; queries and total outputs are
+  stored in the cache's dtype, the span's statistics in float32: they are what the fits match).
 
 Sources (``queries=``):
 
@@ -53,17 +54,33 @@ _CHUNK = 32
 
 @dataclass
 class LayerQueries:
-    """Sampled queries of one layer: ``q`` ``(H, N, d)``, ``lse`` ``(H, N)`` float32, ``out`` ``(H, N, d)``."""
+    """Sampled queries of one layer: ``q`` ``(H, N, d)``, ``lse`` ``(H, N)`` float32, ``out`` ``(H, N, d)``.
+
+    ``span_lse`` ``(H, N)`` and ``span_out`` ``(H, N, d)`` (float32) are the same over the span
+    alone, recorded while the queries were read; ``None`` when not recorded
+    (:meth:`~agentmem.compaction.solvers.SpanAttention.of` then computes them).
+    """
 
     q: torch.Tensor
     lse: torch.Tensor
     out: torch.Tensor
+    span_lse: torch.Tensor | None = None
+    span_out: torch.Tensor | None = None
 
     def take(self, index: torch.Tensor) -> LayerQueries:
-        return LayerQueries(self.q[:, index], self.lse[:, index], self.out[:, index])
+        return LayerQueries(*(None if part is None else part[:, index] for part in self._parts()))
 
     def float(self) -> LayerQueries:
-        return LayerQueries(self.q.float(), self.lse, self.out.float())
+        return LayerQueries(self.q.float(), self.lse, self.out.float(), self.span_lse, self.span_out)
+
+    @classmethod
+    def cat(cls, samples: list[LayerQueries]) -> LayerQueries:
+        """The samples one after the other (span statistics kept only when every sample has them)."""
+        columns = list(zip(*(sample._parts() for sample in samples)))
+        return cls(*(None if any(p is None for p in parts) else torch.cat(parts, dim=1) for parts in columns))
+
+    def _parts(self) -> tuple[torch.Tensor | None, ...]:
+        return self.q, self.lse, self.out, self.span_lse, self.span_out
 
 
 @dataclass
@@ -87,7 +104,7 @@ class ReferenceRecorder:
         self.sample = sample
         self.group = group
         self.scores = [torch.zeros_like(span.prior) for span in plan.layers]
-        self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._kept: dict[int, list[LayerQueries]] = {}
         self._seen = [0] * len(plan.layers)  # reference tokens each layer has read so far
         self._cache_blocks: dict[int, list[KeyBlock]] = {}  # the cache does not change while windows are read
 
@@ -104,17 +121,19 @@ class ReferenceRecorder:
         blocks = [*self._blocks_of(layer_idx, layer), KeyBlock(scratch[0], scratch[1], causal=True)]
         past = scratch[0].shape[1] - n
         last_visible = torch.arange(past, past + n, device=query.device).repeat(self.group)
-        stats = attention_stats(folded, blocks, scale, output=True, key_max_of=(1,), last_visible=last_visible)
+        stats = attention_stats(folded, blocks, scale, output=True, key_max_of=(1,), softmax_of=(1,),
+                                last_visible=last_visible)
         torch.maximum(self.scores[layer_idx], stats.key_max[0], out=self.scores[layer_idx])
-        self._keep(layer_idx, folded, stats.lse, stats.output, n)
-        return stats.output.to(query.dtype).reshape(q_heads, n, d)
+        output = stats.output.to(query.dtype)
+        self._keep(layer_idx, LayerQueries(folded, stats.lse, output, stats.block_lse[0], stats.block_output[0]), n)
+        return output.reshape(q_heads, n, d)
 
     def _blocks_of(self, layer_idx: int, layer: LayerCache) -> list[KeyBlock]:
         if layer_idx not in self._cache_blocks:
             self._cache_blocks[layer_idx] = cache_blocks(layer, self.plan.layers[layer_idx])
         return self._cache_blocks[layer_idx]
 
-    def _keep(self, layer_idx: int, q: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, n: int) -> None:
+    def _keep(self, layer_idx: int, window: LayerQueries, n: int) -> None:
         first = self._seen[layer_idx]
         self._seen[layer_idx] += n
         lo = torch.searchsorted(self.sample, first * self.group)
@@ -123,7 +142,7 @@ class ReferenceRecorder:
         if not len(ids):
             return
         local = (ids % self.group) * n + ids // self.group  # folded layout: group-major, then token
-        self._kept.setdefault(layer_idx, []).append((q[:, local], lse[:, local], out[:, local].to(q.dtype)))
+        self._kept.setdefault(layer_idx, []).append(window.take(local))
 
     def result(self) -> Reference:
         scores = [s.masked_fill(~span.valid, float("-inf")) for s, span in zip(self.scores, self.plan.layers)]
@@ -131,9 +150,10 @@ class ReferenceRecorder:
 
     def _sampled(self, layer_idx: int) -> LayerQueries:
         if layer_idx in self._kept:
-            return LayerQueries(*(torch.cat(parts, dim=1) for parts in zip(*self._kept[layer_idx])))
+            return LayerQueries.cat(self._kept[layer_idx])
         keys = self.plan.layers[layer_idx].keys  # no query sampled (all held out): empty, fits are skipped
-        return LayerQueries(keys[:, :0], keys.new_zeros(keys.shape[0], 0, dtype=torch.float32), keys[:, :0])
+        no_lse = keys.new_zeros(keys.shape[0], 0, dtype=torch.float32)
+        return LayerQueries(keys[:, :0], no_lse, keys[:, :0], no_lse, keys[:, :0].float())
 
 
 def cache_blocks(layer: LayerCache, span: LayerSpan) -> list[KeyBlock]:
@@ -177,7 +197,7 @@ def collect_reference(
     group = engine.num_heads // engine.num_kv_heads
     eligible = torch.tensor([i not in held_out for _, at in windows for i in at], device="cpu")
     candidates = eligible.repeat_interleave(group).nonzero()[:, 0]
-    per_query = engine.num_layers * engine.num_kv_heads * (2 * engine.head_dim * cache.dtype.itemsize + 4)
+    per_query = engine.num_layers * engine.num_kv_heads * (engine.head_dim * (2 * cache.dtype.itemsize + 4) + 8)
     keep = min(len(candidates), max(1, SAMPLE_BYTES // per_query), max_queries or len(candidates))
     generator = torch.Generator(device="cpu").manual_seed(seed)
     chosen = candidates[torch.randperm(len(candidates), generator=generator, device="cpu")[:keep]]

@@ -55,10 +55,14 @@ class SpanAttention:
 
     @classmethod
     def of(cls, span: LayerSpan, queries: LayerQueries, scale: float) -> SpanAttention:
+        """From the span statistics the reference recorded for ``queries``, or one pass over the span without them."""
         queries = queries.float()
-        stats = attention_stats(queries.q, [KeyBlock(span.keys, span.values, span.prior)], scale, output=True)
-        share = (stats.lse - queries.lse).exp().clamp(max=1.0)
-        return cls(span, queries, scale, stats.lse, stats.output, share)
+        lse_span, output = queries.span_lse, queries.span_out
+        if lse_span is None or output is None:
+            stats = attention_stats(queries.q, [KeyBlock(span.keys, span.values, span.prior)], scale, output=True)
+            lse_span, output = stats.lse, stats.output
+        share = (lse_span - queries.lse).exp().clamp(max=1.0)
+        return cls(span, queries, scale, lse_span, output, share)
 
     def logits_of(self, index: torch.Tensor) -> torch.Tensor:
         """Logits ``(H, N, t)`` of the span slots ``index`` ``(H, t)``, their prior included."""
