@@ -96,7 +96,7 @@ def attention_stats(
         rows = slice(start, min(count, start + QUERY_CHUNK))
         qc = q[:, rows].float() * scale
         visible = None if last_visible is None else last_visible[rows]
-        chunk = _online_softmax(qc, blocks, output, visible, softmax_of)
+        chunk = _softmax_over_blocks(qc, blocks, output, visible, softmax_of)
         for (lse, out), (chunk_lse, chunk_out) in zip(results, chunk):
             lse[:, rows] = chunk_lse
             if out is not None:
@@ -126,7 +126,7 @@ def weighted_key_sums(
     return total
 
 
-def _online_softmax(
+def _softmax_over_blocks(
     q: torch.Tensor, blocks: list[KeyBlock], output: bool, visible: torch.Tensor | None, softmax_of: tuple[int, ...]
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Log-sum-exp ``(H, n)`` and output ``(H, n, d)`` (or ``None``) of the scaled queries over
