@@ -25,10 +25,11 @@ def dense(q, blocks, scale, last_visible):
     return torch.cat(parts, -1)
 
 
-@pytest.fixture(params=[("fused", 2**24), ("tiled", 2**24), ("tiled", 512)],
-                ids=["fused-kernel", "one-tile", "many-tiles"])
+@pytest.fixture(params=[("fused", 2**24), ("fused", 512), ("tiled", 2**24), ("tiled", 512)],
+                ids=["fused-kernel", "fused-kernel-slices", "one-tile", "many-tiles"])
 def tiles(request, monkeypatch):
-    """Pass 1 by the fused CPU kernel or by logit tiles; every pass in one tile or in many small ones."""
+    """Pass 1 by the fused CPU kernel (each block whole, or in key slices) or by logit tiles;
+    every pass in one tile or in many small ones."""
     kernel, elements = request.param
     if kernel == "tiled":
         monkeypatch.setattr(blockwise, "_CPU_FLASH", None)
@@ -69,6 +70,45 @@ def test_lse_output_and_key_maxima_equal_dense_softmax(tiles):
     assert torch.allclose(stats.key_max[0].double(), share[:, :50], atol=1e-6)
     assert torch.allclose(stats.key_max[1].double(), share[:, 50:220], atol=1e-6)
     assert (stats.key_max[0][1, 30:] == 0).all()  # padding slots receive no attention
+
+
+def test_hidden_heads_empty_blocks_and_long_masked_runs_equal_dense(tiles):
+    """A head that sees nothing of one block but sees others; an empty block; a block longer than
+    the fused kernel's 512-key chunks whose first 600 keys one head cannot see; a causal block
+    cut into key slices (``fused-kernel-slices``: 64 keys each)."""
+    g = torch.Generator().manual_seed(4)
+    heads, d = 2, 8
+    hidden = torch.zeros(heads, 30)
+    hidden[1] = -math.inf  # head 1 sees nothing of block 0
+    long_bias = torch.zeros(heads, 1300)
+    long_bias[0, :600] = -math.inf
+    blocks = [
+        KeyBlock(torch.randn(heads, 30, d, generator=g), torch.randn(heads, 30, d, generator=g), hidden),
+        KeyBlock(torch.randn(heads, 0, d), torch.randn(heads, 0, d)),
+        KeyBlock(torch.randn(heads, 1300, d, generator=g), torch.randn(heads, 1300, d, generator=g), long_bias),
+        KeyBlock(torch.randn(heads, 150, d, generator=g), torch.randn(heads, 150, d, generator=g), causal=True),
+    ]
+    q = torch.randn(heads, 24, d, generator=g) * 2
+    last_visible = torch.arange(50, 146, 4)  # each query sees a different number of the causal block's keys
+    stats = attention_stats(q, blocks, 0.3, output=True, key_max_of=(2,), softmax_of=(0, 1, 2, 3),
+                            last_visible=last_visible)
+    logits = dense(q, blocks, 0.3, last_visible)
+    lse = logits.logsumexp(-1)
+    values = torch.cat([b.values for b in blocks], 1).double()
+    assert torch.allclose(stats.lse.double(), lse, atol=1e-5)
+    assert torch.allclose(stats.output.double(), torch.bmm(logits.softmax(-1), values), atol=1e-5)
+    assert torch.isneginf(stats.block_lse[0][1]).all() and (stats.block_output[0][1] == 0).all()
+    assert torch.isneginf(stats.block_lse[1]).all() and (stats.block_output[1] == 0).all()
+    for slot, (i, cut) in ((2, (2, slice(30, 1330))), (3, (3, slice(1330, 1480)))):
+        own = logits[..., cut]
+        assert torch.allclose(stats.block_lse[slot].double(), own.logsumexp(-1), atol=1e-5)
+        assert torch.allclose(stats.block_output[slot].double(), torch.bmm(own.softmax(-1), blocks[i].values.double()),
+                              atol=1e-5)
+    share = (logits[..., 30:1330] - lse[..., None]).exp().amax(1)
+    assert torch.allclose(stats.key_max[0].double(), share, atol=1e-6) and (stats.key_max[0][0, :600] == 0).all()
+    no_output = attention_stats(q, blocks, 0.3, softmax_of=(2,), last_visible=last_visible)
+    assert no_output.output is None and no_output.block_output == [None]
+    assert torch.allclose(no_output.block_lse[0], stats.block_lse[2])
 
 
 def test_weighted_key_sums_equal_dense(tiles):

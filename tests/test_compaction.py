@@ -12,7 +12,7 @@ from pydoc_data.topics import topics
 
 from agentmem import SessionCache
 from agentmem.compaction import METHODS, compact, methods, solvers
-from agentmem.compaction.queries import DEFAULT_SOURCE, LayerQueries, collect_reference
+from agentmem.compaction.queries import DEFAULT_SOURCE, STORED_QUERIES, LayerQueries, collect_reference
 from agentmem.compaction.solvers import (
     SpanAttention,
     choose_fits,
@@ -331,6 +331,28 @@ def test_a_segment_keeps_a_sample_of_the_reference_queries_that_judged_it(llama)
     # A compaction that the next one re-reads in full keeps none.
     rereads = compact(llama, full, ratio=4, method="global-eviction", keep_recent=32, reread="all")
     assert all(seg.queries is None for layer in rereads.layers for seg in layer.segments)
+
+
+def test_kept_queries_join_the_sample_with_their_span_statistics(llama):
+    """In an incremental compaction the kept queries (rotated to this window) join the fit sample
+    with the span's log-mass and output; they equal a separate pass over the span."""
+    from agentmem.compaction.methods import Job
+
+    ids = doc_ids(llama, 330)
+    first = compact(llama, llama.prefill(ids[:200]), ratio=4, method="am-fast", keep_recent=32, reread="new")
+    llama.prefill(ids[200:], first)
+    plan = plan_span(first, protect_prefix=0, keep_recent=32)
+    job = Job(llama, first, plan, round(plan.rows / 2), DEFAULT_SOURCE, None, 0, "new")
+    reference = job.reference(max_queries=64)
+    assert job.incremental
+    scale = llama.head_dim**-0.5
+    for queries, span, layer in zip(reference.queries, plan.layers, first.layers):
+        kept = layer.segment(0).queries.shape[1]
+        assert queries.q.shape[1] == STORED_QUERIES + kept  # the new text's sample (at least that), then the kept
+        recorded = SpanAttention.of(span, queries, scale)
+        computed = SpanAttention.of(span, LayerQueries(queries.q, queries.lse, queries.out), scale)
+        assert torch.allclose(recorded.lse_span, computed.lse_span, atol=1e-5)
+        assert torch.allclose(recorded.output, computed.output, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["global-eviction", "am-fast"])

@@ -145,13 +145,20 @@ def _softmax_over_blocks(
         else:
             block_lse, block_out = _block_softmax(q, block, output, visible)
         parts[i] = block_lse, block_out
-        merged = torch.logaddexp(lse, block_lse)
-        if out is not None:
-            # A query that has seen nothing so far has lse -inf: weigh by exp(-inf) = 0, not NaN.
-            safe = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
-            out = out * (lse - safe).exp_()[..., None] + block_out * (block_lse - safe).exp_()[..., None]
-        lse = merged
+        lse, out = _merge(lse, out, block_lse, block_out)
     return [(lse, out), *(parts[i] for i in softmax_of)]
+
+
+def _merge(
+    lse: torch.Tensor, out: torch.Tensor | None, other_lse: torch.Tensor, other_out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The softmax statistics over two disjoint sets of keys from those over each."""
+    merged = torch.logaddexp(lse, other_lse)
+    if out is None:
+        return merged, None
+    # A query that has seen nothing in either has lse -inf: weigh by exp(-inf) = 0, not NaN.
+    safe = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
+    return merged, out * (lse - safe).exp_()[..., None] + other_out * (other_lse - safe).exp_()[..., None]
 
 
 def _block_softmax(
@@ -162,11 +169,21 @@ def _block_softmax(
     PyTorch's CPU flash-attention kernel returns the log-sum-exp with the output and never
     writes a logit tile to memory: it reads the block about twice as fast as the tiles do
     (one 512-token window of the embedded model over a 2,048-row span). It is a private
-    operator, used only where it exists; on other devices the tiles run.
+    operator, used only where it exists; on other devices the tiles run. The kernel reads the
+    block in slices of at most ``BLOCK_ELEMENTS`` float32 keys, merged by log-sum-exp, so a
+    bf16 block is never converted whole.
     """
-    if q.device.type == "cpu" and block.values is not None and _CPU_FLASH is not None:
-        return _fused_block_softmax(q, block, visible)
-    return _tiled_block_softmax(q, block, output, visible)
+    if not (q.device.type == "cpu" and block.values is not None and _CPU_FLASH is not None):
+        return _tiled_block_softmax(q, block, output, visible)
+    heads, count, _ = q.shape
+    rows = max(64, BLOCK_ELEMENTS // (heads * block.keys.shape[-1]))
+    lse = torch.full((heads, count), float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.zeros(heads, count, block.values.shape[-1], dtype=torch.float32, device=q.device)
+    for k0 in range(0, block.length, rows):
+        piece = KeyBlock(block.keys[:, k0 : k0 + rows], block.values[:, k0 : k0 + rows],
+                         None if block.bias is None else block.bias[:, k0 : k0 + rows], block.causal)
+        lse, out = _merge(lse, out, *_fused_block_softmax(q, piece, None if visible is None else visible - k0))
+    return lse, out
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -188,10 +205,11 @@ def _fused_block_softmax(
         mask = causal[None, None] if mask is None else mask + causal
     out, lse = _CPU_FLASH(q[None], block.keys.float()[None], block.values.float()[None], 0.0, False,
                           attn_mask=mask, scale=1.0)
-    lse = lse[0]
-    if mask is not None:  # the kernel gives a query that sees no slot lse 0 (output 0); here it is -inf
-        lse = lse.masked_fill(torch.isneginf(mask).all(-1)[0].expand(heads, count), float("-inf"))
-    return lse, out[0]
+    lse, out = lse[0], out[0]
+    if mask is not None:  # the kernel gives a query that sees no slot lse 0; here it is -inf, with output 0
+        sees_nothing = torch.isneginf(mask).all(-1)[0].expand(heads, count)
+        lse, out = lse.masked_fill(sees_nothing, float("-inf")), out.masked_fill(sees_nothing[..., None], 0.0)
+    return lse, out
 
 
 def _tiled_block_softmax(
