@@ -25,6 +25,23 @@ def dense(q, blocks, scale, last_visible):
     return torch.cat(parts, -1)
 
 
+def assert_equal_dense(stats, q, blocks, last_visible, softmax_of):
+    """Total log-sum-exp and output, and each ``softmax_of`` block's own, against dense float64;
+    returns the dense logits and total log-sum-exp."""
+    logits = dense(q, blocks, 0.3, last_visible)
+    lse = logits.logsumexp(-1)
+    values = torch.cat([b.values for b in blocks], 1).double()
+    assert torch.allclose(stats.lse.double(), lse, atol=1e-5)
+    assert torch.allclose(stats.output.double(), torch.bmm(logits.softmax(-1), values), atol=1e-5)
+    starts = [sum(b.length for b in blocks[:i]) for i in range(len(blocks))]
+    for slot, i in enumerate(softmax_of):  # each block on its own; a query that sees none of it: -inf, output 0
+        own = logits[..., starts[i] : starts[i] + blocks[i].length]
+        assert torch.allclose(stats.block_lse[slot].double(), own.logsumexp(-1), atol=1e-5)
+        expected = torch.bmm(own.softmax(-1).nan_to_num(0.0), blocks[i].values.double())
+        assert torch.allclose(stats.block_output[slot].double(), expected, atol=1e-5)
+    return logits, lse
+
+
 @pytest.fixture(params=[("fused", 2**24), ("fused", 512), ("tiled", 2**24), ("tiled", 512)],
                 ids=["fused-kernel", "fused-kernel-slices", "one-tile", "many-tiles"])
 def tiles(request, monkeypatch):
@@ -56,16 +73,7 @@ def test_lse_output_and_key_maxima_equal_dense_softmax(tiles):
     q, blocks, last_visible = make_blocks()
     stats = attention_stats(q, blocks, 0.3, output=True, key_max_of=(0, 1), softmax_of=(0, 2),
                             last_visible=last_visible)
-    logits = dense(q, blocks, 0.3, last_visible)
-    lse = logits.logsumexp(-1)
-    values = torch.cat([b.values for b in blocks], 1).double()
-    assert torch.allclose(stats.lse.double(), lse, atol=1e-5)
-    assert torch.allclose(stats.output.double(), torch.bmm(logits.softmax(-1), values), atol=1e-5)
-    for slot, (i, cut) in enumerate(((0, slice(0, 50)), (2, slice(220, 260)))):  # each block on its own
-        own = logits[..., cut]
-        assert torch.allclose(stats.block_lse[slot].double(), own.logsumexp(-1), atol=1e-5)
-        assert torch.allclose(stats.block_output[slot].double(), torch.bmm(own.softmax(-1), blocks[i].values.double()),
-                              atol=1e-5)
+    logits, lse = assert_equal_dense(stats, q, blocks, last_visible, (0, 2))
     share = (logits - lse[..., None]).exp().amax(1)
     assert torch.allclose(stats.key_max[0].double(), share[:, :50], atol=1e-6)
     assert torch.allclose(stats.key_max[1].double(), share[:, 50:220], atol=1e-6)
@@ -92,18 +100,9 @@ def test_hidden_heads_empty_blocks_and_long_masked_runs_equal_dense(tiles):
     last_visible = torch.arange(50, 146, 4)  # each query sees a different number of the causal block's keys
     stats = attention_stats(q, blocks, 0.3, output=True, key_max_of=(2,), softmax_of=(0, 1, 2, 3),
                             last_visible=last_visible)
-    logits = dense(q, blocks, 0.3, last_visible)
-    lse = logits.logsumexp(-1)
-    values = torch.cat([b.values for b in blocks], 1).double()
-    assert torch.allclose(stats.lse.double(), lse, atol=1e-5)
-    assert torch.allclose(stats.output.double(), torch.bmm(logits.softmax(-1), values), atol=1e-5)
+    logits, lse = assert_equal_dense(stats, q, blocks, last_visible, (0, 1, 2, 3))
     assert torch.isneginf(stats.block_lse[0][1]).all() and (stats.block_output[0][1] == 0).all()
     assert torch.isneginf(stats.block_lse[1]).all() and (stats.block_output[1] == 0).all()
-    for slot, (i, cut) in ((2, (2, slice(30, 1330))), (3, (3, slice(1330, 1480)))):
-        own = logits[..., cut]
-        assert torch.allclose(stats.block_lse[slot].double(), own.logsumexp(-1), atol=1e-5)
-        assert torch.allclose(stats.block_output[slot].double(), torch.bmm(own.softmax(-1), blocks[i].values.double()),
-                              atol=1e-5)
     share = (logits[..., 30:1330] - lse[..., None]).exp().amax(1)
     assert torch.allclose(stats.key_max[0].double(), share, atol=1e-6) and (stats.key_max[0][0, :600] == 0).all()
     no_output = attention_stats(q, blocks, 0.3, softmax_of=(2,), last_visible=last_visible)

@@ -20,10 +20,9 @@ then read by every elementwise step), so the per-key bias and, in pass 2, each q
 is the shifted, biased logit. After the product writes a tile, pass 2 reads it once (``amax``)
 and the tiled pass 1 five times, two of them in-place updates (``exp`` of the shifted logits).
 
-Inputs may be any floating dtype on any device; the tiles convert blocks to float32 one tile
-at a time, so a bf16 cache is never copied whole into fp32 (the fused CPU kernel converts a
-block at once: CPU caches are float32 unless asked otherwise). Every tensor is made on the
-device of the queries.
+Inputs may be any floating dtype on any device; blocks are converted to float32 a tile (or,
+for the fused CPU kernel, a slice of at most ``BLOCK_ELEMENTS`` keys) at a time, so a bf16
+cache is never copied whole into fp32. Every tensor is made on the device of the queries.
 """
 
 from __future__ import annotations
@@ -135,18 +134,19 @@ def _softmax_over_blocks(
     Each block is reduced on its own (:func:`_block_softmax`), then merged into the running
     result by its log-sum-exp.
     """
+    lse, out = _nothing_seen(q, blocks[0].values.shape[-1] if output else None)
+    parts = {}
+    for i, block in enumerate(blocks):  # an empty block gives lse -inf and output 0 on both paths
+        parts[i] = _block_softmax(q, block, output, visible)
+        lse, out = _merge(lse, out, *parts[i])
+    return [(lse, out), *(parts[i] for i in softmax_of)]
+
+
+def _nothing_seen(q: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The statistics of queries over no key: lse -inf, output 0 (``None`` when ``width`` is)."""
     heads, count, _ = q.shape
     lse = torch.full((heads, count), float("-inf"), dtype=torch.float32, device=q.device)
-    out = torch.zeros(heads, count, blocks[0].values.shape[-1], dtype=torch.float32, device=q.device) if output else None
-    parts = {}
-    for i, block in enumerate(blocks):
-        if block.length == 0:
-            block_lse, block_out = torch.full_like(lse, float("-inf")), None if out is None else torch.zeros_like(out)
-        else:
-            block_lse, block_out = _block_softmax(q, block, output, visible)
-        parts[i] = block_lse, block_out
-        lse, out = _merge(lse, out, block_lse, block_out)
-    return [(lse, out), *(parts[i] for i in softmax_of)]
+    return lse, None if width is None else torch.zeros(heads, count, width, dtype=torch.float32, device=q.device)
 
 
 def _merge(
@@ -167,18 +167,16 @@ def _block_softmax(
     """One block's log-sum-exp and output: a fused kernel on CPU, logit tiles elsewhere.
 
     PyTorch's CPU flash-attention kernel returns the log-sum-exp with the output and never
-    writes a logit tile to memory: it reads the block about twice as fast as the tiles do
-    (one 512-token window of the embedded model over a 2,048-row span). It is a private
+    writes a logit tile to memory: it reads a block about twice as fast as the tiles do (random
+    data of the embedded model's shape: a 512-token window over a 2,048-row span). It is a private
     operator, used only where it exists; on other devices the tiles run. The kernel reads the
     block in slices of at most ``BLOCK_ELEMENTS`` float32 keys, merged by log-sum-exp, so a
     bf16 block is never converted whole.
     """
     if not (q.device.type == "cpu" and block.values is not None and _CPU_FLASH is not None):
         return _tiled_block_softmax(q, block, output, visible)
-    heads, count, _ = q.shape
-    rows = max(64, BLOCK_ELEMENTS // (heads * block.keys.shape[-1]))
-    lse = torch.full((heads, count), float("-inf"), dtype=torch.float32, device=q.device)
-    out = torch.zeros(heads, count, block.values.shape[-1], dtype=torch.float32, device=q.device)
+    rows = max(64, BLOCK_ELEMENTS // (q.shape[0] * block.keys.shape[-1]))
+    lse, out = _nothing_seen(q, block.values.shape[-1])
     for k0 in range(0, block.length, rows):
         piece = KeyBlock(block.keys[:, k0 : k0 + rows], block.values[:, k0 : k0 + rows],
                          None if block.bias is None else block.bias[:, k0 : k0 + rows], block.causal)
