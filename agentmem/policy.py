@@ -32,7 +32,8 @@ class BudgetPolicy(BaseModel):
                                                     "a session this short cannot shrink (at least 1: decoding "
                                                     "resumes from it)")
     fill_after_compaction: float = Field(
-        0.5, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later turns")
+        0.5, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later "
+                                     "turns (higher keeps more history, compacts more often; 0.8 under tight budgets)")
     protect_system_prompt: bool = Field(True, description="never compact a leading system prompt")
     method: str = Field("am-fast", description="compaction method (agentmem.compaction.METHODS)")
     queries: str = Field("repeat+tail", description="reference queries a compaction scores and fits rows by "
