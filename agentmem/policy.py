@@ -33,7 +33,7 @@ class BudgetPolicy(BaseModel):
                                                     "resumes from it)")
     fill_after_compaction: float = Field(
         0.5, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later "
-                                     "turns (higher keeps more history, compacts more often; 0.8 under tight budgets)")
+                                     "turns (higher keeps more history, compacts more often: e.g. 0.8 in benchmarks/online.py's tight budget)")
     protect_system_prompt: bool = Field(True, description="never compact a leading system prompt")
     method: str = Field("am-fast", description="compaction method (agentmem.compaction.METHODS)")
     queries: str = Field("repeat+tail", description="reference queries a compaction scores and fits rows by "

@@ -66,9 +66,11 @@ SCENARIOS = (
              BudgetPolicy(max_live_tokens=640, target_ratio=8, keep_recent=64)),
     # The embedded model reads 8,192 positions; the one-shot compaction's reference needs ~2k of them.
     Scenario("6k tokens, budget 1536, policy defaults", 6144, BudgetPolicy(max_live_tokens=1536)),
-    # The tight budget again, with compactions that leave 80% of it live instead of half.
+    # The same budgets again, with compactions that leave 80% of the budget live instead of half.
     Scenario("4k tokens, budget 640, ratio 8, keep_recent 64, fill 0.8", 4096,
              BudgetPolicy(max_live_tokens=640, target_ratio=8, keep_recent=64, fill_after_compaction=0.8)),
+    Scenario("3k tokens, budget 1024, fill 0.8", 3072, BudgetPolicy(max_live_tokens=1024, fill_after_compaction=0.8)),
+    Scenario("6k tokens, budget 1536, fill 0.8", 6144, BudgetPolicy(max_live_tokens=1536, fill_after_compaction=0.8)),
 )
 
 
@@ -136,8 +138,8 @@ def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> OnlineR
 def compact_once(engine: Engine, ids: list[int], policy: BudgetPolicy, read: int, rows: int):
     """``ids[:read]`` compacted once to ``rows`` live rows (the policy's method, queries and
     ``keep_recent``), the rest of ``ids`` read raw on top."""
-    cache = compact(engine, engine.prefill(ids[:read]), method=policy.method, queries=policy.queries,
-                    keep_recent=policy.keep_recent, target_tokens=rows - policy.keep_recent)
+    arguments = {**policy.compaction_arguments(read), "target_tokens": rows - policy.keep_recent}
+    cache = compact(engine, engine.prefill(ids[:read]), **arguments)
     engine.prefill(ids[read:], cache)
     return cache
 
@@ -178,6 +180,9 @@ def main() -> None:
                 once_s = time.perf_counter() - began
                 same_point = online if run.last_compaction is None else compact_once(engine, ids, policy,
                                                                                        *run.last_compaction)
+                if same_point.physical_length != online.physical_length:
+                    raise RuntimeError(f"same-point compaction kept {same_point.physical_length} rows, "
+                                       f"the session {online.physical_length}")
                 row = {"scenario": scenario.name, "doc": doc, "method": method, "queries": policy.queries,
                        "reread": reread, "compactions": run.compactions,
                        "re-read tokens": reread_tokens, "final rows": online.physical_length,
