@@ -135,11 +135,15 @@ def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> OnlineR
     return OnlineRun(cache, compactions, seconds, last)
 
 
-def compact_once(engine: Engine, ids: list[int], policy: BudgetPolicy, read: int, rows: int):
-    """``ids[:read]`` compacted once to ``rows`` live rows (the policy's method, queries and
-    ``keep_recent``), the rest of ``ids`` read raw on top."""
-    arguments = {**policy.compaction_arguments(read), "target_tokens": rows - policy.keep_recent}
-    cache = compact(engine, engine.prefill(ids[:read]), **arguments)
+def compact_to(engine: Engine, cache, policy: BudgetPolicy, rows: int):
+    """``cache`` compacted once to ``rows`` live rows with the policy's method, queries and ``keep_recent``."""
+    arguments = {**policy.compaction_arguments(cache.logical_length), "target_tokens": rows - policy.keep_recent}
+    return compact(engine, cache, **arguments)
+
+
+def compact_at(engine: Engine, ids: list[int], policy: BudgetPolicy, read: int, rows: int):
+    """``ids[:read]`` compacted once to ``rows`` live rows, the rest of ``ids`` read raw on top."""
+    cache = compact_to(engine, engine.prefill(ids[:read]), policy, rows)
     engine.prefill(ids[read:], cache)
     return cache
 
@@ -175,11 +179,10 @@ def main() -> None:
                 run = read_online(engine, ids, policy)
                 online, reread_tokens = run.cache, counter.tokens
                 began = time.perf_counter()
-                once = compact(engine, full, method=method, queries=policy.queries, keep_recent=policy.keep_recent,
-                               target_tokens=online.physical_length - policy.keep_recent)
+                once = compact_to(engine, full, policy, online.physical_length)
                 once_s = time.perf_counter() - began
-                same_point = online if run.last_compaction is None else compact_once(engine, ids, policy,
-                                                                                       *run.last_compaction)
+                same_point = online if run.last_compaction is None else compact_at(engine, ids, policy,
+                                                                                     *run.last_compaction)
                 if same_point.physical_length != online.physical_length:
                     raise RuntimeError(f"same-point compaction kept {same_point.physical_length} rows, "
                                        f"the session {online.physical_length}")
@@ -249,8 +252,7 @@ def plot(rows: list[dict]) -> None:
             ax.bar(x, [r["online / one-shot"] for _, r in runs], width, color=colour,
                    hatch="//" if reread == "new" else None, edgecolor="white",
                    label=f"{method}, reread={reread}" + ("" if queries == "repeat" else f", queries={queries}"))
-            same = [(xi, r["online / same point"]) for xi, (_, r) in zip(x, runs) if "online / same point" in r]
-            ax.plot([xi for xi, _ in same], [v for _, v in same], "k_", markersize=10, markeredgewidth=2,
+            ax.plot(x, [r["online / same point"] for _, r in runs], "k_", markersize=10, markeredgewidth=2,
                     label="online / one compaction at the same point" if i == 0 else None)
         ax.axhline(0.9, color="k", linestyle=":", label="target 0.9")
         compactions = {r["scenario"]: r["compactions"] for r in rows if r["doc"] == doc}
