@@ -61,16 +61,19 @@ class Scenario:
 
 
 SCENARIOS = (
-    Scenario("3k tokens, budget 1024, policy defaults", 3072, BudgetPolicy(max_live_tokens=1024)),
-    Scenario("4k tokens, budget 640, ratio 8, keep_recent 64", 4096,
-             BudgetPolicy(max_live_tokens=640, target_ratio=8, keep_recent=64)),
+    Scenario("3k tokens, budget 1024, fill 0.5", 3072, BudgetPolicy(max_live_tokens=1024, fill_after_compaction=0.5)),
+    Scenario("4k tokens, budget 640, ratio 8, keep_recent 64, fill 0.5", 4096,
+             BudgetPolicy(max_live_tokens=640, target_ratio=8, keep_recent=64, fill_after_compaction=0.5)),
     # The embedded model reads 8,192 positions; the one-shot compaction's reference needs ~2k of them.
-    Scenario("6k tokens, budget 1536, policy defaults", 6144, BudgetPolicy(max_live_tokens=1536)),
-    # The same budgets again, with compactions that leave 80% of the budget live instead of half.
+    Scenario("6k tokens, budget 1536, fill 0.5", 6144, BudgetPolicy(max_live_tokens=1536, fill_after_compaction=0.5)),
+    # The same budgets again, with compactions that leave 80% of the budget live (the policy's default).
     Scenario("4k tokens, budget 640, ratio 8, keep_recent 64, fill 0.8", 4096,
              BudgetPolicy(max_live_tokens=640, target_ratio=8, keep_recent=64, fill_after_compaction=0.8)),
     Scenario("3k tokens, budget 1024, fill 0.8", 3072, BudgetPolicy(max_live_tokens=1024, fill_after_compaction=0.8)),
     Scenario("6k tokens, budget 1536, fill 0.8", 6144, BudgetPolicy(max_live_tokens=1536, fill_after_compaction=0.8)),
+    # Beyond 10x: 6,144 tokens end in ~550 rows, the oldest text compacted 16x.
+    Scenario("6k tokens, budget 640, ratio 16, keep_recent 64, fill 0.8", 6144,
+             BudgetPolicy(max_live_tokens=640, target_ratio=16, keep_recent=64, fill_after_compaction=0.8)),
 )
 
 

@@ -89,7 +89,7 @@ def test_compaction_target_applies_the_ratio_to_the_text_and_leaves_room():
     policy = BudgetPolicy(max_live_tokens=4096, keep_recent=64, target_ratio=8)
     assert policy.compaction_target(1064) == 125  # (1064 - 64) / 8, whatever the span holds now
     assert policy.compaction_target(1064, protected=200) == 100
-    assert policy.compaction_target(100_000) == 2048 - 64  # at most half the budget stays live
+    assert policy.compaction_target(100_000) == 3276 - 64  # at most 80% of the budget (the default) stays live
     assert policy.with_overrides(fill_after_compaction=0.75).compaction_target(100_000) == 3072 - 64
     assert policy.with_overrides(target_tokens=300).compaction_target(100_000) == 300
     assert policy.compaction_target(10, protected=5000) == 1  # nothing fits: one row per head, never zero
