@@ -333,6 +333,31 @@ def test_a_segment_keeps_a_sample_of_the_reference_queries_that_judged_it(llama)
     assert all(seg.queries is None for layer in rereads.layers for seg in layer.segments)
 
 
+def test_incremental_end_to_end_check_reads_old_text_and_holds_out_only_new_text(llama, monkeypatch):
+    """An incremental compaction re-fits old rows too, so its end-to-end check samples the whole
+    span's text (old text included, not re-read in full); the fits hold out the sampled new text."""
+    from agentmem.compaction.methods import Job
+
+    ids = doc_ids(llama, 600)
+    first = compact(llama, llama.prefill(ids[:500]), ratio=4, method="am-fast", keep_recent=32, reread="new")
+    llama.prefill(ids[500:], first)
+    plan = plan_span(first, protect_prefix=0, keep_recent=32)
+    job = Job(llama, first, plan, round(plan.rows / 2), DEFAULT_SOURCE, None, 0, "new")
+    assert job.incremental and plan.start == 0 and job.read_start == 468
+    positions = job.validation_positions()
+    assert min(positions) < job.read_start - plan.start < max(positions)  # old text and new text sampled
+    offset = job.read_start - plan.start
+    assert job.held_out() == [p - offset for p in positions if p >= offset] != []
+    read = job.read_tokens()
+    assert all(read[p] == ids[job.read_start + p] for p in job.held_out())
+    probes = []
+    monkeypatch.setattr(llama, "score", lambda cache, tokens: probes.append(tokens) or torch.zeros(len(tokens)))
+    monkeypatch.setattr(methods, "assemble", lambda cache, plan, choice: cache)
+    methods.end_to_end_choice(job, [[], []])
+    sampled = [ids[plan.start + p] for p in positions]
+    assert len(probes) == 2 and all(probe[-len(sampled):] == sampled for probe in probes)
+
+
 def test_kept_queries_join_the_sample_with_their_span_statistics(llama):
     """In an incremental compaction the kept queries (rotated to this window) join the fit sample
     with the span's log-mass and output; they equal a separate pass over the span."""

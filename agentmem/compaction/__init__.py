@@ -55,15 +55,17 @@ def compact(
     recall of the text asks (a copy of it) and what a continuation asks (its end read again).
 
     Scoring methods (AM, global and top-attention eviction) record each kept row's score.
-    ``reread="all"`` (default) re-reads all the text the span stands for and re-fits every
-    row: the cost of a compaction grows with the session's history. ``reread="new"`` re-reads
+    ``reread="all"`` (this function's default: a single compaction needs no kept queries)
+    re-reads all the text the span stands for and re-fits every row: the cost of a compaction
+    grows with the session's history. ``reread="new"`` re-reads
     only the text after the last compaction, and keeps with the rows a bounded sample of
     their reference queries (:data:`~agentmem.compaction.queries.STORED_QUERIES` per layer and
     KV head at most, no more than the rows a head keeps): the next ``"new"`` compaction judges
     earlier rows by their recorded scores and by those queries (rotated to its own window),
     and re-fits them with the new rows, so a compaction costs the live rows plus the new
-    tokens — but over many tight compactions it keeps less of the oldest text than re-reading
-    it does (``benchmarks/results/online.md``). Rows whose compaction kept no queries
+    tokens; over many tight compactions it keeps a little less of the oldest text than
+    re-reading it does (``benchmarks/results/online.md``). Sessions compact with their
+    policy's ``reread``, ``"new"`` by default. Rows whose compaction kept no queries
     (``reread="all"``, ``window``, a cache stored before queries were kept) are re-read.
     """
     if method not in REGISTRY:

@@ -77,10 +77,26 @@ class Job:
         """The text the reference queries re-read (from :attr:`read_start` to the span's end)."""
         return self.cache.token_ids[self.read_start : self.plan.end]
 
+    def validation_text(self) -> list[int]:
+        """The text the end-to-end check samples: the whole span's.
+
+        In an incremental compaction that includes text not re-read: every row is re-fitted,
+        old ones too, so the check must see whether the old text survives the new fits (judged
+        on the new text alone, fits that served it chose themselves while the old text's
+        recall fell, online retention 0.5 at 11x). It reads only the sample, a bounded cost.
+        """
+        return self.cache.token_ids[self.plan.start : self.plan.end]
+
     def validation_positions(self) -> list[int]:
-        """Positions of :meth:`read_tokens` the end-to-end check re-reads; the fits never see queries reading them."""
-        length = self.plan.end - self.read_start
+        """Positions of :meth:`validation_text` the end-to-end check re-reads."""
+        length = self.plan.end - self.plan.start
         return sample_positions(length, min(VALIDATION_TOKENS, length // 4))
+
+    def held_out(self) -> list[int]:
+        """The validation positions that fall in :meth:`read_tokens`, as its positions: the fits
+        never see queries reading them."""
+        offset = self.read_start - self.plan.start
+        return [p - offset for p in self.validation_positions() if p >= offset]
 
     def reference(self, max_queries: int | None = None, held_out: list[int] = ()) -> Reference:
         """Scores of every span row under reference queries re-reading :meth:`read_tokens`, and a query sample.
@@ -216,7 +232,7 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
     Rows are scored by every reference query; ``max_queries`` caps (per KV head, random)
     the sample the fits are solved and validated on. Layers are fitted one at a time.
     """
-    reference = job.reference(max_queries, held_out=job.validation_positions())
+    reference = job.reference(max_queries, held_out=job.held_out())
     selection = _select(job, reference.scores, job.head_budgets, global_budget=True)
     fitted = []
     for span, queries, rows in zip(job.plan.layers, reference.queries, selection):
@@ -244,7 +260,7 @@ def end_to_end_choice(job: Job, candidates: list[list[list[HeadChoice]]]) -> lis
     solved on would win by overfitting.
     """
     tokenize = lambda text: job.engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    text, positions = job.read_tokens(), job.validation_positions()
+    text, positions = job.validation_text(), job.validation_positions()
     probe = tokenize(REPEAT_PROMPT) + [text[i] for i in positions]
     room = job.engine.max_context - job.cache.logical_length
     if len(candidates) == 1 or not positions or room < len(probe):
