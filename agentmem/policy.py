@@ -34,8 +34,8 @@ class BudgetPolicy(BaseModel):
     fill_after_compaction: float = Field(
         0.8, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later "
                                      "turns (higher keeps more history and compacts more often; with reread=new each "
-                                     "compaction costs only the new text, so 0.8 keeps >= 0.9 of one compaction's "
-                                     "retention in benchmarks/online.py where 0.5 did not)")
+                                     "compaction costs only the new text; at target ratios up to 8, 0.8 keeps >= 0.9 of one "
+                                     "compaction's retention in benchmarks/online.py where 0.5 did not)")
     protect_system_prompt: bool = Field(True, description="never compact a leading system prompt")
     method: str = Field("am-fast", description="compaction method (agentmem.compaction.METHODS)")
     queries: str = Field("repeat+tail", description="reference queries a compaction scores and fits rows by "
