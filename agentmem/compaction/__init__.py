@@ -57,10 +57,10 @@ def compact(
     Scoring methods (AM, global and top-attention eviction) record each kept row's score.
     ``reread="all"`` (this function's default: a single compaction needs no kept queries)
     re-reads all the text the span stands for and re-fits every row: the cost of a compaction
-    grows with the session's history. ``reread="new"`` re-reads
-    only the text after the last compaction, and keeps with the rows a bounded sample of
-    their reference queries (:data:`~agentmem.compaction.queries.STORED_QUERIES` per layer and
-    KV head at most, no more than the rows a head keeps): the next ``"new"`` compaction judges
+    grows with the session's history. ``reread="new"`` re-reads only the text after the last
+    compaction, and keeps with the rows a bounded sample of their reference queries
+    (:data:`~agentmem.compaction.queries.STORED_QUERIES` per layer and KV head at most, no
+    more than the rows a head keeps): the next ``"new"`` compaction judges
     earlier rows by their recorded scores and by those queries (rotated to its own window),
     and re-fits them with the new rows, so a compaction costs the live rows plus the new
     tokens; over many tight compactions it keeps a little less of the oldest text than
