@@ -242,6 +242,49 @@ def test_fits_reduce_error_on_random_caches():
     assert (fitted < plain).all()
 
 
+def test_fixed_rows_keep_their_beta_and_values_and_the_others_are_fitted_around_them(engine, real_reference):
+    """``choose_fits(fixed=…)``: the fixed slots' rows stay exactly as they are in whatever is
+    chosen, the other rows are still fitted, and the choice is never worse than eviction on
+    the held-out queries it was judged on."""
+    span, train, held, _ = split_attention(engine, real_reference, 14)
+    selection = [s.topk(60).indices.sort().values for s in real_reference[1].scores[14]]
+    fixed = torch.zeros_like(span.valid)
+    for h, rows in enumerate(selection):
+        fixed[h, rows[::3]] = True
+    choices = choose_fits(span, train, held, selection, fixed=fixed)
+    plain = span.unfitted(selection)
+    refitted = 0
+    for h, (choice, unfitted) in enumerate(zip(choices, plain)):
+        keep = fixed[h, choice.index]
+        assert torch.equal(choice.beta[keep], unfitted.beta[keep])
+        assert torch.equal(choice.values[keep].to(unfitted.values.dtype), unfitted.values[keep])
+        refitted += int(not torch.allclose(choice.values[~keep].float(), unfitted.values[~keep].float()))
+    assert refitted >= len(selection) // 2
+    assert (unseen_error(span, held, choices) <= unseen_error(span, held, plain) + 1e-7).all()
+
+
+def test_the_attention_sinks_are_never_fitted(llama, monkeypatch):
+    """AM keeps the session's first rows of every head as they are (β = 0, their own values)
+    even when the fitted candidate is chosen and every other row is fitted."""
+    from agentmem.compaction.methods import SINKS
+
+    monkeypatch.setattr(methods, "end_to_end_choice", lambda job, candidates: candidates[0])  # always the fits
+    monkeypatch.setattr(solvers, "output_error", lambda att, index, valid, beta, values, logits=None:
+                        -(beta.abs().sum(-1) + values.float().abs().sum((1, 2))))  # the boldest fit wins
+    cache = llama.prefill(doc_ids(llama, 200))
+    small = compact(llama, cache, ratio=4, method="am", keep_recent=0)
+    changed = 0
+    for before, after in zip(cache.layers, small.layers):
+        segment = after.segment(0)
+        for h in range(after.num_heads):
+            rows = segment.head_slice(h)
+            assert torch.equal(segment.keys[rows][:SINKS], before.tail_keys[h, :SINKS])
+            assert torch.equal(segment.values[rows][:SINKS], before.tail_values[h, :SINKS])
+            assert not segment.beta[rows][:SINKS].any()
+            changed += int(segment.beta[rows][SINKS:].any())
+    assert changed >= len(small.layers)  # the fits ran: other rows got a β
+
+
 def test_repeated_compaction_keeps_logical_positions(llama):
     ids = doc_ids(llama, 420)
     cache = llama.prefill(ids[:200])

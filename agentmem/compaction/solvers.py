@@ -87,15 +87,23 @@ def kept_logits(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) ->
     return att.logits_of(index).masked_fill(~valid[:, None, :], _NEG)
 
 
-def fit_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, iterations: int = 25) -> torch.Tensor:
+def fit_mass(
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, free: torch.Tensor | None = None,
+    iterations: int = 25,
+) -> torch.Tensor:
     """Weights ``w ∈ [e^-3, e^3]`` (``(H, t)``) matching each query's span mass; bounded NNLS.
 
-    Solved by projected gradient from the clamped ridge solution, step ``1/λ_max``.
+    Only ``free`` rows (default: every valid one) are weighted; the others keep ``w = 1`` and
+    their mass counts toward the target. Solved by projected gradient from the clamped ridge
+    solution, step ``1/λ_max``.
     """
+    free = valid if free is None else free
     design = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()  # (H, N, t), 0 on padding
+    target = 1.0 - (design * (valid & ~free)[:, None, :]).sum(-1, keepdim=True)  # (H, N, 1): what free rows make up
+    design = design * free[:, None, :]
     weight = att.share[..., None]
     gram = torch.bmm(design.transpose(1, 2), design * weight)  # (H, t, t)
-    rhs = (design * weight).sum(1)  # (H, t)
+    rhs = (design * weight * target).sum(1)  # (H, t)
     eye = torch.eye(gram.shape[-1], device=gram.device)[None]
     ridge = 1e-6 * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
     lo, hi = math.exp(-BETA_BOUND), math.exp(BETA_BOUND)
@@ -103,37 +111,46 @@ def fit_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, it
     step = 1.0 / _largest_eigenvalue(gram).clamp(min=1e-12)
     for _ in range(iterations):
         w = (w - step[:, None] * (torch.bmm(gram, w[..., None])[..., 0] - rhs)).clamp(lo, hi)
-    return w.masked_fill(~valid, 1.0)
+    return w.masked_fill(~free, 1.0)
 
 
-def fit_scalar_mass(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """One weight per head (``(H, t)``, constant along t) scaling the kept rows' mass to the span's.
+def fit_scalar_mass(
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, free: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One weight per head for its ``free`` rows (default: every valid one; the others keep 1),
+    ``(H, t)``, scaling the kept rows' mass to the span's.
 
-    Unlike per-row weights it leaves the kept rows' relative attention — hence their output —
-    untouched, and fixes only how much the span weighs against the rest of the cache.
+    Unlike per-row weights it leaves the free rows' relative attention — hence their output —
+    untouched, and fixes only how much they weigh against the rest of the cache.
     """
-    kept = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp().sum(-1)  # (H, N)
+    free = valid if free is None else free
+    design = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()  # (H, N, t)
+    scaled = (design * free[:, None, :]).sum(-1)  # (H, N)
+    target = 1.0 - (design * (valid & ~free)[:, None, :]).sum(-1)
     weight = att.share
-    c = (weight * kept).sum(-1) / (weight * kept * kept).sum(-1).clamp(min=1e-30)
+    c = (weight * scaled * target).sum(-1) / (weight * scaled * scaled).sum(-1).clamp(min=1e-30)
     c = c.nan_to_num(1.0).clamp(math.exp(-BETA_BOUND), math.exp(BETA_BOUND))
-    return c[:, None].expand(index.shape).clone()
+    return torch.where(free, c[:, None], 1.0)
 
 
 def fit_values(
     att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, kept_values: torch.Tensor,
-    strengths: tuple[float, ...],
+    strengths: tuple[float, ...], *, free: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Values ``(S, H, t, d)`` fitted toward the kept rows' own, one per ridge strength ``s``
-    (``λ = s · mean diag(PᵀP)``, module doc); the system is built once for all of them."""
+    (``λ = s · mean diag(PᵀP)``, module doc); the system is built once for all of them. Only
+    ``free`` rows (default: every valid one) change."""
+    free = valid if free is None else free
     probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)  # 0 on padding
     weighted = probs * att.share[..., None]
-    gram = torch.bmm(probs.transpose(1, 2), weighted)  # padded rows: zero rows and columns, so their Δ is 0
-    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
+    rhs = torch.bmm(weighted.transpose(1, 2), att.output - torch.bmm(probs, kept_values)) * free[..., None]
+    probs = probs * free[:, None, :]
+    gram = torch.bmm(probs.transpose(1, 2), probs * att.share[..., None])  # rows not free: zero rows and
+    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]  # columns, so their Δ is 0
     eye = torch.eye(gram.shape[-1], device=gram.device)[None]
-    rhs = torch.bmm(weighted.transpose(1, 2), att.output - torch.bmm(probs, kept_values))
     systems = torch.stack([gram + s * scale * eye for s in strengths])  # (S, H, t, t)
     delta = torch.linalg.solve(systems, rhs.expand(len(strengths), *rhs.shape))
-    return kept_values + delta * valid[..., None]
+    return kept_values + delta * free[..., None]
 
 
 def output_error(
@@ -191,7 +208,7 @@ def omp_select(att: SpanAttention, budgets: list[int], *, rounds: int = 8) -> li
 
 def choose_fits(
     span: LayerSpan, train: SpanAttention, held: SpanAttention, selection: list[torch.Tensor], *,
-    strengths: tuple[float, ...] = RIDGE_STRENGTHS,
+    strengths: tuple[float, ...] = RIDGE_STRENGTHS, fixed: torch.Tensor | None = None,
 ) -> list[HeadChoice]:
     """Per head, the candidate with the least held-out output error.
 
@@ -201,21 +218,23 @@ def choose_fits(
     with it — hence the validation. A layer whose heads keep up to :data:`MAX_FIT_ROWS` rows
     each is fitted; in any other every head keeps its rows as they are (fitting the heads under
     the cap there too gave less recall over selection alone on the 4 prose fidelity documents
-    at 10x, +0.041 against +0.045, at more cost).
+    at 10x, +0.041 against +0.045, at more cost). Rows on ``fixed`` span slots ``(H, n)`` keep
+    their β and values in every candidate; the fits of the others account for them.
     """
     if not (train.lse_span.shape[1] and max(len(rows) for rows in selection) <= MAX_FIT_ROWS):
         return span.unfitted(selection)
     index, valid = pad_selection(selection, span.prior.device)
+    free = valid if fixed is None else valid & ~fixed.gather(1, index)
     kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
     prior = span.prior.gather(1, index)
     candidates = [(prior, kept_values)]
-    log_weights = (torch.zeros_like(prior), fit_scalar_mass(train, index, valid).log(),
-                   fit_mass(train, index, valid).log())
+    log_weights = (torch.zeros_like(prior), fit_scalar_mass(train, index, valid, free=free).log(),
+                   fit_mass(train, index, valid, free=free).log())
     for log_w in log_weights:
         if log_w.any():
             candidates.append((prior + log_w, kept_values))
         candidates += [(prior + log_w, values)
-                       for values in fit_values(train, index, valid, log_w, kept_values, strengths)]
+                       for values in fit_values(train, index, valid, log_w, kept_values, strengths, free=free)]
     logits = kept_logits(held, index, valid)
     errors = torch.stack([output_error(held, index, valid, b - prior, v, logits) for b, v in candidates])  # (C, H)
     best = errors.nan_to_num(float("inf")).argmin(0).tolist()
