@@ -263,26 +263,31 @@ def test_fixed_rows_keep_their_beta_and_values_and_the_others_are_fitted_around_
     assert (unseen_error(span, held, choices) <= unseen_error(span, held, plain) + 1e-7).all()
 
 
-def test_the_attention_sinks_are_never_fitted(llama, monkeypatch):
-    """AM keeps the session's first rows of every head as they are (β = 0, their own values)
-    even when the fitted candidate is chosen and every other row is fitted."""
+def test_a_session_s_compaction_never_fits_the_attention_sinks(llama, monkeypatch):
+    """With ``reread="new"`` AM keeps the session's first rows of every head as they are (β = 0,
+    their own values) even when the fitted candidate is chosen and the other rows are fitted;
+    one ``reread="all"`` compaction fits them like any row."""
     from agentmem.compaction.methods import SINKS
 
     monkeypatch.setattr(methods, "end_to_end_choice", lambda job, candidates: candidates[0])  # always the fits
     monkeypatch.setattr(solvers, "output_error", lambda att, index, valid, beta, values, logits=None:
                         -(beta.abs().sum(-1) + values.float().abs().sum((1, 2))))  # the boldest fit wins
     cache = llama.prefill(doc_ids(llama, 200))
-    small = compact(llama, cache, ratio=4, method="am", keep_recent=0)
-    changed = 0
-    for before, after in zip(cache.layers, small.layers):
-        segment = after.segment(0)
-        for h in range(after.num_heads):
-            rows = segment.head_slice(h)
-            assert torch.equal(segment.keys[rows][:SINKS], before.tail_keys[h, :SINKS])
-            assert torch.equal(segment.values[rows][:SINKS], before.tail_values[h, :SINKS])
-            assert not segment.beta[rows][:SINKS].any()
-            changed += int(segment.beta[rows][SINKS:].any())
-    assert changed >= len(small.layers)  # the fits ran: other rows got a β
+    fitted_sinks = {}
+    for reread in ("new", "all"):
+        small = compact(llama, cache, ratio=4, method="am", keep_recent=0, reread=reread)
+        others = sinks = 0
+        for before, after in zip(cache.layers, small.layers):
+            segment = after.segment(0)
+            for h in range(after.num_heads):
+                rows = segment.head_slice(h)
+                assert torch.equal(segment.keys[rows][:SINKS], before.tail_keys[h, :SINKS])
+                sinks += int(segment.beta[rows][:SINKS].any()
+                             or not torch.equal(segment.values[rows][:SINKS], before.tail_values[h, :SINKS]))
+                others += int(segment.beta[rows][SINKS:].any())
+        assert others >= len(small.layers)  # the fits ran: other rows got a β
+        fitted_sinks[reread] = sinks
+    assert fitted_sinks["new"] == 0 and fitted_sinks["all"] >= len(cache.layers)
 
 
 def test_repeated_compaction_keeps_logical_positions(llama):

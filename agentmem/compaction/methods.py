@@ -237,12 +237,14 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
     Rows are scored by every reference query; ``max_queries`` caps (per KV head, random)
     the sample the fits are solved and validated on. Layers are fitted one at a time.
 
-    The attention sinks are kept as they are, never fitted: every later query puts much of its
-    attention on them, so sinks fitted to the queries of one compaction shift what all text
-    read after it attends to. In ``benchmarks/online.py``'s 11x session (21 compactions; prose,
-    scored on 6 passages per third instead of 2) fitted sinks cut retention from 0.74 to 0.60,
-    below eviction alone (0.74); one compaction of the same text kept 0.855 with them fixed,
-    0.851 with them fitted.
+    With ``reread="new"`` (a session's compactions, which go on as it reads) the attention sinks
+    are kept as they are, never fitted: every later query puts much of its attention on them,
+    so sinks fitted to the queries of one compaction shift what all the text read after it
+    attends to. In ``benchmarks/online.py``'s 11x session (21 compactions; prose, scored on 6
+    passages per third instead of 2) fitted sinks cut retention from 0.74 to 0.60, below
+    eviction alone (0.74). One compaction of a whole text gains from fitting them at high
+    ratios (``benchmarks/fidelity.py``, sinks fixed, 4 prose documents: recall 0.78 where 0.86
+    at 20x, next-token retention 0.23 where 0.40 at 50x), so ``reread="all"`` fits them.
     """
     reference = job.reference(max_queries, held_out=job.held_out())
     selection = _select(job, reference.scores, job.head_budgets, global_budget=True)
@@ -257,7 +259,8 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
         held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
         if omp:
             rows[:] = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
-        fitted.append(solvers.choose_fits(span, train, held, rows, fixed=_sink_slots(job, span)))
+        fixed = _sink_slots(job, span) if job.reread == "new" else None
+        fitted.append(solvers.choose_fits(span, train, held, rows, fixed=fixed))
     return end_to_end_choice(job, [fitted, _unfitted(job, selection)]), reference
 
 
