@@ -65,7 +65,8 @@ def compact(
     and re-fits them with the new rows, so a compaction costs the live rows plus the new
     tokens; over many tight compactions it keeps a little less of the oldest text than
     re-reading it does (``benchmarks/results/online.md``). Sessions compact with their
-    policy's ``reread``, ``"new"`` by default. Rows whose compaction kept no queries
+    policy's ``reread``, ``"new"`` by default, and there AM keeps the attention sinks unfitted
+    (see :func:`~agentmem.compaction.methods.attention_matching`). Rows whose compaction kept no queries
     (``reread="all"``, ``window``, a cache stored before queries were kept) are re-read.
     """
     if method not in REGISTRY:
