@@ -24,7 +24,7 @@ from agentmem.compaction.queries import (
     sample_positions,
 )
 from agentmem.cache import SessionCache
-from agentmem.compaction.span import HeadChoice, SpanPlan, assemble, prefix_cache, span_of_rows
+from agentmem.compaction.span import HeadChoice, LayerSpan, SpanPlan, assemble, prefix_cache, span_of_rows
 from agentmem.compaction.solvers import SpanAttention
 
 
@@ -174,7 +174,7 @@ def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadCh
     return [span.unfitted(heads) for span, heads in zip(job.plan.layers, selection)]
 
 
-def _sink_slots(job: Job, span) -> torch.Tensor | None:
+def _sink_slots(job: Job, span: LayerSpan) -> torch.Tensor | None:
     """``(H, n)``: the span slots of the session's first ``SINKS`` rows of every head (attention
     sinks), or ``None`` when the span does not hold them."""
     if job.plan.start != 0:
@@ -240,11 +240,12 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
     With ``reread="new"`` (a session's compactions, which go on as it reads) the attention sinks
     are kept as they are, never fitted: every later query puts much of its attention on them,
     so sinks fitted to the queries of one compaction shift what all the text read after it
-    attends to. In ``benchmarks/online.py``'s 11x session (21 compactions; prose, scored on 6
-    passages per third instead of 2) fitted sinks cut retention from 0.74 to 0.60, below
-    eviction alone (0.74); on code they kept a little more (0.73 against 0.68). One compaction of a whole text gains from fitting them at high
-    ratios (``benchmarks/fidelity.py``, sinks fixed, 4 prose documents: recall 0.78 where 0.86
-    at 20x, next-token retention 0.23 where 0.40 at 50x), so ``reread="all"`` fits them.
+    attends to. In ``benchmarks/online.py``'s 11x session (21 compactions, scored on 6 passages
+    per third instead of 2) fitted sinks cut prose retention from 0.74 to 0.60, below eviction
+    alone (0.74), and kept a little more of code (0.73 against 0.68). One compaction of a whole
+    text gains from fitting them at high ratios (``benchmarks/fidelity.py``, sinks fixed, 4 prose
+    documents: recall 0.78 where 0.86 at 20x, next-token retention 0.23 where 0.40 at 50x), so
+    ``reread="all"`` fits them.
     """
     reference = job.reference(max_queries, held_out=job.held_out())
     selection = _select(job, reference.scores, job.head_budgets, global_budget=True)
