@@ -392,7 +392,7 @@ def test_incremental_end_to_end_check_reads_old_text_and_holds_out_only_new_text
     plan = plan_span(first, protect_prefix=0, keep_recent=32)
     job = Job(llama, first, plan, round(plan.rows / 2), DEFAULT_SOURCE, None, 0, "new")
     assert job.incremental and plan.start == 0 and job.read_start == 468
-    positions = job.validation_positions()
+    positions = job.validation_positions
     assert min(positions) < job.read_start - plan.start < max(positions)  # old text and new text sampled
     offset = job.read_start - plan.start
     assert job.held_out() == [p - offset for p in positions if p >= offset] != []

@@ -87,8 +87,10 @@ class Job:
         """
         return self.cache.token_ids[self.plan.start : self.plan.end]
 
+    @functools.cached_property
     def validation_positions(self) -> list[int]:
-        """Positions of :meth:`validation_text` the end-to-end check re-reads."""
+        """Positions of :meth:`validation_text` the end-to-end check re-reads (the fits' held-out
+        queries read them too: computed once)."""
         length = self.plan.end - self.plan.start
         return sample_positions(length, min(VALIDATION_TOKENS, length // 4))
 
@@ -96,7 +98,7 @@ class Job:
         """The validation positions that fall in :meth:`read_tokens`, as its positions: the fits
         never see queries reading them."""
         offset = self.read_start - self.plan.start
-        return [p - offset for p in self.validation_positions() if p >= offset]
+        return [p - offset for p in self.validation_positions if p >= offset]
 
     def reference(self, max_queries: int | None = None, held_out: list[int] = ()) -> Reference:
         """Scores of every span row under reference queries re-reading :meth:`read_tokens`, and a query sample.
@@ -276,7 +278,7 @@ def end_to_end_choice(job: Job, candidates: list[list[list[HeadChoice]]]) -> lis
     solved on would win by overfitting.
     """
     tokenize = lambda text: job.engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    text, positions = job.validation_text(), job.validation_positions()
+    text, positions = job.validation_text(), job.validation_positions
     probe = tokenize(REPEAT_PROMPT) + [text[i] for i in positions]
     room = job.engine.max_context - job.cache.logical_length
     if len(candidates) == 1 or not positions or room < len(probe):

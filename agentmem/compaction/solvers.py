@@ -87,6 +87,16 @@ def kept_logits(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) ->
     return att.logits_of(index).masked_fill(~valid[:, None, :], _NEG)
 
 
+def _mass_design(
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each free kept row's share of each query's span mass ``(H, N, t)`` (0 on other rows), and
+    the share ``(H, N)`` the free rows must make up: 1 minus the other valid rows' share."""
+    design = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()  # (H, N, t), 0 on padding
+    target = 1.0 - (design * (valid & ~free)[:, None, :]).sum(-1)
+    return design * free[:, None, :], target
+
+
 def fit_mass(
     att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, free: torch.Tensor | None = None,
     iterations: int = 25,
@@ -98,12 +108,10 @@ def fit_mass(
     solution, step ``1/λ_max``.
     """
     free = valid if free is None else free
-    design = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()  # (H, N, t), 0 on padding
-    target = 1.0 - (design * (valid & ~free)[:, None, :]).sum(-1, keepdim=True)  # (H, N, 1): what free rows make up
-    design = design * free[:, None, :]
+    design, target = _mass_design(att, index, valid, free)
     weight = att.share[..., None]
     gram = torch.bmm(design.transpose(1, 2), design * weight)  # (H, t, t)
-    rhs = (design * weight * target).sum(1)  # (H, t)
+    rhs = (design * weight * target[..., None]).sum(1)  # (H, t)
     eye = torch.eye(gram.shape[-1], device=gram.device)[None]
     ridge = 1e-6 * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
     lo, hi = math.exp(-BETA_BOUND), math.exp(BETA_BOUND)
@@ -124,9 +132,8 @@ def fit_scalar_mass(
     untouched, and fixes only how much they weigh against the rest of the cache.
     """
     free = valid if free is None else free
-    design = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()  # (H, N, t)
-    scaled = (design * free[:, None, :]).sum(-1)  # (H, N)
-    target = 1.0 - (design * (valid & ~free)[:, None, :]).sum(-1)
+    design, target = _mass_design(att, index, valid, free)
+    scaled = design.sum(-1)  # (H, N)
     weight = att.share
     c = (weight * scaled * target).sum(-1) / (weight * scaled * scaled).sum(-1).clamp(min=1e-30)
     c = c.nan_to_num(1.0).clamp(math.exp(-BETA_BOUND), math.exp(BETA_BOUND))
@@ -144,9 +151,9 @@ def fit_values(
     probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)  # 0 on padding
     weighted = probs * att.share[..., None]
     rhs = torch.bmm(weighted.transpose(1, 2), att.output - torch.bmm(probs, kept_values)) * free[..., None]
-    probs = probs * free[:, None, :]
-    gram = torch.bmm(probs.transpose(1, 2), probs * att.share[..., None])  # rows not free: zero rows and
-    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]  # columns, so their Δ is 0
+    mask = free[:, None, :]
+    gram = torch.bmm((probs * mask).transpose(1, 2), weighted * mask)  # rows not free: zero rows and columns,
+    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]  # so their Δ is 0
     eye = torch.eye(gram.shape[-1], device=gram.device)[None]
     systems = torch.stack([gram + s * scale * eye for s in strengths])  # (S, H, t, t)
     delta = torch.linalg.solve(systems, rhs.expand(len(strengths), *rhs.shape))
