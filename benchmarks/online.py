@@ -13,7 +13,7 @@ the last one and judges older rows by the reference queries they kept, so its co
 live rows plus the new tokens); the
 ``re-read tokens`` column counts the tokens all of a session's compactions read (prompts included).
 
-Recall probes: from each third of the document, ``PASSAGES`` passages of ``PASSAGE`` tokens,
+Recall probes: from each third of the document, ``--passages`` (default ``PASSAGES``) passages of ``PASSAGE`` tokens,
 each cued by the ``CUE`` tokens before it ("Continue this passage from the text above"),
 scored teacher-forced. retention = (NLL_no_context − NLL) / (NLL_no_context − NLL_full), per
 third; ``online / one-shot`` is the mean retention of the online session over that of the
@@ -83,13 +83,13 @@ def documents() -> dict[str, str]:
     return {"prose: Python docs": stdlib_text(), "code: argparse.py": (stdlib / "argparse.py").read_text()}
 
 
-def make_probes(tokenize, ids: list[int]) -> dict[str, list[tuple[list[int], int]]]:
-    """Per third of ``ids``: passages cued by the tokens before them (tokens to score, target length)."""
+def make_probes(tokenize, ids: list[int], passages: int = PASSAGES) -> dict[str, list[tuple[list[int], int]]]:
+    """Per third of ``ids``: ``passages`` passages cued by the tokens before them (tokens to score, target length)."""
     prompt = tokenize(PROMPT)
     third = len(ids) // 3
     probes = {}
     for k, name in enumerate(("first", "middle", "last")):
-        starts = [k * third + (i + 1) * third // (PASSAGES + 1) for i in range(PASSAGES)]
+        starts = [k * third + (i + 1) * third // (passages + 1) for i in range(passages)]
         probes[name] = [(prompt + ids[s - CUE : s + PASSAGE], PASSAGE) for s in starts]
     return probes
 
@@ -158,6 +158,8 @@ def main() -> None:
     parser.add_argument("--scenarios", type=int, nargs="+", default=list(range(len(SCENARIOS))),
                         help="which scenarios (indices)")
     parser.add_argument("--queries", help="reference queries (default: the policy's)")
+    parser.add_argument("--passages", type=int, default=PASSAGES,
+                        help="recall passages per third of the document (more: less noise, more scoring)")
     parser.add_argument("--update", action="store_true", help="merge into the saved results instead of replacing them")
     parser.add_argument("--plot-only", action="store_true", help="redraw online.png from online.json and exit")
     args = parser.parse_args()
@@ -170,7 +172,7 @@ def main() -> None:
     for scenario in [SCENARIOS[i] for i in args.scenarios]:
         for doc, text in documents().items():
             ids = tokenize(text)[: scenario.tokens]
-            probes = make_probes(tokenize, ids)
+            probes = make_probes(tokenize, ids, args.passages)
             began = time.perf_counter()
             full = engine.prefill(ids)
             prefill_s = time.perf_counter() - began
@@ -190,7 +192,7 @@ def main() -> None:
                     raise RuntimeError(f"same-point compaction kept {same_point.physical_length} rows, "
                                        f"the session {online.physical_length}")
                 row = {"scenario": scenario.name, "doc": doc, "method": method, "queries": policy.queries,
-                       "reread": reread, "compactions": run.compactions,
+                       "reread": reread, "passages": args.passages, "compactions": run.compactions,
                        "re-read tokens": reread_tokens, "final rows": online.physical_length,
                        "one-shot rows": once.physical_length, "last compaction (tokens, rows)": run.last_compaction,
                        "same-point rows": same_point.physical_length}
@@ -211,12 +213,13 @@ def main() -> None:
         saved = json.loads((RESULTS / "online.json").read_text())["rows"]
         for r in saved:
             r.setdefault("queries", "repeat")  # rows measured before the query source was recorded
+            r.setdefault("passages", 2)  # rows measured before the passage count was recorded (all with 2)
         rows = [r for r in saved if key(r) not in measured] + rows
         scenarios, docs = [s.name for s in SCENARIOS], list(documents())
         rows.sort(key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"]), METHODS.index(r["method"]),
                                  r["queries"], REREAD.index(r["reread"])))
-    table = [{k: r[k] for k in ("scenario", "doc", "method", "queries", "reread", "compactions", "final rows", "online first",
-                                "online middle", "online last", "online mean", "one-shot mean", "online / one-shot",
+    table = [{k: r[k] for k in ("scenario", "doc", "method", "queries", "reread", "passages", "compactions", "final rows",
+                                "online first", "online middle", "online last", "online mean", "one-shot mean", "online / one-shot",
                                 "same point mean", "online / same point", "re-read tokens", "online compaction s", "prefill s")} for r in rows]
     command = commands_after("online") if args.update else command_line()
     md = write_results("online", "Online compaction vs one compaction to the same size (embedded model; retention, "
