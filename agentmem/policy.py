@@ -106,9 +106,13 @@ class BudgetPolicy(BaseModel):
 
     def compaction_arguments(self, logical_tokens: int, protected: int = 0) -> dict[str, object]:
         """Keyword arguments of :func:`agentmem.compaction.compact` for a session that has read
-        ``logical_tokens``, ``protected`` of them a protected prefix (see :meth:`compaction_target`)."""
-        return {"method": self.method, "queries": self.queries, "reread": self.reread, "keep_recent": self.keep_recent,
-                "protect_prefix": protected, "target_tokens": self.compaction_target(logical_tokens, protected)}
+        ``logical_tokens``, ``protected`` of them a protected prefix (see :meth:`compaction_target`).
+
+        A session compacts again and again, so its attention sinks are never fitted
+        (``fit_sinks=False``, see :func:`agentmem.compaction.compact`)."""
+        return {"method": self.method, "queries": self.queries, "reread": self.reread, "fit_sinks": False,
+                "keep_recent": self.keep_recent, "protect_prefix": protected,
+                "target_tokens": self.compaction_target(logical_tokens, protected)}
 
     @classmethod
     def create(cls, **fields) -> BudgetPolicy:

@@ -264,18 +264,23 @@ def test_fixed_rows_keep_their_beta_and_values_and_the_others_are_fitted_around_
 
 
 def test_a_session_s_compaction_never_fits_the_attention_sinks(llama, monkeypatch):
-    """With ``reread="new"`` AM keeps the session's first rows of every head as they are (β = 0,
-    their own values) even when the fitted candidate is chosen and the other rows are fitted;
-    one ``reread="all"`` compaction fits them like any row."""
+    """A session's compactions (its policy's arguments, ``reread`` "new" or "all") and any with
+    ``reread="new"`` keep the first rows of every head as they are (β = 0, their own values)
+    even when the fitted candidate is chosen and the other rows are fitted; one ``reread="all"``
+    compaction fits them like any row."""
     from agentmem.compaction.methods import SINKS
 
     monkeypatch.setattr(methods, "end_to_end_choice", lambda job, candidates: candidates[0])  # always the fits
     monkeypatch.setattr(solvers, "output_error", lambda att, index, valid, beta, values, logits=None:
                         -(beta.abs().sum(-1) + values.float().abs().sum((1, 2))))  # the boldest fit wins
     cache = llama.prefill(doc_ids(llama, 200))
+    session = lambda reread: BudgetPolicy(method="am", reread=reread, keep_recent=1).compaction_arguments(  # noqa: E731
+        cache.logical_length)
+    calls = {"new": {"reread": "new", "ratio": 4}, "all": {"reread": "all", "ratio": 4},
+             "session new": session("new"), "session all": session("all")}
     fitted_sinks = {}
-    for reread in ("new", "all"):
-        small = compact(llama, cache, ratio=4, method="am", keep_recent=0, reread=reread)
+    for name, arguments in calls.items():
+        small = compact(llama, cache, **{"method": "am", "keep_recent": 0, **arguments})
         others = sinks = 0
         for before, after in zip(cache.layers, small.layers):
             segment = after.segment(0)
@@ -286,8 +291,9 @@ def test_a_session_s_compaction_never_fits_the_attention_sinks(llama, monkeypatc
                              or not torch.equal(segment.values[rows][:SINKS], before.tail_values[h, :SINKS]))
                 others += int(segment.beta[rows][SINKS:].any())
         assert others >= len(small.layers)  # the fits ran: other rows got a β
-        fitted_sinks[reread] = sinks
-    assert fitted_sinks["new"] == 0 and fitted_sinks["all"] >= len(cache.layers)
+        fitted_sinks[name] = sinks
+    assert fitted_sinks["all"] >= len(cache.layers)
+    assert fitted_sinks["new"] == fitted_sinks["session new"] == fitted_sinks["session all"] == 0
 
 
 def test_repeated_compaction_keeps_logical_positions(llama):
@@ -470,10 +476,12 @@ def test_incremental_path_keeping_every_row_is_exact(llama):
     assert torch.allclose(llama.score(same, ids[259:]), llama.score(cache, ids[259:]), atol=1e-4)
 
 
-def test_reread_must_be_new_or_all(llama):
+def test_reread_must_be_new_or_all_and_fit_sinks_a_bool(llama):
     cache = llama.prefill(doc_ids(llama, 100))
     with pytest.raises(InvalidInput, match="reread"):
         compact(llama, cache, ratio=2, reread="some")
+    with pytest.raises(InvalidInput, match="fit_sinks"):
+        compact(llama, cache, ratio=2, fit_sinks="no")
 
 
 def test_packed_rows_cost_the_bytes_reported(llama):

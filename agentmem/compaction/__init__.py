@@ -33,6 +33,7 @@ def compact(
     protect_prefix: int = 0,
     head_budgets: torch.Tensor | str | None = None,
     reread: str = "all",
+    fit_sinks: bool | None = None,
     seed: int = 0,
 ) -> SessionCache:
     """Compact every row but the first ``protect_prefix`` tokens and the last ``keep_recent``.
@@ -65,9 +66,14 @@ def compact(
     and re-fits them with the new rows, so a compaction costs the live rows plus the new
     tokens; over many tight compactions it keeps a little less of the oldest text than
     re-reading it does (``benchmarks/results/online.md``). Sessions compact with their
-    policy's ``reread``, ``"new"`` by default, and there AM keeps the attention sinks unfitted
-    (see :func:`~agentmem.compaction.methods.attention_matching`). Rows whose compaction kept no queries
+    policy's ``reread``, ``"new"`` by default. Rows whose compaction kept no queries
     (``reread="all"``, ``window``, a cache stored before queries were kept) are re-read.
+
+    ``fit_sinks`` says whether AM may fit the attention sinks (the session's first rows); by
+    default it does only with ``reread="all"``. One compaction of a whole text gains from
+    fitting them; a session's repeated compactions lose (see
+    :func:`~agentmem.compaction.methods.attention_matching`), so sessions pass ``False`` whatever
+    their ``reread`` (:meth:`~agentmem.policy.BudgetPolicy.compaction_arguments`).
     """
     if method not in REGISTRY:
         raise InvalidInput(f"unknown compaction method {method!r}; choose one of {', '.join(REGISTRY)}")
@@ -82,6 +88,8 @@ def compact(
             raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
     if reread not in REREAD:
         raise InvalidInput(f"reread must be one of {', '.join(REREAD)}, got {reread!r}")
+    if fit_sinks is not None and not isinstance(fit_sinks, bool):
+        raise InvalidInput(f"fit_sinks must be True, False or None, got {fit_sinks!r}")
     check_source(queries)
     engine.check_cache(cache)
     if isinstance(head_budgets, str):
@@ -95,7 +103,8 @@ def compact(
     total = round(plan.rows / ratio) if ratio is not None else target_tokens * heads
     if total >= plan.rows:
         return cache.clone()
-    job = Job(engine, cache, plan, total, queries, head_budgets, seed, reread)
+    job = Job(engine, cache, plan, total, queries, head_budgets, seed, reread,
+              reread == "all" if fit_sinks is None else fit_sinks)
     with torch.inference_mode():
         return REGISTRY[method].run(job)
 

@@ -49,6 +49,7 @@ class Job:
     head_budgets: torch.Tensor | None
     seed: int
     reread: str = "all"  # see compact(): "new" re-reads only the text since the last compaction
+    fit_sinks: bool = True  # see compact(): whether AM may fit the attention sinks
 
     @functools.cached_property
     def read_start(self) -> int:
@@ -239,15 +240,17 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
     Rows are scored by every reference query; ``max_queries`` caps (per KV head, random)
     the sample the fits are solved and validated on. Layers are fitted one at a time.
 
-    With ``reread="new"`` (a session's compactions, which go on as it reads) the attention sinks
-    are kept as they are, never fitted: every later query puts much of its attention on them,
-    so sinks fitted to the queries of one compaction shift what all the text read after it
+    Without ``job.fit_sinks`` (a session's compactions, which go on as it reads) the attention
+    sinks are kept as they are, never fitted: every later query puts much of its attention on
+    them, so sinks fitted to the queries of one compaction shift what all the text read after it
     attends to. In ``benchmarks/online.py``'s 11x session (21 compactions, scored on 6 passages
-    per third instead of 2) fitted sinks cut prose retention from 0.74 to 0.60, below eviction
-    alone (0.74), and kept a little more of code (0.73 against 0.68). One compaction of a whole
-    text gains from fitting them at high ratios (``benchmarks/fidelity.py``, sinks fixed, 4 prose
-    documents: recall 0.78 where 0.86 at 20x, next-token retention 0.23 where 0.40 at 50x), so
-    ``reread="all"`` fits them.
+    per third) fitted sinks cut prose retention from 0.74 to 0.60 with ``reread="new"``, below
+    eviction alone (0.74), and kept a little more of code (0.73 against 0.68); with
+    ``reread="all"`` keeping them lifted prose from 0.757 to 0.879 (code 0.830 → 0.821).
+    One compaction of a whole text gains from fitting them at high ratios
+    (``benchmarks/fidelity.py``, sinks fixed, 4 prose documents: recall 0.78 where 0.86 at 20x,
+    next-token retention 0.23 where 0.40 at 50x), so :func:`~agentmem.compaction.compact` fits
+    them by default.
     """
     reference = job.reference(max_queries, held_out=job.held_out())
     selection = _select(job, reference.scores, job.head_budgets, global_budget=True)
@@ -262,7 +265,7 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
         held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
         if omp:
             rows[:] = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
-        fixed = _sink_slots(job, span) if job.reread == "new" else None
+        fixed = None if job.fit_sinks else _sink_slots(job, span)
         fitted.append(solvers.choose_fits(span, train, held, rows, fixed=fixed))
     return end_to_end_choice(job, [fitted, _unfitted(job, selection)]), reference
 
