@@ -13,9 +13,9 @@ the last one and judges older rows by the reference queries they kept, so its co
 live rows plus the new tokens); the
 ``re-read tokens`` column counts the tokens all of a session's compactions read (prompts included).
 
-Recall probes: from each third of the document, ``--passages`` (default ``PASSAGES``) passages of ``PASSAGE`` tokens,
-each cued by the ``CUE`` tokens before it ("Continue this passage from the text above"),
-scored teacher-forced. retention = (NLL_no_context − NLL) / (NLL_no_context − NLL_full), per
+Recall probes: from each third of the document, ``--passages`` (default ``PASSAGES``) passages
+of ``PASSAGE`` tokens, each cued by the ``CUE`` tokens before it ("Continue this passage from the
+text above"), scored teacher-forced. retention = (NLL_no_context − NLL) / (NLL_no_context − NLL_full), per
 third; ``online / one-shot`` is the mean retention of the online session over that of the
 one-shot compaction (the target is ≥ 0.9 for the policy's default method).
 
@@ -218,9 +218,10 @@ def main() -> None:
         scenarios, docs = [s.name for s in SCENARIOS], list(documents())
         rows.sort(key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"]), METHODS.index(r["method"]),
                                  r["queries"], REREAD.index(r["reread"])))
-    table = [{k: r[k] for k in ("scenario", "doc", "method", "queries", "reread", "passages", "compactions", "final rows",
-                                "online first", "online middle", "online last", "online mean", "one-shot mean", "online / one-shot",
-                                "same point mean", "online / same point", "re-read tokens", "online compaction s", "prefill s")} for r in rows]
+    columns = ("scenario", "doc", "method", "queries", "reread", "passages", "compactions", "final rows", "online first",
+               "online middle", "online last", "online mean", "one-shot mean", "online / one-shot", "same point mean",
+               "online / same point", "re-read tokens", "online compaction s", "prefill s")
+    table = [{k: r[k] for k in columns} for r in rows]
     command = commands_after("online") if args.update else command_line()
     md = write_results("online", "Online compaction vs one compaction to the same size (embedded model; retention, "
                                  "1 = as good as the full cache)", table,

@@ -103,8 +103,7 @@ def compact(
     total = round(plan.rows / ratio) if ratio is not None else target_tokens * heads
     if total >= plan.rows:
         return cache.clone()
-    job = Job(engine, cache, plan, total, queries, head_budgets, seed, reread,
-              reread == "all" if fit_sinks is None else fit_sinks)
+    job = Job(engine, cache, plan, total, queries, head_budgets, seed, reread, fit_sinks)
     with torch.inference_mode():
         return REGISTRY[method].run(job)
 

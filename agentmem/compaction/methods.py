@@ -49,7 +49,11 @@ class Job:
     head_budgets: torch.Tensor | None
     seed: int
     reread: str = "all"  # see compact(): "new" re-reads only the text since the last compaction
-    fit_sinks: bool = True  # see compact(): whether AM may fit the attention sinks
+    fit_sinks: bool | None = None  # see compact(): may AM fit the attention sinks (None: only with "all")
+
+    def __post_init__(self) -> None:
+        if self.fit_sinks is None:
+            self.fit_sinks = self.reread == "all"
 
     @functools.cached_property
     def read_start(self) -> int:
