@@ -28,7 +28,10 @@ from agentmem.errors import CorruptSessionError, InvalidInput
 from agentmem.host_memory import wait_for_copies
 
 CACHE_FORMAT_VERSION = 2  # 2: the raw tail exported in blocks of TAIL_BLOCK tokens across layers; 1 still read
-SEGMENT_PARTS = ("keys", "values", "beta", "scores")  # a segment's packed tensors, as exported
+SEGMENT_PARTS = ("keys", "values", "beta", "scores", "positions")  # a segment's packed tensors, as exported
+# Parts with a dtype of their own; the others take the cache's.
+PART_DTYPES: dict[str, torch.dtype] = {"scores": torch.float32, "positions": torch.int32}
+UNKNOWN_POSITION = -1  # a row whose token position was not recorded (a cache from before positions were)
 # Tokens per exported block of the raw tail. A spill after a turn changes only the last block and
 # the ones after it, so a store rewrites those (LMCache stores 256-token chunks too).
 TAIL_BLOCK = 256
@@ -44,7 +47,11 @@ class CompactedSegment:
     head ``h``. Keys keep the RoPE rotation of the positions they came from.
 
     ``scores`` ``(R,)`` float32 is what each row scored when a compaction chose it (the largest
-    share of a reference query's attention it received; -inf where unknown).
+    share of a reference query's attention it received; -inf where unknown). ``positions``
+    ``(R,)`` int32 is the token position each row came from (:data:`UNKNOWN_POSITION` where
+    unknown): a later compaction that re-reads some of the text knows which rows stand for it.
+    ``refresh_cursor`` is the position the next such re-read of older text starts at
+    (:meth:`~agentmem.compaction.methods.Job.refresh_range`).
 
     ``queries`` ``(kv_heads, K, head_dim)`` is a bounded sample of the reference queries the
     compaction judged the rows by (GQA groups folded under their KV head), RoPE-rotated for
@@ -61,17 +68,25 @@ class CompactedSegment:
     scores: torch.Tensor | None = None  # None: unknown for every row
     queries: torch.Tensor | None = None  # None: none kept (a cache from before they were)
     queries_at: int = 0
+    positions: torch.Tensor | None = None  # None: unknown for every row
+    refresh_cursor: int = 0
 
     def __post_init__(self) -> None:
         rows = sum(self.head_rows)
         if self.scores is None:
             object.__setattr__(self, "scores", torch.full((rows,), -math.inf, device=self.keys.device))
+        if self.positions is None:
+            object.__setattr__(self, "positions", torch.full((rows,), UNKNOWN_POSITION, dtype=torch.int32,
+                                                             device=self.keys.device))
         if (self.keys.shape[0] != rows or self.values.shape[0] != rows or self.beta.shape != (rows,)
-                or self.scores.shape != (rows,)):
+                or self.scores.shape != (rows,) or self.positions.shape != (rows,)):
             raise InvalidInput(
                 f"compacted segment rows disagree: head_rows sum to {rows}, keys {tuple(self.keys.shape)}, "
-                f"values {tuple(self.values.shape)}, beta {tuple(self.beta.shape)}, scores {tuple(self.scores.shape)}"
+                f"values {tuple(self.values.shape)}, beta {tuple(self.beta.shape)}, scores {tuple(self.scores.shape)}, "
+                f"positions {tuple(self.positions.shape)}"
             )
+        if self.positions.is_floating_point() or self.positions.is_complex():
+            raise InvalidInput(f"segment positions must be integers, got {self.positions.dtype}")
         if any(r < 0 for r in self.head_rows):
             raise InvalidInput(f"negative row count in head_rows {self.head_rows}")
         if self.queries is not None and (self.queries.dim() != 3 or self.queries.shape[0] != len(self.head_rows)
@@ -80,6 +95,8 @@ class CompactedSegment:
                                f"count, head_dim={self.keys.shape[-1]})")
         if not 0 <= self.span[0] <= self.span[1]:
             raise InvalidInput(f"invalid span {self.span}")
+        if self.refresh_cursor < 0:
+            raise InvalidInput(f"negative refresh cursor {self.refresh_cursor}")
 
     @property
     def width(self) -> int:
@@ -92,7 +109,7 @@ class CompactedSegment:
 
     @property
     def nbytes(self) -> int:
-        parts = (self.keys, self.values, self.beta, self.scores, self.queries)
+        parts = (self.keys, self.values, self.beta, self.scores, self.positions, self.queries)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
@@ -111,6 +128,7 @@ class SegmentLayout:
     head_rows: tuple[int, ...]
     span: tuple[int, int]
     offset: int
+    refresh_cursor: int = 0
 
     @property
     def width(self) -> int:
@@ -154,7 +172,7 @@ class LayerCache:
         # The buffer is the only copy of the rows: segments are kept as layouts, not tensors.
         offsets = [sum(seg.width for seg in segments[:j]) for j in range(len(segments))]
         self.layouts: tuple[SegmentLayout, ...] = tuple(
-            SegmentLayout(seg.head_rows, seg.span, offset) for seg, offset in zip(segments, offsets))
+            SegmentLayout(seg.head_rows, seg.span, offset, seg.refresh_cursor) for seg, offset in zip(segments, offsets))
         self.prefix_length = sum(seg.width for seg in segments)
         dtype = dtype or key_pieces[0].dtype
         device = torch.device(device) if device is not None else key_pieces[0].device
@@ -162,13 +180,16 @@ class LayerCache:
         # Uninitialised: every slot attention reads is written below or by stage().
         self._keys = torch.empty(heads, capacity, head_dim, dtype=dtype, device=device)
         self._values = torch.empty_like(self._keys)
-        # Additive logit bias of the prefix slots: β for real rows, -inf for padding; and the
-        # rows' recorded compaction scores (-inf on padding and unknowns). Both None without segments.
+        # Additive logit bias of the prefix slots: β for real rows, -inf for padding; the rows'
+        # recorded compaction scores (-inf on padding and unknowns) and token positions
+        # (UNKNOWN_POSITION on padding and unknowns). All None without segments.
         self.bias: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
         if self.prefix_length:
             self.bias = torch.full((heads, self.prefix_length), -math.inf, dtype=dtype, device=device)
             self.scores = torch.full((heads, self.prefix_length), -math.inf, dtype=torch.float32, device=device)
+            self.positions = torch.full((heads, self.prefix_length), UNKNOWN_POSITION, dtype=torch.int32, device=device)
         for seg, layout in zip(segments, self.layouts):
             self._place(seg, layout)
         # Each segment's reference-query sample, outside the attention buffer (attention never reads
@@ -189,15 +210,16 @@ class LayerCache:
         """Copy a packed segment into its slots: each tensor crosses to the device once, then
         is split per head there (one small transfer per head and tensor would each wait on the bus)."""
         device = self._keys.device
-        keys, values, beta, scores = (part.to(device, dtype, non_blocking=True) for part, dtype in (
+        keys, values, beta, scores, positions = (part.to(device, dtype, non_blocking=True) for part, dtype in (
             (seg.keys, self._keys.dtype), (seg.values, self._keys.dtype), (seg.beta, self._keys.dtype),
-            (seg.scores, torch.float32)))
+            (seg.scores, torch.float32), (seg.positions, torch.int32)))
         start, offset = 0, layout.offset
         for h, n in enumerate(seg.head_rows if layout.width else ()):
             self._keys[h, offset : offset + n] = keys[start : start + n]
             self._values[h, offset : offset + n] = values[start : start + n]
             self.bias[h, offset : offset + n] = beta[start : start + n]
             self.scores[h, offset : offset + n] = scores[start : start + n]
+            self.positions[h, offset : offset + n] = positions[start : start + n]
             # Padding slots get weight 0, but 0 * NaN garbage would still poison the output.
             self._keys[h, offset + n : offset + layout.width] = 0
             self._values[h, offset + n : offset + layout.width] = 0
@@ -230,13 +252,14 @@ class LayerCache:
         rows = sum(layout.head_rows)
         parts = {}
         for part in SEGMENT_PARTS:
-            dtype = torch.float32 if part == "scores" else self._keys.dtype
+            dtype = PART_DTYPES.get(part, self._keys.dtype)
             shape = (rows, self._keys.shape[-1]) if part in ("keys", "values") else (rows,)
             parts[part] = self.gather(j, part, torch.empty(shape, dtype=dtype, device=self._keys.device))
         stored = self.queries[j]
         if stored is not None:
             parts.update(queries=stored.queries, queries_at=stored.at)
-        return CompactedSegment(head_rows=layout.head_rows, span=layout.span, **parts)
+        return CompactedSegment(head_rows=layout.head_rows, span=layout.span, refresh_cursor=layout.refresh_cursor,
+                                **parts)
 
     def gather(self, j: int, part: str, out: torch.Tensor) -> torch.Tensor:
         """Write segment ``j``'s packed ``part`` (one of :data:`SEGMENT_PARTS`) into ``out``, on any device or dtype.
@@ -244,7 +267,8 @@ class LayerCache:
         A copy into page-locked memory is asynchronous: synchronise before reading ``out``.
         """
         layout = self.layouts[j]
-        source = {"keys": self._keys, "values": self._values, "beta": self.bias, "scores": self.scores}[part]
+        source = {"keys": self._keys, "values": self._values, "beta": self.bias, "scores": self.scores,
+                  "positions": self.positions}[part]
         start = 0
         for h, n in enumerate(layout.head_rows):
             if n:  # a segment of no rows at all has no bias table to read
@@ -265,11 +289,22 @@ class LayerCache:
         """Float32 ``(H, n)`` recorded scores of slots ``[start, end)``: -inf on raw rows, padding and unknowns."""
         return self._prefix_rows(self.scores, start, end, raw=-math.inf)
 
-    def _prefix_rows(self, per_slot: torch.Tensor | None, start: int, end: int, *, raw: float) -> torch.Tensor:
-        """Float32 ``(H, n)`` of a per-prefix-slot table (β or scores) over slots ``[start, end)``, ``raw`` on tail rows."""
+    def slot_positions(self, start: int, end: int, tail_start: int) -> torch.Tensor:
+        """Int64 ``(H, n)`` token positions of slots ``[start, end)``: raw rows from ``tail_start``
+        (the tail's first position) on, compacted rows as recorded, :data:`UNKNOWN_POSITION` on
+        padding and unknowns."""
+        out = self._prefix_rows(self.positions, start, end, raw=0, dtype=torch.int64)
+        first_raw = max(start, self.prefix_length)
+        out[:, first_raw - start :] = torch.arange(first_raw, end, device=out.device) - self.prefix_length + tail_start
+        return out
+
+    def _prefix_rows(self, per_slot: torch.Tensor | None, start: int, end: int, *, raw: float,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``(H, n)`` of a per-prefix-slot table (β, scores or positions) over slots ``[start, end)``,
+        ``raw`` on tail rows."""
         if not 0 <= start <= end <= self.length:
             raise InvalidInput(f"slots [{start}, {end}) outside the {self.length} occupied slots")
-        out = torch.full((self.num_heads, end - start), raw, dtype=torch.float32, device=self._keys.device)
+        out = torch.full((self.num_heads, end - start), raw, dtype=dtype, device=self._keys.device)
         in_prefix = min(end, self.prefix_length)
         if start < in_prefix:
             out[:, : in_prefix - start] = per_slot[:, start:in_prefix]
@@ -282,9 +317,9 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of real rows, as stored packed: keys, values, β and scores of segments, plus the tail."""
+        """Bytes of real rows, as stored packed: keys, values, β, scores and positions of segments, plus the tail."""
         row = self._keys.shape[-1] * self._keys.element_size()
-        compacted = sum(sum(seg.head_rows) for seg in self.layouts) * (2 * row + self._keys.element_size() + 4)
+        compacted = sum(sum(seg.head_rows) for seg in self.layouts) * (2 * row + self._keys.element_size() + 4 + 4)
         return 2 * self.tail_length * self.num_heads * row + compacted + self._queries_nbytes
 
     @property
@@ -294,7 +329,7 @@ class LayerCache:
     @property
     def allocated_nbytes(self) -> int:
         """Bytes actually held by the attention buffer, padding and spare capacity included."""
-        prefix = sum(0 if t is None else t.numel() * t.element_size() for t in (self.bias, self.scores))
+        prefix = sum(0 if t is None else t.numel() * t.element_size() for t in (self.bias, self.scores, self.positions))
         return 2 * self._keys.numel() * self._keys.element_size() + prefix + self._queries_nbytes
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -493,7 +528,7 @@ class SessionCache:
                 for part in SEGMENT_PARTS:
                     exports[f"layers.{i}.segments.{j}.{part}"] = TensorExport(
                         (rows, self.head_dim) if part in ("keys", "values") else (rows,),
-                        torch.float32 if part == "scores" else self.dtype, functools.partial(layer.gather, j, part))
+                        PART_DTYPES.get(part, self.dtype), functools.partial(layer.gather, j, part))
                 if (stored := layer.queries[j]) is not None:
                     exports[f"layers.{i}.segments.{j}.queries"] = TensorExport(
                         tuple(stored.queries.shape), self.dtype, functools.partial(_copy_into, stored.queries))
@@ -570,8 +605,9 @@ class SessionCache:
                     raise CorruptSessionError(f"layer {i} segment {j} has {len(head_rows)} heads, expected {heads}")
                 name = f"layers.{i}.segments.{j}."
                 parts = {p: tensors[name + p] for p in ("keys", "values", "beta")}  # moved by LayerCache's copy
-                if name + "scores" in tensors:  # caches exported before scores were recorded have none
-                    parts["scores"] = tensors[name + "scores"]
+                for part in ("scores", "positions"):  # caches exported before these were recorded have none
+                    if name + part in tensors:
+                        parts[part] = tensors[name + part]
                 if name + "queries" in tensors:  # nor queries, before they were kept
                     parts.update(queries=tensors[name + "queries"], queries_at=int(seg_meta["queries_at"]))
                     if parts["queries"].shape[1:2] != (int(seg_meta["queries"]),):
@@ -580,7 +616,8 @@ class SessionCache:
                 if parts["keys"].shape != (sum(head_rows), head_dim):
                     raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
                 try:
-                    segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]), **parts))
+                    segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]),
+                                                     refresh_cursor=int(seg_meta.get("refresh_cursor", 0)), **parts))
                 except InvalidInput as exc:
                     raise CorruptSessionError(f"layer {i} segment {j}: {exc}") from exc
             tail_k, tail_v = _stored_tail(tensors, meta, i)  # converted and moved by LayerCache's copy
@@ -612,6 +649,8 @@ def _copy_into(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def _segment_meta(layout: SegmentLayout, stored: SegmentQueries | None) -> dict[str, Any]:
     meta = {"head_rows": list(layout.head_rows), "span": list(layout.span)}
+    if layout.refresh_cursor:
+        meta["refresh_cursor"] = layout.refresh_cursor
     if stored is not None:
         meta.update(queries=stored.queries.shape[1], queries_at=stored.at)
     return meta
@@ -632,10 +671,10 @@ def _stored_tail(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
 
 
 def buffer_nbytes(prefix_slots: int, tail: int, *, heads: int, head_dim: int, element_size: int, queries: int = 0) -> int:
-    """Bytes a freshly built layer allocates: keys and values of every slot, β and float32 scores of
-    the prefix, and the ``queries`` per head its segments kept."""
+    """Bytes a freshly built layer allocates: keys and values of every slot, β, float32 scores and
+    int32 positions of the prefix, and the ``queries`` per head its segments kept."""
     return (2 * heads * head_dim * _round_up(prefix_slots + tail) + heads * prefix_slots
-            + heads * queries * head_dim) * element_size + 4 * heads * prefix_slots
+            + heads * queries * head_dim) * element_size + 8 * heads * prefix_slots
 
 
 def _round_up(n: int) -> int:

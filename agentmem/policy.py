@@ -44,6 +44,9 @@ class BudgetPolicy(BaseModel):
         "new", description="what a compaction re-reads: only text not compacted before (new: cost bounded by the live "
                            "rows plus the new text, old rows judged by the queries they kept) or all the text its span "
                            "stands for (all: keeps a little more of the oldest text, cost grows with the history)")
+    refresh_tokens: int | None = Field(
+        None, ge=0, description="with reread=new, older text each compaction re-reads as well, in turn, so old rows are "
+                                "re-scored against the cache as it is now (None: half of max_live_tokens; 0: never)")
     max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
     max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
     max_host_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the host-memory tier")
@@ -110,7 +113,9 @@ class BudgetPolicy(BaseModel):
 
         A session compacts again and again, so its attention sinks are never fitted
         (``fit_sinks=False``, see :func:`agentmem.compaction.compact`)."""
+        refresh = self.max_live_tokens // 2 if self.refresh_tokens is None else self.refresh_tokens
         return {"method": self.method, "queries": self.queries, "reread": self.reread, "fit_sinks": False,
+                "refresh_tokens": refresh,
                 "keep_recent": self.keep_recent, "protect_prefix": protected,
                 "target_tokens": self.compaction_target(logical_tokens, protected)}
 

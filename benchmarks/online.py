@@ -10,7 +10,9 @@ number of rows (same method, same ``keep_recent``).
 Each method runs with ``reread="all"`` (the policy default: every compaction re-reads all the
 text its span stands for) and with ``reread="new"`` (a compaction re-reads only the text since
 the last one and judges older rows by the reference queries they kept, so its cost follows the
-live rows plus the new tokens); the
+live rows plus the new tokens). With ``reread="new"`` each compaction also re-reads ``refresh``
+tokens of the older text in turn (the policy's ``refresh_tokens``; ``--refresh-tokens`` sets
+others, ``0`` none) so that old rows are re-scored against the cache as it is. The
 ``re-read tokens`` column counts the tokens all of a session's compactions read (prompts included).
 
 Recall probes: from each third of the document, ``--passages`` (default ``PASSAGES``) passages
@@ -123,6 +125,14 @@ class OnlineRun:
     last_compaction: tuple[int, int] | None
 
 
+def runs(policy: BudgetPolicy, args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """The ``(method, reread, refresh tokens)`` runs asked for; ``all`` re-reads everything, so no refresh."""
+    default = policy.compaction_arguments(0)["refresh_tokens"]
+    refresh = [default if r is None else r for r in args.refresh_tokens]
+    return list(dict.fromkeys((m, r, 0 if r == "all" else t) for m in args.methods for r in args.reread
+                              for t in refresh))
+
+
 def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> OnlineRun:
     """The session after reading ``ids`` turn by turn, compacted as the policy says."""
     cache, compactions, seconds, last = engine.new_cache(), 0, 0.0, None
@@ -158,6 +168,8 @@ def main() -> None:
     parser.add_argument("--scenarios", type=int, nargs="+", default=list(range(len(SCENARIOS))),
                         help="which scenarios (indices)")
     parser.add_argument("--queries", help="reference queries (default: the policy's)")
+    parser.add_argument("--refresh-tokens", type=int, nargs="+", default=[None],
+                        help="older tokens a reread=new compaction re-reads as well (default: the policy's)")
     parser.add_argument("--passages", type=int, default=PASSAGES,
                         help="recall passages per third of the document (more: less noise, more scoring)")
     parser.add_argument("--update", action="store_true", help="merge into the saved results instead of replacing them")
@@ -177,8 +189,8 @@ def main() -> None:
             full = engine.prefill(ids)
             prefill_s = time.perf_counter() - began
             reference = {"full": probe_nll(engine, full, probes), "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
-            for method, reread in [(m, r) for m in args.methods for r in args.reread]:
-                policy = scenario.policy.with_overrides(method=method, reread=reread,
+            for method, reread, refresh in runs(scenario.policy, args):
+                policy = scenario.policy.with_overrides(method=method, reread=reread, refresh_tokens=refresh,
                                                         queries=args.queries or scenario.policy.queries)
                 counter.tokens = 0
                 run = read_online(engine, ids, policy)
@@ -192,7 +204,7 @@ def main() -> None:
                     raise RuntimeError(f"same-point compaction kept {same_point.physical_length} rows, "
                                        f"the session {online.physical_length}")
                 row = {"scenario": scenario.name, "doc": doc, "method": method, "queries": policy.queries,
-                       "reread": reread, "passages": args.passages, "compactions": run.compactions,
+                       "reread": reread, "refresh": refresh, "passages": args.passages, "compactions": run.compactions,
                        "re-read tokens": reread_tokens, "final rows": online.physical_length,
                        "one-shot rows": once.physical_length, "last compaction (tokens, rows)": run.last_compaction,
                        "same-point rows": same_point.physical_length}
@@ -208,17 +220,18 @@ def main() -> None:
                 rows.append(row)
                 print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     if args.update:
-        key = lambda r: (r["scenario"], r["doc"], r["method"], r["queries"], r["reread"])  # noqa: E731
+        key = lambda r: (r["scenario"], r["doc"], r["method"], r["queries"], r["reread"], r["refresh"])  # noqa: E731
         measured = {key(r) for r in rows}
         saved = json.loads((RESULTS / "online.json").read_text())["rows"]
         for r in saved:
             r.setdefault("queries", "repeat")  # rows measured before the query source was recorded
             r.setdefault("passages", 2)  # rows measured before the passage count was recorded (all with 2)
+            r.setdefault("refresh", 0)  # rows measured before compactions re-read older text
         rows = [r for r in saved if key(r) not in measured] + rows
         scenarios, docs = [s.name for s in SCENARIOS], list(documents())
         rows.sort(key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"]), METHODS.index(r["method"]),
-                                 r["queries"], REREAD.index(r["reread"])))
-    columns = ("scenario", "doc", "method", "queries", "reread", "passages", "compactions", "final rows", "online first",
+                                 r["queries"], REREAD.index(r["reread"]), r["refresh"]))
+    columns = ("scenario", "doc", "method", "queries", "reread", "refresh", "passages", "compactions", "final rows", "online first",
                "online middle", "online last", "online mean", "one-shot mean", "online / one-shot", "same point mean",
                "online / same point", "re-read tokens", "online compaction s", "prefill s")
     table = [{k: r[k] for k in columns} for r in rows]
@@ -233,7 +246,7 @@ def main() -> None:
 
 
 def plot(rows: list[dict]) -> None:
-    """One panel per document; per scenario, one bar per (method, reread, queries) run that was measured
+    """One panel per document; per scenario, one bar per (method, reread, queries, refresh) run that was measured
     (online / one-shot), with a mark at online / same point.
 
     Scenarios differ in budget, ratio and ``keep_recent``, not only in compaction count, so they are
@@ -246,20 +259,22 @@ def plot(rows: list[dict]) -> None:
 
     docs = sorted({r["doc"] for r in rows})
     scenarios = [s.name for s in SCENARIOS if any(r["scenario"] == s.name for r in rows)]
-    series = list(dict.fromkeys((r["method"], r["reread"], r.get("queries", "repeat")) for r in rows))
+    series = list(dict.fromkeys((r["method"], r["reread"], r.get("queries", "repeat"), r.get("refresh", 0))
+                                for r in rows))
     width = 0.8 / len(series)
     fig, axes = plt.subplots(1, len(docs), figsize=(6.5 * len(docs), 5.5), sharey=True, squeeze=False)
     for ax, doc in zip(axes[0], docs):
-        for i, (method, reread, queries) in enumerate(series):
-            runs = [(j, r) for j, name in enumerate(scenarios) for r in rows
-                    if (r["scenario"], r["doc"], r["method"], r["reread"], r.get("queries", "repeat"))
-                    == (name, doc, method, reread, queries)]
-            x = [j - 0.4 + (i + 0.5) * width for j, _ in runs]
+        for i, (method, reread, queries, refresh) in enumerate(series):
+            measured = [(j, r) for j, name in enumerate(scenarios) for r in rows
+                        if (r["scenario"], r["doc"], r["method"], r["reread"], r.get("queries", "repeat"),
+                            r.get("refresh", 0)) == (name, doc, method, reread, queries, refresh)]
+            x = [j - 0.4 + (i + 0.5) * width for j, _ in measured]
             colour = f"C{METHODS.index(method)}"
-            ax.bar(x, [r["online / one-shot"] for _, r in runs], width, color=colour,
-                   hatch="//" if reread == "new" else None, edgecolor="white",
-                   label=f"{method}, reread={reread}" + ("" if queries == "repeat" else f", queries={queries}"))
-            ax.plot(x, [r["online / same point"] for _, r in runs], "k_", markersize=10, markeredgewidth=2,
+            ax.bar(x, [r["online / one-shot"] for _, r in measured], width, color=colour,
+                   hatch=("xx" if refresh else "//") if reread == "new" else None, edgecolor="white",
+                   label=f"{method}, reread={reread}" + (f", refresh {refresh}" if refresh else "")
+                   + ("" if queries == "repeat" else f", queries={queries}"))
+            ax.plot(x, [r["online / same point"] for _, r in measured], "k_", markersize=10, markeredgewidth=2,
                     label="online / one compaction at the same point" if i == 0 else None)
         ax.axhline(0.9, color="k", linestyle=":", label="target 0.9")
         compactions = {r["scenario"]: r["compactions"] for r in rows if r["doc"] == doc}

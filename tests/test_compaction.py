@@ -227,7 +227,8 @@ def test_fits_reduce_error_on_random_caches():
 
     heads, n, d, queries = 2, 200, 16, 800
     keys, values = torch.randn(heads, n, d), torch.randn(heads, n, d)
-    span = LayerSpan(keys, values, torch.zeros(heads, n), torch.full((heads, n), -math.inf), [], 0, [])
+    span = LayerSpan(keys, values, torch.zeros(heads, n), torch.full((heads, n), -math.inf),
+                     torch.arange(n).expand(heads, n), [], 0, [], 0)
     q = torch.randn(heads, queries, d) * 2
     logits = torch.bmm(q, keys.transpose(1, 2)) * d**-0.5
     out = torch.bmm(logits.softmax(-1), values)
@@ -400,10 +401,7 @@ def test_incremental_end_to_end_check_reads_old_text_and_holds_out_only_new_text
     assert job.incremental and plan.start == 0 and job.read_start == 468
     positions = job.validation_positions
     assert min(positions) < job.read_start - plan.start < max(positions)  # old text and new text sampled
-    offset = job.read_start - plan.start
-    assert job.held_out() == [p - offset for p in positions if p >= offset] != []
-    read = job.read_tokens()
-    assert all(read[p] == ids[job.read_start + p] for p in job.held_out())
+    assert job.held_out() == [plan.start + p for p in positions]  # token positions, old text's too
     probes = []
     monkeypatch.setattr(llama, "score", lambda cache, tokens: probes.append(tokens) or torch.zeros(len(tokens)))
     monkeypatch.setattr(methods, "assemble", lambda cache, plan, choice: cache)
@@ -460,6 +458,78 @@ def test_rows_whose_compaction_kept_no_queries_are_re_read(llama, monkeypatch):
     assert read == [[260 - 32, 260 - 32]]
 
 
+def rows_by_position(cache: SessionCache) -> list[list[dict[int, tuple[torch.Tensor, float]]]]:
+    """Per layer and head: token position -> (key, recorded score) of every row, compacted or raw."""
+    tables = []
+    tail_start = cache.logical_length - cache.layers[0].tail_length
+    for layer in cache.layers:
+        heads = [{} for _ in range(layer.num_heads)]
+        for seg in layer.segments:
+            for h, table in enumerate(heads):
+                rows = seg.head_slice(h)
+                table.update(zip(seg.positions[rows].tolist(), zip(seg.keys[rows], seg.scores[rows].tolist())))
+        for h, table in enumerate(heads):
+            table.update((tail_start + i, (key, -math.inf)) for i, key in enumerate(layer.tail_keys[h]))
+        tables.append(heads)
+    return tables
+
+
+def test_compacted_rows_record_the_token_positions_they_came_from(llama):
+    """Every compacted row knows its token position, through re-compaction and a store round trip:
+    global eviction keeps rows unfitted, so each row's key is the key read at that position."""
+    ids = doc_ids(llama, 330)
+    cache = llama.prefill(ids[:200])
+    for end in (None, 330):
+        if end is not None:
+            llama.prefill(ids[cache.logical_length : end], cache)
+        before = rows_by_position(cache)
+        cache = compact(llama, cache, ratio=3, method="global-eviction", keep_recent=32, protect_prefix=4, reread="new")
+        for layer, table in zip(cache.layers, before):
+            prefix, span = layer.segments
+            assert prefix.positions.tolist() == list(range(4)) * layer.num_heads  # the protected prefix
+            for h in range(layer.num_heads):
+                positions = span.positions[span.head_slice(h)].tolist()
+                assert positions == sorted(set(positions)) and 4 <= positions[0] and positions[-1] < span.span[1]
+                assert all(torch.equal(key, table[h][p][0]) for p, key in zip(positions, span.keys[span.head_slice(h)]))
+    restored = SessionCache.from_tensors(*cache.to_tensors())
+    assert all(torch.equal(a.positions, b.positions) and a.refresh_cursor == b.refresh_cursor
+               for x, y in zip(cache.layers, restored.layers) for a, b in zip(x.segments, y.segments))
+
+
+def test_a_refresh_re_reads_older_text_in_turn_and_re_scores_its_rows(llama, monkeypatch):
+    """With ``refresh_tokens`` an incremental compaction also re-reads that much of the older text,
+    from where the last one stopped, wrapping at the new text: a bounded cost whatever the
+    history. The rows of that text get the scores this read gives them, lower ones included;
+    every other old row keeps at least its recorded score."""
+    ids = doc_ids(llama, 520)
+    arguments = {"ratio": 3, "method": "global-eviction", "keep_recent": 32, "reread": "new", "refresh_tokens": 150}
+    cache = compact(llama, llama.prefill(ids[:300]), **arguments)
+    assert cache.layers[0].layouts[0].refresh_cursor == 0  # nothing older than the new text yet
+    read = reference_tokens_read(llama, monkeypatch)
+    ranges, inside, outside = [], 0, 0
+    for end in (360, 420, 480, 520):
+        llama.prefill(ids[cache.logical_length : end], cache)
+        plan = plan_span(cache, protect_prefix=0, keep_recent=32)
+        job = methods.Job(llama, cache, plan, 0, DEFAULT_SOURCE, None, 0, "new", refresh_tokens=150)
+        ranges.append((job.refresh_range, plan.raw_start))
+        before = rows_by_position(cache)
+        cache = compact(llama, cache, **arguments)
+        first, last = job.refresh_range
+        for layer, table in zip(cache.layers, before):
+            seg = layer.segment(0)
+            for h in range(layer.num_heads):
+                rows = seg.head_slice(h)
+                for p, score in zip(seg.positions[rows].tolist(), seg.scores[rows].tolist()):
+                    if p < plan.raw_start and score < table[h][p][1]:
+                        inside += first <= p < last
+                        outside += not first <= p < last
+        assert cache.layers[0].layouts[0].refresh_cursor == (last if last < plan.raw_start else 0)
+    new = [end - 32 - raw_start for end, (_, raw_start) in zip((360, 420, 480, 520), ranges)]
+    assert [r for r, _ in ranges] == [(0, 150), (150, 300), (238, 388), (0, 150)]  # in turn, then from the start
+    assert read == [[n, n, 150] for n in new]  # the new text after "repeat", its tail, the older text
+    assert inside > 0 and outside == 0
+
+
 def test_incremental_path_keeping_every_row_is_exact(llama):
     """Reference of the new text plus the old rows' kept queries, every row re-fitted: with a budget of
     every row the compacted cache must answer as the original does."""
@@ -482,6 +552,12 @@ def test_reread_must_be_new_or_all_and_fit_sinks_a_bool(llama):
         compact(llama, cache, ratio=2, reread="some")
     with pytest.raises(InvalidInput, match="fit_sinks"):
         compact(llama, cache, ratio=2, fit_sinks="no")
+    with pytest.raises(InvalidInput, match="refresh_tokens"):
+        compact(llama, cache, ratio=2, reread="new", refresh_tokens=-1)
+    with pytest.raises(InvalidInput, match="refresh_tokens"):
+        BudgetPolicy.create(refresh_tokens=-5)
+    assert BudgetPolicy(max_live_tokens=640, keep_recent=64).compaction_arguments(1000)["refresh_tokens"] == 320
+    assert BudgetPolicy(refresh_tokens=0).compaction_arguments(1000)["refresh_tokens"] == 0
 
 
 def test_packed_rows_cost_the_bytes_reported(llama):
@@ -491,7 +567,7 @@ def test_packed_rows_cost_the_bytes_reported(llama):
     expected = 0
     for layer in small.layers:
         for seg in layer.segments:
-            expected += sum(seg.head_rows) * ((2 * small.head_dim + 1) * elt + 4)  # keys, values, β; float32 score
+            expected += sum(seg.head_rows) * ((2 * small.head_dim + 1) * elt + 4 + 4)  # keys, values, β; float32 score, int32 position
             expected += seg.queries.numel() * elt  # the reference queries it kept
         expected += 2 * layer.tail_length * small.num_kv_heads * small.head_dim * elt
     assert small.nbytes == expected

@@ -136,7 +136,7 @@ def test_heads_with_different_row_counts_are_packed(tiny_engine):
     per_layer_rows = sum(range(1, full.num_kv_heads + 1))
     elt = full.dtype.itemsize
     expected_bytes = full.num_layers * (
-        per_layer_rows * ((2 * full.head_dim + 1) * elt + 4) + 2 * 10 * full.num_kv_heads * full.head_dim * elt
+        per_layer_rows * ((2 * full.head_dim + 1) * elt + 4 + 4) + 2 * 10 * full.num_kv_heads * full.head_dim * elt
     )
     assert cache.nbytes == expected_bytes
     # Padded slots are masked: scoring works and round-trips exactly.

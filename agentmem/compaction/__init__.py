@@ -34,6 +34,7 @@ def compact(
     head_budgets: torch.Tensor | str | None = None,
     reread: str = "all",
     fit_sinks: bool | None = None,
+    refresh_tokens: int = 0,
     seed: int = 0,
 ) -> SessionCache:
     """Compact every row but the first ``protect_prefix`` tokens and the last ``keep_recent``.
@@ -64,10 +65,17 @@ def compact(
     more than the rows a head keeps): the next ``"new"`` compaction judges
     earlier rows by their recorded scores and by those queries (rotated to its own window),
     and re-fits them with the new rows, so a compaction costs the live rows plus the new
-    tokens; over many tight compactions it keeps a little less of the oldest text than
-    re-reading it does (``benchmarks/results/online.md``). Sessions compact with their
-    policy's ``reread``, ``"new"`` by default. Rows whose compaction kept no queries
-    (``reread="all"``, ``window``, a cache stored before queries were kept) are re-read.
+    tokens. Rows keep the score they were chosen by, and those go stale as the text around
+    them is squeezed again and again: ``refresh_tokens`` (with ``"new"``) re-reads that many
+    tokens of the older text as well, from where the last compaction's re-read stopped
+    (:meth:`~agentmem.compaction.methods.Job.refresh_range`), and its rows are scored afresh;
+    every row is re-measured every ``history / refresh_tokens`` compactions, at a cost bounded
+    by ``refresh_tokens``. Over many tight compactions ``"new"`` keeps less of the text than
+    re-reading all of it does, and the refresh recovers most of that
+    (``benchmarks/results/online.md``). Sessions compact with their policy's ``reread``
+    (``"new"`` by default) and ``refresh_tokens`` (half the budget by default). Rows whose
+    compaction kept no queries (``reread="all"``, ``window``, a cache stored before queries
+    were kept) are re-read.
 
     ``fit_sinks`` says whether AM may fit the attention sinks (the session's first rows); by
     default it does only with ``reread="all"``. One compaction of a whole text gains from
@@ -83,7 +91,8 @@ def compact(
         raise InvalidInput(f"ratio must be a finite number >= 1, got {ratio!r}")
     if target_tokens is not None and (not isinstance(target_tokens, int) or target_tokens < 0):
         raise InvalidInput(f"target_tokens must be a non-negative integer, got {target_tokens!r}")
-    for name, value in (("keep_recent", keep_recent), ("protect_prefix", protect_prefix)):
+    for name, value in (("keep_recent", keep_recent), ("protect_prefix", protect_prefix),
+                        ("refresh_tokens", refresh_tokens)):
         if not isinstance(value, int) or value < 0:
             raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
     if reread not in REREAD:
@@ -103,7 +112,7 @@ def compact(
     total = round(plan.rows / ratio) if ratio is not None else target_tokens * heads
     if total >= plan.rows:
         return cache.clone()
-    job = Job(engine, cache, plan, total, queries, head_budgets, seed, reread, fit_sinks)
+    job = Job(engine, cache, plan, total, queries, head_budgets, seed, reread, fit_sinks, refresh_tokens)
     with torch.inference_mode():
         return REGISTRY[method].run(job)
 

@@ -50,6 +50,7 @@ class Job:
     seed: int
     reread: str = "all"  # see compact(): "new" re-reads only the text since the last compaction
     fit_sinks: bool | None = None  # see compact(): may AM fit the attention sinks (None: only with "all")
+    refresh_tokens: int = 0  # see compact(): older text an incremental compaction re-reads as well
 
     def __post_init__(self) -> None:
         if self.fit_sinks is None:
@@ -69,6 +70,42 @@ class Job:
     def incremental(self) -> bool:
         """Whether earlier compacted rows are judged by their kept queries instead of re-read."""
         return self.read_start > self.plan.start
+
+    @functools.cached_property
+    def refresh_range(self) -> tuple[int, int] | None:
+        """The older text an incremental compaction re-reads: ``refresh_tokens`` tokens of the
+        compacted text, from where the last re-read stopped (wrapping to its beginning), or ``None``.
+
+        Rows keep the score they had when a compaction last measured them, and those scores go
+        stale: as the text around a row is squeezed again and again, queries re-reading it
+        attend to it less, but its recorded score stays. Stale old rows outbid new text and
+        are never evicted (``benchmarks/online.py``'s 11x session: 0–3 of up to 364 old rows per
+        head went per compaction, where re-reading all the text evicted 5–14%). Re-reading a
+        bounded slice of the old text per compaction, in turn, re-measures every row every
+        ``history / refresh_tokens`` compactions at a cost bounded by ``refresh_tokens``.
+        """
+        if not self.incremental or not self.refresh_tokens:
+            return None
+        first, end = self.plan.start, self.plan.raw_start
+        size = min(self.refresh_tokens, end - first)
+        cursor = self.plan.layers[0].refresh_cursor
+        start = min(cursor if first <= cursor < end else first, end - size)
+        return start, start + size
+
+    @property
+    def next_refresh_cursor(self) -> int:
+        """Where the next compaction's re-read starts: after this one's, or back at the beginning."""
+        if self.refresh_range is None:
+            return self.plan.layers[0].refresh_cursor if self.incremental else 0
+        end = self.refresh_range[1]
+        return end if end < self.plan.raw_start else self.plan.start
+
+    def refreshed(self, span: LayerSpan) -> torch.Tensor:
+        """``(H, n)``: the span rows whose text :attr:`refresh_range` re-reads."""
+        if self.refresh_range is None:
+            return torch.zeros_like(span.valid)
+        first, end = self.refresh_range
+        return span.valid & (span.positions >= first) & (span.positions < end)
 
     @property
     def counts(self) -> list[list[int]]:
@@ -100,10 +137,8 @@ class Job:
         return sample_positions(length, min(VALIDATION_TOKENS, length // 4))
 
     def held_out(self) -> list[int]:
-        """The validation positions that fall in :meth:`read_tokens`, as its positions: the fits
-        never see queries reading them."""
-        offset = self.read_start - self.plan.start
-        return [p - offset for p in self.validation_positions if p >= offset]
+        """The token positions :meth:`validation_text` re-reads: the fits never see queries reading them."""
+        return [self.plan.start + p for p in self.validation_positions]
 
     def reference(self, max_queries: int | None = None, held_out: list[int] = ()) -> Reference:
         """Scores of every span row under reference queries re-reading :meth:`read_tokens`, and a query sample.
@@ -124,7 +159,7 @@ class Job:
         sample = None if max_queries is None else max(max_queries, STORED_QUERIES if keep else 1)
         reference = collect_reference(self.engine, self.cache, self.plan, self.queries, start=self.read_start,
                                       budget=self.plan.end - self.read_start, max_queries=sample, seed=self.seed,
-                                      held_out=frozenset(held_out))
+                                      held_out=frozenset(held_out), refresh=self.refresh_range)
         parts = [[(layer.q, self.plan.end - self.read_start)] for layer in reference.queries]
         if self.incremental:
             for i, (layer, span) in enumerate(zip(self.cache.layers, self.plan.layers)):
@@ -137,7 +172,8 @@ class Job:
         """Layer ``i``'s reference plus the queries the span's compacted segments kept.
 
         They are rotated to this compaction's window and attend to the cache as it is: each
-        old row scores the largest of its recorded score, what the new queries give it and
+        old row scores the largest of its recorded score (unless :attr:`refresh_range` re-read
+        its text just now: then that stale score is dropped), what the new queries give it and
         what the kept queries give it, and the kept queries join the sample the fits are
         solved on, so old rows are re-fitted with the new ones. The recorded scores stay in
         the max because a few hundred kept queries see less than the thousands that read
@@ -152,7 +188,8 @@ class Job:
         stats = attention_stats(queries, cache_blocks(layer, span), self.scale, output=True, key_max_of=(1,),
                                 softmax_of=(1,))
         seen = stats.key_max[0].masked_fill(~span.valid, -math.inf)
-        reference.scores[i] = reference.scores[i].fmax(span.recorded).fmax(seen)
+        recorded = span.recorded.masked_fill(self.refreshed(span), -math.inf)  # re-measured: the old score is stale
+        reference.scores[i] = reference.scores[i].fmax(recorded).fmax(seen)
         reference.queries[i] = LayerQueries.cat([mine, LayerQueries(queries, stats.lse, stats.output.to(mine.q.dtype),
                                                                     stats.block_lse[0], stats.block_output[0])])
         return old
@@ -317,7 +354,8 @@ def summary(job: Job, *, tokens: int | None = None) -> SessionCache:
     rows = [[HeadChoice(index, beta, layer.tail_values[h].float())
              for h in range(cache.num_kv_heads)] for layer in prefix.layers]
     summary_plan = SpanPlan(plan.start, plan.raw_start, plan.end, plan.protected_raw, plan.recent,
-                            [span_of_rows(layer, span.kept_segments) for layer, span in zip(prefix.layers, plan.layers)])
+                            [span_of_rows(layer, span.kept_segments, plan.start)
+                             for layer, span in zip(prefix.layers, plan.layers)])
     return assemble(cache, summary_plan, rows)
 
 
@@ -338,7 +376,7 @@ def _rows(choose: Callable[[Job], Chosen]) -> Callable[[Job], SessionCache]:
         choices, reference = choose(job)
         if reference is None:
             return assemble(job.cache, job.plan, choices)
-        return assemble(job.cache, job.plan, choices, reference.scores, reference.kept)
+        return assemble(job.cache, job.plan, choices, reference.scores, reference.kept, job.next_refresh_cursor)
 
     return build
 

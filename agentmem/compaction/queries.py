@@ -175,15 +175,18 @@ def check_source(source: str) -> list[str]:
 
 def collect_reference(
     engine, cache: SessionCache, plan: SpanPlan, source: str, *, start: int, budget: int, max_queries: int | None,
-    seed: int, held_out: frozenset[int] = frozenset(),
+    seed: int, held_out: frozenset[int] = frozenset(), refresh: tuple[int, int] | None = None,
 ) -> Reference:
     """Scores and a query sample of ``source`` (module doc) for the span's text from position
     ``start`` on, reading at most about ``budget`` tokens (nothing when that text is empty).
 
+    ``refresh`` ``(first, end)``: older text read as well, as the ``repeat`` source reads it,
+    so that its rows are scored by queries of the cache as it is now (see
+    :meth:`~agentmem.compaction.methods.Job.refresh_range`).
+
     ``max_queries`` caps the sample per KV head; it is also capped so that all layers'
-    samples fit in ``SAMPLE_BYTES``. Queries reading a position in ``held_out`` (counted from
-    ``start``) score rows but are never sampled, so what the fits are validated on stays
-    unseen by them.
+    samples fit in ``SAMPLE_BYTES``. Queries reading a token position in ``held_out`` score
+    rows but are never sampled, so what the fits are validated on stays unseen by them.
     """
     parts = check_source(source)
     span_tokens = cache.token_ids[start : plan.end]
@@ -192,8 +195,11 @@ def collect_reference(
     shared = [p for p in parts if p != "tail"]
     share = max(_CHUNK, budget // max(1, len(shared)))
     room = engine.max_context - cache.logical_length
-    windows = [(w[:room], at[:room]) for p in parts
-               for w, at in _windows(engine, cache, span_tokens, p, TAIL_TOKENS if p == "tail" else share, seed)]
+    reads = [(span_tokens, start, p, TAIL_TOKENS if p == "tail" else share) for p in parts]
+    if refresh is not None and refresh[1] > refresh[0]:
+        reads.append((cache.token_ids[refresh[0] : refresh[1]], refresh[0], "repeat", refresh[1] - refresh[0]))
+    windows = [(w[:room], [-1 if i < 0 else first + i for i in at[:room]]) for tokens, first, p, size in reads
+               for w, at in _windows(engine, cache, tokens, p, size, seed)]
     group = engine.num_heads // engine.num_kv_heads
     eligible = torch.tensor([i not in held_out for _, at in windows for i in at], device="cpu")
     candidates = eligible.repeat_interleave(group).nonzero()[:, 0]
@@ -209,7 +215,7 @@ def collect_reference(
 def _windows(
     engine, cache: SessionCache, span_tokens: list[int], source: str, budget: int, seed: int
 ) -> list[tuple[list[int], list[int]]]:
-    """Token windows to read, each with the span position every token copies (-1: not from the span)."""
+    """Token windows to read, each with the index in ``span_tokens`` every token copies (-1: none)."""
     encode = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     if source == "self-study":
         prompt = encode(SELF_STUDY_PROMPT)

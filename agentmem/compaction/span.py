@@ -26,7 +26,8 @@ class LayerSpan:
     """One layer's span slots: ``keys``/``values`` ``(H, n, d)`` buffer views, ``prior`` ``(H, n)`` float32.
 
     ``recorded`` ``(H, n)`` holds the scores earlier compactions recorded for their rows (-inf
-    on raw rows, padding and rows without one). ``replaced`` lists, per compacted segment in
+    on raw rows, padding and rows without one), ``positions`` ``(H, n)`` each row's token
+    position (-1 on padding and unknowns). ``replaced`` lists, per compacted segment in
     the span, the reference queries it kept (``None``: none) and the tokens it stands for.
     """
 
@@ -34,16 +35,20 @@ class LayerSpan:
     values: torch.Tensor
     prior: torch.Tensor
     recorded: torch.Tensor
+    positions: torch.Tensor
     kept_segments: list[CompactedSegment]
     slot_start: int  # the span's first slot in the layer buffer
     replaced: list[tuple[SegmentQueries | None, int]]
+    refresh_cursor: int  # where the next re-read of the span's compacted text starts (0: its beginning)
 
     @classmethod
-    def of(cls, layer: LayerCache, start: int, end: int, kept: list[CompactedSegment]) -> LayerSpan:
+    def of(cls, layer: LayerCache, start: int, end: int, kept: list[CompactedSegment], tail_start: int) -> LayerSpan:
+        """Slots ``[start, end)`` of ``layer``, whose raw tail begins at position ``tail_start``."""
         keys, values, prior = layer.slot_view(start, end)
-        replaced = [(stored, seg.span[1] - seg.span[0])
-                    for seg, stored in zip(layer.layouts[len(kept):], layer.queries[len(kept):])]
-        return cls(keys, values, prior, layer.recorded_scores(start, end), kept, start, replaced)
+        layouts = layer.layouts[len(kept):]
+        replaced = [(stored, seg.span[1] - seg.span[0]) for seg, stored in zip(layouts, layer.queries[len(kept):])]
+        return cls(keys, values, prior, layer.recorded_scores(start, end), layer.slot_positions(start, end, tail_start),
+                   kept, start, replaced, max((seg.refresh_cursor for seg in layouts), default=0))
 
     @property
     def valid(self) -> torch.Tensor:
@@ -99,7 +104,7 @@ def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> 
         # Segments are in position order, so the kept ones come first in the buffer; when raw
         # rows are protected, every segment precedes them and is kept.
         first = sum(seg.width for seg in kept) + protected_raw
-        layers.append(LayerSpan.of(layer, first, layer.prefix_length + protected_raw + raw_span, kept))
+        layers.append(LayerSpan.of(layer, first, layer.prefix_length + protected_raw + raw_span, kept, tail_start))
     if not any(layer.rows for layer in layers):
         return None
     old_starts = [seg.span[0] for seg in cache.layers[0].layouts if seg.span[1] > protect_prefix]
@@ -118,13 +123,14 @@ class HeadChoice:
 
 def assemble(
     cache: SessionCache, plan: SpanPlan, choices: list[list[HeadChoice]], scores: list[torch.Tensor] | None = None,
-    queries: list[torch.Tensor] | None = None,
+    queries: list[torch.Tensor] | None = None, refresh_cursor: int = 0,
 ) -> SessionCache:
     """A new cache: kept segments, the protected raw rows, the compacted span, the recent rows.
 
     ``scores`` ``(H, n)`` per layer, when the method scored the span's rows, are recorded with
     the rows kept, and ``queries`` ``(H, K, d)`` per layer (reference queries of a window read
-    at the cache's logical end) are kept with them (see :class:`CompactedSegment`).
+    at the cache's logical end) are kept with them, as is every row's token position and the
+    ``refresh_cursor`` (see :class:`CompactedSegment`).
     """
     layers = []
     protected_start = cache.logical_length - cache.layers[0].tail_length
@@ -135,6 +141,7 @@ def assemble(
             segments.append(_identity_segment(layer, plan.protected_raw, protected_start))
         keys = torch.cat([span.keys[h, c.index] for h, c in enumerate(heads)])
         layer_scores = None if scores is None else torch.cat([scores[i][h, c.index] for h, c in enumerate(heads)])
+        positions = torch.cat([span.positions[h, c.index] for h, c in enumerate(heads)]).to(torch.int32)
         segments.append(
             CompactedSegment(
                 keys=keys.to(dtype),
@@ -145,6 +152,8 @@ def assemble(
                 scores=layer_scores,
                 queries=None if queries is None else queries[i],
                 queries_at=cache.logical_length,
+                positions=positions,
+                refresh_cursor=refresh_cursor,
             )
         )
         recent = slice(layer.tail_length - plan.recent, layer.tail_length)
@@ -160,6 +169,7 @@ def _identity_segment(layer: LayerCache, rows: int, start: int) -> CompactedSegm
         beta=torch.zeros(heads * rows, dtype=layer.tail_keys.dtype, device=layer.tail_keys.device),
         head_rows=(rows,) * heads,
         span=(start, start + rows),
+        positions=torch.arange(start, start + rows, dtype=torch.int32, device=layer.tail_keys.device).repeat(heads),
     )
 
 
@@ -179,6 +189,7 @@ def prefix_cache(cache: SessionCache, plan: SpanPlan) -> SessionCache:
     return SessionCache(layers, cache.token_ids[: plan.start], cache.fingerprint)
 
 
-def span_of_rows(layer: LayerCache, kept: list[CompactedSegment]) -> LayerSpan:
-    """A layer's raw tail as a span (every head the same rows, prior 0) after the ``kept`` segments."""
-    return LayerSpan.of(layer, layer.prefix_length, layer.length, kept)
+def span_of_rows(layer: LayerCache, kept: list[CompactedSegment], tail_start: int) -> LayerSpan:
+    """A layer's raw tail, which begins at position ``tail_start``, as a span (every head the same
+    rows, prior 0) after the ``kept`` segments."""
+    return LayerSpan.of(layer, layer.prefix_length, layer.length, kept, tail_start)

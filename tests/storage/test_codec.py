@@ -267,7 +267,7 @@ def test_every_tensor_starts_aligned_and_gaps_are_padding_safetensors_reads(toke
         assert_close(odd, decode_cache(blob), TOLERANCE.get(dtype, 0))
 
 
-_SAFE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I8": torch.int8,
+_SAFE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
          "U8": torch.uint8}
 
 
