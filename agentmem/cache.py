@@ -85,7 +85,7 @@ class CompactedSegment:
                 f"values {tuple(self.values.shape)}, beta {tuple(self.beta.shape)}, scores {tuple(self.scores.shape)}, "
                 f"positions {tuple(self.positions.shape)}"
             )
-        if self.positions.is_floating_point() or self.positions.is_complex():
+        if self.positions.dtype not in (torch.int16, torch.int32, torch.int64):
             raise InvalidInput(f"segment positions must be integers, got {self.positions.dtype}")
         if any(r < 0 for r in self.head_rows):
             raise InvalidInput(f"negative row count in head_rows {self.head_rows}")
@@ -123,7 +123,8 @@ class SegmentQueries:
 
 @dataclass(frozen=True)
 class SegmentLayout:
-    """Where a compacted segment lives in a layer buffer: its rows per head, span and first slot."""
+    """Where a compacted segment lives in a layer buffer: its rows per head, span and first slot;
+    and where the next re-read of its older text starts (:attr:`CompactedSegment.refresh_cursor`)."""
 
     head_rows: tuple[int, ...]
     span: tuple[int, int]
@@ -295,7 +296,9 @@ class LayerCache:
         padding and unknowns."""
         out = self._prefix_rows(self.positions, start, end, raw=0, dtype=torch.int64)
         first_raw = max(start, self.prefix_length)
-        out[:, first_raw - start :] = torch.arange(first_raw, end, device=out.device) - self.prefix_length + tail_start
+        if end > first_raw:
+            raw = torch.arange(first_raw, end, device=out.device)
+            out[:, first_raw - start :] = raw - self.prefix_length + tail_start
         return out
 
     def _prefix_rows(self, per_slot: torch.Tensor | None, start: int, end: int, *, raw: float,
@@ -616,8 +619,11 @@ class SessionCache:
                 if parts["keys"].shape != (sum(head_rows), head_dim):
                     raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
                 try:
+                    cursor = seg_meta.get("refresh_cursor", 0)
+                    if type(cursor) is not int:  # noqa: E721 (a bool or a float is corrupt, not a position)
+                        raise CorruptSessionError(f"layer {i} segment {j} refresh cursor {cursor!r} is not an integer")
                     segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]),
-                                                     refresh_cursor=int(seg_meta.get("refresh_cursor", 0)), **parts))
+                                                     refresh_cursor=cursor, **parts))
                 except InvalidInput as exc:
                     raise CorruptSessionError(f"layer {i} segment {j}: {exc}") from exc
             tail_k, tail_v = _stored_tail(tensors, meta, i)  # converted and moved by LayerCache's copy

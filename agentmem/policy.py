@@ -34,7 +34,7 @@ class BudgetPolicy(BaseModel):
     fill_after_compaction: float = Field(
         0.8, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later "
                                      "turns (higher keeps more history and compacts more often; with reread=new each "
-                                     "compaction costs only the new text; at target ratios up to 8, 0.8 keeps >= 0.9 of one "
+                                     "compaction costs only the new text plus refresh_tokens; at target ratios up to 8, 0.8 keeps >= 0.9 of one "
                                      "compaction's retention in benchmarks/online.py where 0.5 did not)")
     protect_system_prompt: bool = Field(True, description="never compact a leading system prompt")
     method: str = Field("am-fast", description="compaction method (agentmem.compaction.METHODS)")
@@ -42,7 +42,7 @@ class BudgetPolicy(BaseModel):
                                                     "(agentmem.compaction.queries)")
     reread: Literal["new", "all"] = Field(
         "new", description="what a compaction re-reads: only text not compacted before (new: cost bounded by the live "
-                           "rows plus the new text, old rows judged by the queries they kept) or all the text its span "
+                           "rows plus the new text plus refresh_tokens, old rows judged by the queries they kept) or all the text its span "
                            "stands for (all: keeps a little more of the oldest text, cost grows with the history)")
     refresh_tokens: int | None = Field(
         None, ge=0, description="with reread=new, older text each compaction re-reads as well, in turn, so old rows are "

@@ -7,8 +7,8 @@ would under that :class:`~agentmem.BudgetPolicy` (``policy.compaction_target``).
 its recall of the text is compared with *one* compaction of the full cache to the same final
 number of rows (same method, same ``keep_recent``).
 
-Each method runs with ``reread="all"`` (the policy default: every compaction re-reads all the
-text its span stands for) and with ``reread="new"`` (a compaction re-reads only the text since
+Each method runs with ``reread="all"`` (every compaction re-reads all the text its span stands
+for) and with ``reread="new"``, the policy default (a compaction re-reads only the text since
 the last one and judges older rows by the reference queries they kept, so its cost follows the
 live rows plus the new tokens). With ``reread="new"`` each compaction also re-reads ``refresh``
 tokens of the older text in turn (the policy's ``refresh_tokens``; ``--refresh-tokens`` sets

@@ -26,7 +26,8 @@ the buffer from the caller (page-locked memory for a GPU cache, where the copies
 Storage dtypes: ``auto`` (the cache's own dtype: bit-exact, the default), ``fp32``, ``fp16``
 and ``bf16`` (rounded), and ``int8`` (symmetric, one fp32 scale per channel — per layer, head
 and dimension of each raw tail block, per dimension for a segment). β is always kept in fp32: it is tiny
-and every logit uses it.
+and every logit uses it; so are the rows' recorded scores, and integer parts (token ids, the
+rows' token positions) are stored as they are.
 """
 
 from __future__ import annotations

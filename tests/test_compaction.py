@@ -22,7 +22,7 @@ from agentmem.compaction.solvers import (
     pad_selection,
 )
 from agentmem.compaction.span import plan_span
-from agentmem.errors import InvalidInput
+from agentmem.errors import CorruptSessionError, InvalidInput
 from agentmem.policy import BudgetPolicy
 
 
@@ -104,6 +104,27 @@ def test_held_out_positions_never_reach_the_fit_sample(llama):
         heads, _, dim = a.q.shape
         assert torch.equal(b.q.reshape(heads, -1, group, dim), a.q.reshape(heads, 160, group, dim)[:, outside])
         assert c.q.shape[1] == 0 and c.lse.shape[1] == 0
+        assert torch.equal(s_a, s_b)
+
+
+def test_held_out_positions_are_token_positions_in_new_and_refreshed_text(llama):
+    """Read from position 100 on, with older text 20–50 refreshed: queries reading a held-out
+    token position are left out of the sample wherever it lies; positions not read change nothing."""
+    from agentmem.compaction.queries import REPEAT_PROMPT
+
+    cache = llama.prefill(doc_ids(llama, 160))
+    plan = plan_span(cache, protect_prefix=0, keep_recent=0)
+    read = dict(start=100, budget=60, max_queries=None, seed=0, refresh=(20, 50))
+    every = collect_reference(llama, cache, plan, "context", **read)
+    held = frozenset(range(110, 120)) | frozenset(range(30, 35)) | frozenset(range(60, 70))  # 60–70: not read
+    rest = collect_reference(llama, cache, plan, "context", held_out=held, **read)
+    prompt = len(llama.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
+    order = [*range(100, 160), *[-1] * prompt, *range(20, 50)]  # the new text, then the refresh after its instruction
+    keep = [t not in held for t in order]
+    group = llama.num_heads // llama.num_kv_heads
+    for a, b, s_a, s_b in zip(every.queries, rest.queries, every.scores, rest.scores):
+        heads, _, dim = a.q.shape
+        assert torch.equal(b.q.reshape(heads, -1, group, dim), a.q.reshape(heads, len(order), group, dim)[:, keep])
         assert torch.equal(s_a, s_b)
 
 
@@ -388,9 +409,10 @@ def test_a_segment_keeps_a_sample_of_the_reference_queries_that_judged_it(llama)
     assert all(seg.queries is None for layer in rereads.layers for seg in layer.segments)
 
 
-def test_incremental_end_to_end_check_reads_old_text_and_holds_out_only_new_text(llama, monkeypatch):
+def test_incremental_end_to_end_check_reads_old_text_and_holds_out_what_it_samples(llama, monkeypatch):
     """An incremental compaction re-fits old rows too, so its end-to-end check samples the whole
-    span's text (old text included, not re-read in full); the fits hold out the sampled new text."""
+    span's text (old text included, not re-read in full); the fits hold out every sampled token
+    position (:func:`test_held_out_positions_are_token_positions_in_new_and_refreshed_text`)."""
     from agentmem.compaction.methods import Job
 
     ids = doc_ids(llama, 600)
@@ -528,6 +550,35 @@ def test_a_refresh_re_reads_older_text_in_turn_and_re_scores_its_rows(llama, mon
     assert [r for r, _ in ranges] == [(0, 150), (150, 300), (238, 388), (0, 150)]  # in turn, then from the start
     assert read == [[n, n, 150] for n in new]  # the new text after "repeat", its tail, the older text
     assert inside > 0 and outside == 0
+    # With no new text the refresh is still read, and the cursor, stored with the cache, moves on.
+    again = compact(llama, cache, **arguments)
+    assert read[-1] == [150] and again.physical_length < cache.physical_length
+    tensors, meta = again.to_tensors()
+    restored = SessionCache.from_tensors(tensors, meta)
+    assert again.layers[0].layouts[0].refresh_cursor == restored.layers[0].layouts[0].refresh_cursor == 300
+    for cursor in (True, 12.5, -3):  # a stored cursor that is no position is refused, not truncated
+        bad = {**meta, "layers": [dict(layer) for layer in meta["layers"]]}
+        bad["layers"][0]["segments"] = [{**meta["layers"][0]["segments"][0], "refresh_cursor": cursor}]
+        with pytest.raises(CorruptSessionError, match="cursor"):
+            SessionCache.from_tensors(tensors, bad)
+    with pytest.raises(CorruptSessionError, match="positions must be integers"):
+        name = "layers.0.segments.0.positions"
+        SessionCache.from_tensors({**tensors, name: tensors[name].float()}, meta)
+
+
+def test_a_refresh_longer_than_the_older_text_re_reads_all_of_it_after_the_protected_prefix(llama, monkeypatch):
+    ids = doc_ids(llama, 300)
+    arguments = {"ratio": 3, "method": "global-eviction", "keep_recent": 32, "protect_prefix": 8, "reread": "new",
+                 "refresh_tokens": 1000}
+    cache = compact(llama, llama.prefill(ids[:200]), **arguments)
+    llama.prefill(ids[200:260], cache)
+    plan = plan_span(cache, protect_prefix=8, keep_recent=32)
+    job = methods.Job(llama, cache, plan, 0, DEFAULT_SOURCE, None, 0, "new", refresh_tokens=1000)
+    assert (plan.start, plan.raw_start) == (8, 168) and job.refresh_range == (8, 168) and job.next_refresh_cursor == 8
+    read = reference_tokens_read(llama, monkeypatch)
+    cache = compact(llama, cache, **arguments)
+    assert read == [[60, 60, 160]]
+    assert cache.layers[0].layouts[-1].refresh_cursor == 8
 
 
 def test_incremental_path_keeping_every_row_is_exact(llama):
@@ -567,7 +618,8 @@ def test_packed_rows_cost_the_bytes_reported(llama):
     expected = 0
     for layer in small.layers:
         for seg in layer.segments:
-            expected += sum(seg.head_rows) * ((2 * small.head_dim + 1) * elt + 4 + 4)  # keys, values, β; float32 score, int32 position
+            # keys, values and β; a float32 score and an int32 position
+            expected += sum(seg.head_rows) * ((2 * small.head_dim + 1) * elt + 4 + 4)
             expected += seg.queries.numel() * elt  # the reference queries it kept
         expected += 2 * layer.tail_length * small.num_kv_heads * small.head_dim * elt
     assert small.nbytes == expected

@@ -508,9 +508,13 @@ def test_a_spill_after_a_turn_writes_only_what_changed(tiny, tmp_path, monkeypat
 
 def test_incremental_compaction_keeps_its_queries_across_a_spill_and_reads_only_new_text(tiny, tmp_path, monkeypatch):
     """A policy with ``reread="new"``: the queries a compaction keeps are stored with the session,
-    and after a resume the next compaction re-reads only what arrived since the last one."""
+    and after a resume the next compaction re-reads only what arrived since the last one, plus
+    ``refresh_tokens`` of the older text (rows' positions and the cursor are stored too)."""
+    from agentmem.compaction.queries import REPEAT_PROMPT
+
     db = f"sqlite:///{tmp_path / 's.db'}"
-    policy = BudgetPolicy(max_live_tokens=256, keep_recent=32, target_ratio=4, method="am-fast", reread="new")
+    policy = BudgetPolicy(max_live_tokens=256, keep_recent=32, target_ratio=4, method="am-fast", reread="new",
+                          refresh_tokens=40)
     with SessionManager(tiny, db, default_policy=policy) as manager:
         session = manager.session("reader")
         turn = 0
@@ -518,6 +522,7 @@ def test_incremental_compaction_keeps_its_queries_across_a_spill_and_reads_only_
             session.chat(filler(turn), max_new_tokens=4)
             turn += 1
         kept = [layer.segments[-1].queries for layer in session.cache.layers]
+        positions = [layer.segments[-1].positions for layer in session.cache.layers]
         compacted_at = session.cache.layers[0].segments[-1].queries_at
     assert all(q is not None and q.shape[1] > 0 for q in kept)
     windows = []
@@ -528,9 +533,12 @@ def test_incremental_compaction_keeps_its_queries_across_a_spill_and_reads_only_
         session = manager.session("reader")
         resumed = [layer.segments[-1] for layer in session.cache.layers]
         assert all(seg.queries_at == compacted_at and torch.equal(seg.queries, q) for seg, q in zip(resumed, kept))
+        assert all(torch.equal(seg.positions, p) for seg, p in zip(resumed, positions))
         while session.cache.layers[0].segments[-1].queries_at == compacted_at:
             session.chat(filler(turn), max_new_tokens=4)
             turn += 1
         after = session.cache.layers[0].segments[-1].queries_at
-    assert windows  # a compaction ran, and each of its windows read at most the text since the last one
-    assert max(max(w) for w in windows) <= after - compacted_at + 16 < after - policy.keep_recent
+    # A compaction ran; each window read at most the text since the last one, and one the refresh.
+    prompt = len(tiny.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
+    assert windows and windows[-1][-1] == prompt + 40
+    assert max(max(w) for w in windows) <= max(after - compacted_at, 40) + 16 < after - policy.keep_recent

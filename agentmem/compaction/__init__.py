@@ -65,15 +65,15 @@ def compact(
     more than the rows a head keeps): the next ``"new"`` compaction judges
     earlier rows by their recorded scores and by those queries (rotated to its own window),
     and re-fits them with the new rows, so a compaction costs the live rows plus the new
-    tokens. Rows keep the score they were chosen by, and those go stale as the text around
-    them is squeezed again and again: ``refresh_tokens`` (with ``"new"``) re-reads that many
+    tokens. Rows keep the best score any compaction gave them, and those go stale as the text
+    around them is squeezed again and again: ``refresh_tokens`` (with ``"new"``) re-reads that many
     tokens of the older text as well, from where the last compaction's re-read stopped
     (:meth:`~agentmem.compaction.methods.Job.refresh_range`), and its rows are scored afresh;
     every row is re-measured every ``history / refresh_tokens`` compactions, at a cost bounded
     by ``refresh_tokens``. Over many tight compactions ``"new"`` keeps less of the text than
     re-reading all of it does, and the refresh recovers most of that
     (``benchmarks/results/online.md``). Sessions compact with their policy's ``reread``
-    (``"new"`` by default) and ``refresh_tokens`` (half the budget by default). Rows whose
+    (``"new"`` by default) and ``refresh_tokens`` (half of ``max_live_tokens`` by default). Rows whose
     compaction kept no queries (``reread="all"``, ``window``, a cache stored before queries
     were kept) are re-read.
 

@@ -61,8 +61,9 @@ class Job:
         """The first position whose text the reference queries re-read.
 
         With ``reread="new"``, text whose compacted rows kept their reference queries is not
-        re-read: those queries, rotated to this compaction's window, judge and re-fit the rows
-        again, so a compaction costs the live rows plus the new tokens, not the whole history.
+        re-read (but for :attr:`refresh_range`): those queries, rotated to this compaction's
+        window, judge and re-fit the rows again, so a compaction costs the live rows plus the
+        new tokens plus ``refresh_tokens``, not the whole history.
         """
         return self.plan.raw_start if self.reread == "new" and self.plan.kept_queries else self.plan.start
 
@@ -74,7 +75,8 @@ class Job:
     @functools.cached_property
     def refresh_range(self) -> tuple[int, int] | None:
         """The older text an incremental compaction re-reads: ``refresh_tokens`` tokens of the
-        compacted text, from where the last re-read stopped (wrapping to its beginning), or ``None``.
+        compacted text from where the last re-read stopped, or ``None``. The range that reaches the
+        new text ends there (overlapping the one before it); the next starts over at the beginning.
 
         Rows keep the score they had when a compaction last measured them, and those scores go
         stale: as the text around a row is squeezed again and again, queries re-reading it
@@ -116,7 +118,8 @@ class Job:
         return self.engine.head_dim**-0.5
 
     def read_tokens(self) -> list[int]:
-        """The text the reference queries re-read (from :attr:`read_start` to the span's end)."""
+        """The span text the reference queries re-read (from :attr:`read_start` to the span's end;
+        :attr:`refresh_range` is read as well)."""
         return self.cache.token_ids[self.read_start : self.plan.end]
 
     def validation_text(self) -> list[int]:
@@ -141,7 +144,8 @@ class Job:
         return [self.plan.start + p for p in self.validation_positions]
 
     def reference(self, max_queries: int | None = None, held_out: list[int] = ()) -> Reference:
-        """Scores of every span row under reference queries re-reading :meth:`read_tokens`, and a query sample.
+        """Scores of every span row under reference queries re-reading :meth:`read_tokens` (and
+        :attr:`refresh_range`), and a query sample.
 
         Rows no query looks at cannot be judged, so the queries read every token of that text
         (re-reading only an evenly spread subset of it lost 0.10 of online retention on prose in

@@ -178,7 +178,7 @@ def collect_reference(
     seed: int, held_out: frozenset[int] = frozenset(), refresh: tuple[int, int] | None = None,
 ) -> Reference:
     """Scores and a query sample of ``source`` (module doc) for the span's text from position
-    ``start`` on, reading at most about ``budget`` tokens (nothing when that text is empty).
+    ``start`` on, reading at most about ``budget`` tokens of it.
 
     ``refresh`` ``(first, end)``: older text read as well, as the ``repeat`` source reads it,
     so that its rows are scored by queries of the cache as it is now (see
@@ -190,14 +190,14 @@ def collect_reference(
     """
     parts = check_source(source)
     span_tokens = cache.token_ids[start : plan.end]
-    if not span_tokens:
-        return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device=cache.device), 1).result()
     shared = [p for p in parts if p != "tail"]
     share = max(_CHUNK, budget // max(1, len(shared)))
     room = engine.max_context - cache.logical_length
-    reads = [(span_tokens, start, p, TAIL_TOKENS if p == "tail" else share) for p in parts]
+    reads = [(span_tokens, start, p, TAIL_TOKENS if p == "tail" else share) for p in parts] if span_tokens else []
     if refresh is not None and refresh[1] > refresh[0]:
         reads.append((cache.token_ids[refresh[0] : refresh[1]], refresh[0], "repeat", refresh[1] - refresh[0]))
+    if not reads:
+        return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device=cache.device), 1).result()
     windows = [(w[:room], [-1 if i < 0 else first + i for i in at[:room]]) for tokens, first, p, size in reads
                for w, at in _windows(engine, cache, tokens, p, size, seed)]
     group = engine.num_heads // engine.num_kv_heads
