@@ -46,7 +46,7 @@ class BudgetPolicy(BaseModel):
                            "stands for (all: keeps a little more of the oldest text, cost grows with the history)")
     refresh_tokens: int | None = Field(
         None, ge=0, description="with reread=new, older text each compaction re-reads as well, in turn, so old rows are "
-                                "re-scored against the cache as it is now (None: half of max_live_tokens; 0: never)")
+                                "re-scored against the cache as it is now (unset: half of max_live_tokens; 0: never)")
     max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
     max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
     max_host_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the host-memory tier")
