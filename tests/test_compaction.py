@@ -709,7 +709,8 @@ def test_compaction_reads_its_reference_into_scratch_not_the_cache(wide, method,
 
 def test_incremental_compaction_at_the_wide_head_shape(wide, monkeypatch):
     """Kept queries of 8 KV heads (GQA groups of 4) at head_dim 128 are rotated, attend and are
-    re-sampled: a second ``new`` compaction reads only the new text, with a protected prefix."""
+    re-sampled: a second ``new`` compaction reads only the new text and its refresh of the older
+    text, with a protected prefix."""
     ids = doc_ids(wide, 700)
     first = compact(wide, wide.prefill(ids[:400]), ratio=8, method="am-fast", keep_recent=32, protect_prefix=4,
                     reread="new")
@@ -718,13 +719,15 @@ def test_incremental_compaction_at_the_wide_head_shape(wide, monkeypatch):
     shifts = []
     rotate = wide.rotate
     monkeypatch.setattr(wide, "rotate", lambda q, shift: (shifts.append(shift), rotate(q, shift))[1])
-    second = compact(wide, first, ratio=8, method="am-fast", keep_recent=32, protect_prefix=4, reread="new")
-    assert read == [[200, 200]]  # the 200 tokens since the first compaction, after "repeat" and as the tail
+    second = compact(wide, first, ratio=8, method="am-fast", keep_recent=32, protect_prefix=4, reread="new",
+                     refresh_tokens=100)
+    assert read == [[200, 200, 100]]  # the 200 tokens since the first compaction, after "repeat" and as the
+    # tail, then 100 older tokens
     assert shifts == [200, 200]  # each layer's kept queries, moved from the first compaction's window to this one
     rows_per_head = (400 - 36) // 8
     for layer in second.layers:
         seg = layer.segments[-1]
-        assert seg.span == (4, 568) and seg.queries_at == 600
+        assert seg.span == (4, 568) and seg.queries_at == 600 and seg.refresh_cursor == 104  # refreshed 4–104
         assert seg.queries.shape[0] == 8 and seg.queries.shape[2] == 128 and 0 < seg.queries.shape[1] <= 256
         assert layer.segment(0).queries is None  # the protected prefix is kept as it is, with no queries
     assert first.layers[0].segments[-1].queries.shape[1] == rows_per_head
