@@ -95,8 +95,8 @@ class CompactedSegment:
                                f"count, head_dim={self.keys.shape[-1]})")
         if not 0 <= self.span[0] <= self.span[1]:
             raise InvalidInput(f"invalid span {self.span}")
-        if self.refresh_cursor < 0:
-            raise InvalidInput(f"negative refresh cursor {self.refresh_cursor}")
+        if type(self.refresh_cursor) is not int or self.refresh_cursor < 0:  # noqa: E721 (a bool is no position)
+            raise InvalidInput(f"refresh cursor {self.refresh_cursor!r} is not a non-negative integer")
 
     @property
     def width(self) -> int:
@@ -619,11 +619,8 @@ class SessionCache:
                 if parts["keys"].shape != (sum(head_rows), head_dim):
                     raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
                 try:
-                    cursor = seg_meta.get("refresh_cursor", 0)
-                    if type(cursor) is not int:  # noqa: E721 (a bool or a float is corrupt, not a position)
-                        raise CorruptSessionError(f"layer {i} segment {j} refresh cursor {cursor!r} is not an integer")
                     segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]),
-                                                     refresh_cursor=cursor, **parts))
+                                                     refresh_cursor=seg_meta.get("refresh_cursor", 0), **parts))
                 except InvalidInput as exc:
                     raise CorruptSessionError(f"layer {i} segment {j}: {exc}") from exc
             tail_k, tail_v = _stored_tail(tensors, meta, i)  # converted and moved by LayerCache's copy

@@ -113,11 +113,14 @@ class BudgetPolicy(BaseModel):
 
         A session compacts again and again, so its attention sinks are never fitted
         (``fit_sinks=False``, see :func:`agentmem.compaction.compact`)."""
-        refresh = self.max_live_tokens // 2 if self.refresh_tokens is None else self.refresh_tokens
         return {"method": self.method, "queries": self.queries, "reread": self.reread, "fit_sinks": False,
-                "refresh_tokens": refresh,
-                "keep_recent": self.keep_recent, "protect_prefix": protected,
+                "refresh_tokens": self.refresh, "keep_recent": self.keep_recent, "protect_prefix": protected,
                 "target_tokens": self.compaction_target(logical_tokens, protected)}
+
+    @property
+    def refresh(self) -> int:
+        """The ``refresh_tokens`` compactions use: as set, or half of ``max_live_tokens`` when unset."""
+        return self.max_live_tokens // 2 if self.refresh_tokens is None else self.refresh_tokens
 
     @classmethod
     def create(cls, **fields) -> BudgetPolicy:

@@ -127,8 +127,7 @@ class OnlineRun:
 
 def runs(policy: BudgetPolicy, args: argparse.Namespace) -> list[tuple[str, str, int]]:
     """The ``(method, reread, refresh tokens)`` runs asked for; ``all`` re-reads everything, so no refresh."""
-    default = policy.compaction_arguments(0)["refresh_tokens"]
-    refresh = [default if r is None else r for r in args.refresh_tokens]
+    refresh = [policy.refresh if r is None else r for r in args.refresh_tokens]
     return list(dict.fromkeys((m, r, 0 if r == "all" else t) for m in args.methods for r in args.reread
                               for t in refresh))
 
@@ -259,15 +258,14 @@ def plot(rows: list[dict]) -> None:
 
     docs = sorted({r["doc"] for r in rows})
     scenarios = [s.name for s in SCENARIOS if any(r["scenario"] == s.name for r in rows)]
-    series = list(dict.fromkeys((r["method"], r["reread"], r.get("queries", "repeat"), r.get("refresh", 0))
-                                for r in rows))
+    series_of = lambda r: (r["method"], r["reread"], r.get("queries", "repeat"), r.get("refresh", 0))  # noqa: E731
+    series = list(dict.fromkeys(map(series_of, rows)))
     width = 0.8 / len(series)
     fig, axes = plt.subplots(1, len(docs), figsize=(6.5 * len(docs), 5.5), sharey=True, squeeze=False)
     for ax, doc in zip(axes[0], docs):
         for i, (method, reread, queries, refresh) in enumerate(series):
             measured = [(j, r) for j, name in enumerate(scenarios) for r in rows
-                        if (r["scenario"], r["doc"], r["method"], r["reread"], r.get("queries", "repeat"),
-                            r.get("refresh", 0)) == (name, doc, method, reread, queries, refresh)]
+                        if (r["scenario"], r["doc"], *series_of(r)) == (name, doc, method, reread, queries, refresh)]
             x = [j - 0.4 + (i + 0.5) * width for j, _ in measured]
             colour = f"C{METHODS.index(method)}"
             ax.bar(x, [r["online / one-shot"] for _, r in measured], width, color=colour,

@@ -249,7 +249,7 @@ def test_fits_reduce_error_on_random_caches():
     heads, n, d, queries = 2, 200, 16, 800
     keys, values = torch.randn(heads, n, d), torch.randn(heads, n, d)
     span = LayerSpan(keys, values, torch.zeros(heads, n), torch.full((heads, n), -math.inf),
-                     torch.arange(n).expand(heads, n), [], 0, [], 0)
+                     torch.arange(n).expand(heads, n), [], 0, [])
     q = torch.randn(heads, queries, d) * 2
     logits = torch.bmm(q, keys.transpose(1, 2)) * d**-0.5
     out = torch.bmm(logits.softmax(-1), values)

@@ -90,7 +90,7 @@ class Job:
             return None
         first, end = self.plan.start, self.plan.raw_start
         size = min(self.refresh_tokens, end - first)
-        cursor = self.plan.layers[0].refresh_cursor
+        cursor = self.plan.refresh_cursor
         start = min(cursor if first <= cursor < end else first, end - size)
         return start, start + size
 
@@ -98,7 +98,7 @@ class Job:
     def next_refresh_cursor(self) -> int:
         """Where the next compaction's re-read starts: after this one's, or back at the beginning."""
         if self.refresh_range is None:
-            return self.plan.layers[0].refresh_cursor if self.incremental else 0
+            return self.plan.refresh_cursor if self.incremental else 0
         end = self.refresh_range[1]
         return end if end < self.plan.raw_start else self.plan.start
 

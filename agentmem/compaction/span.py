@@ -39,16 +39,15 @@ class LayerSpan:
     kept_segments: list[CompactedSegment]
     slot_start: int  # the span's first slot in the layer buffer
     replaced: list[tuple[SegmentQueries | None, int]]
-    refresh_cursor: int  # where the next re-read of the span's compacted text starts (0: its beginning)
 
     @classmethod
     def of(cls, layer: LayerCache, start: int, end: int, kept: list[CompactedSegment], tail_start: int) -> LayerSpan:
         """Slots ``[start, end)`` of ``layer``, whose raw tail begins at position ``tail_start``."""
         keys, values, prior = layer.slot_view(start, end)
-        layouts = layer.layouts[len(kept):]
-        replaced = [(stored, seg.span[1] - seg.span[0]) for seg, stored in zip(layouts, layer.queries[len(kept):])]
+        replaced = [(stored, seg.span[1] - seg.span[0])
+                    for seg, stored in zip(layer.layouts[len(kept):], layer.queries[len(kept):])]
         return cls(keys, values, prior, layer.recorded_scores(start, end), layer.slot_positions(start, end, tail_start),
-                   kept, start, replaced, max((seg.refresh_cursor for seg in layouts), default=0))
+                   kept, start, replaced)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -78,6 +77,7 @@ class SpanPlan:
     protected_raw: int  # raw tail rows kept as an identity segment (protected prefix)
     recent: int  # raw tail rows kept as they are
     layers: list[LayerSpan]
+    refresh_cursor: int = 0  # where the next re-read of the span's compacted text starts (0: its beginning)
 
     @property
     def rows(self) -> int:
@@ -107,9 +107,10 @@ def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> 
         layers.append(LayerSpan.of(layer, first, layer.prefix_length + protected_raw + raw_span, kept, tail_start))
     if not any(layer.rows for layer in layers):
         return None
-    old_starts = [seg.span[0] for seg in cache.layers[0].layouts if seg.span[1] > protect_prefix]
-    start = min(old_starts + [tail_start + protected_raw])
-    return SpanPlan(start, tail_start + protected_raw, length - recent, protected_raw, recent, layers)
+    replaced = [seg for seg in cache.layers[0].layouts if seg.span[1] > protect_prefix]
+    start = min([seg.span[0] for seg in replaced] + [tail_start + protected_raw])
+    cursor = max((seg.refresh_cursor for seg in replaced), default=0)
+    return SpanPlan(start, tail_start + protected_raw, length - recent, protected_raw, recent, layers, cursor)
 
 
 @dataclass
