@@ -518,6 +518,20 @@ def test_compacted_rows_record_the_token_positions_they_came_from(llama):
                for x, y in zip(cache.layers, restored.layers) for a, b in zip(x.segments, y.segments))
 
 
+def test_a_segment_refuses_positions_or_a_cursor_that_are_not_integer_positions():
+    from agentmem.cache import CompactedSegment
+
+    keys = torch.zeros(3, 4)
+    rows = {"keys": keys, "values": keys, "beta": torch.zeros(3), "head_rows": (2, 1), "span": (0, 9)}
+    assert CompactedSegment(**rows).positions.tolist() == [-1, -1, -1]  # unknown unless given
+    for positions, message in ((torch.arange(2), "rows disagree"), (torch.zeros(3), "must be integers")):
+        with pytest.raises(InvalidInput, match=message):
+            CompactedSegment(**rows, positions=positions)
+    for cursor in (-1, True, 2.0):
+        with pytest.raises(InvalidInput, match="refresh cursor"):
+            CompactedSegment(**rows, refresh_cursor=cursor)
+
+
 def test_a_refresh_re_reads_older_text_in_turn_and_re_scores_its_rows(llama, monkeypatch):
     """With ``refresh_tokens`` an incremental compaction also re-reads that much of the older text,
     from where the last one stopped, wrapping at the new text: a bounded cost whatever the
