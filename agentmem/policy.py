@@ -92,30 +92,33 @@ class BudgetPolicy(BaseModel):
             raise ValueError("target_tokens + keep_recent must be below max_live_tokens, or compaction cannot help")
         return self
 
-    def compaction_target(self, logical_tokens: int, protected: int = 0) -> int:
+    def compaction_target(self, logical_tokens: int, protected: int = 0, incoming: int = 0) -> int:
         """Token-equivalents (rows per layer and KV head) a compaction keeps of the span of a session
-        that has read ``logical_tokens``, ``protected`` of them a protected prefix.
+        that has read ``logical_tokens``, ``protected`` of them a protected prefix, and is about to
+        read ``incoming`` more.
 
         The ratio applies to the tokens the span stands for, not to the rows it holds now:
         re-compacting earlier compacted rows by the ratio again would squeeze the oldest text by
         ratio², ratio³, … and keep a fixed (max_live_tokens − keep_recent) / ratio rows for all
         of history however long it grows. Capped so that at most ``fill_after_compaction`` of
-        ``max_live_tokens`` stays live; at least one row per head.
+        ``max_live_tokens`` stays live, and less when the ``incoming`` tokens would not fit in
+        what that leaves (``max_live_tokens`` is a limit, not a trigger only); at least one row per head.
         """
         span = max(0, logical_tokens - protected - self.keep_recent)
         wanted = round(span / self.target_ratio) if self.target_ratio is not None else self.target_tokens
-        room = int(self.fill_after_compaction * self.max_live_tokens) - self.keep_recent - protected
-        return max(1, min(wanted, room))
+        live = min(int(self.fill_after_compaction * self.max_live_tokens), self.max_live_tokens - incoming)
+        return max(1, min(wanted, live - self.keep_recent - protected))
 
-    def compaction_arguments(self, logical_tokens: int, protected: int = 0) -> dict[str, object]:
+    def compaction_arguments(self, logical_tokens: int, protected: int = 0, incoming: int = 0) -> dict[str, object]:
         """Keyword arguments of :func:`agentmem.compaction.compact` for a session that has read
-        ``logical_tokens``, ``protected`` of them a protected prefix (see :meth:`compaction_target`).
+        ``logical_tokens``, ``protected`` of them a protected prefix, and is about to read
+        ``incoming`` more (see :meth:`compaction_target`).
 
         A session compacts again and again, so its attention sinks are never fitted
         (``fit_sinks=False``, see :func:`agentmem.compaction.compact`)."""
         return {"method": self.method, "queries": self.queries, "reread": self.reread, "fit_sinks": False,
                 "refresh_tokens": self.refresh, "keep_recent": self.keep_recent, "protect_prefix": protected,
-                "target_tokens": self.compaction_target(logical_tokens, protected)}
+                "target_tokens": self.compaction_target(logical_tokens, protected, incoming)}
 
     @property
     def refresh(self) -> int:

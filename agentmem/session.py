@@ -109,10 +109,9 @@ class Session:
             delta += self.manager.engine.tokenizer(reply_prefix, add_special_tokens=False,
                                                    split_special_tokens=True)["input_ids"] if reply_prefix else []
             self._check_context(len(delta) + max_new_tokens)
-            if self.cache.physical_length + len(delta) > self.policy.max_live_tokens:
-                self._compact(usage)
             usage.reused_tokens = self.cache.logical_length
             usage.prefilled_tokens += len(delta)
+            delta = self._read_within_budget(delta, usage)
             generated: list[int] = []
             shown = ""
             growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
@@ -194,14 +193,34 @@ class Session:
                 f"{needed} more would exceed the policy's max_context_tokens={limit}"
             )
 
-    def _compact(self, usage: Usage) -> None:
+    def _read_within_budget(self, delta: list[int], usage: Usage) -> list[int]:
+        """Compact so that ``delta`` fits under ``max_live_tokens``; returns what of it is left to
+        read with the reply (at least its last token, which generation starts from).
+
+        Each compaction leaves room for what is about to be read. A message longer than that
+        room is read in pieces, compacting between them, as a reply that outgrows the budget is
+        (see :meth:`_generate`): read at once, it would hold the budget's worth of live rows and
+        more. When the protected prompt and ``keep_recent`` leave no room, the rest is read as it is.
+        """
+        limit = self.policy.max_live_tokens
+        while self.cache.physical_length + len(delta) > limit:
+            self._compact(usage, incoming=len(delta))
+            room = min(limit - self.cache.physical_length, len(delta) - 1)
+            if self.cache.physical_length + len(delta) <= limit or room < 1:
+                break
+            with self.manager._room(self.cache.bytes_to_append(room), keep=self):
+                self.manager.engine.prefill(delta[:room], self.cache)
+            delta = delta[room:]
+        return delta
+
+    def _compact(self, usage: Usage, incoming: int = 0) -> None:
         policy = self.policy
         if policy.on_over_budget == "reject":
             raise BudgetExceeded(
                 f"session {self.tenant}/{self.session_id} has {self.cache.physical_length} live tokens; "
                 f"max_live_tokens={policy.max_live_tokens} and the policy rejects instead of compacting"
             )
-        usage.compaction_events.append(self._compact_with(policy))
+        usage.compaction_events.append(self._compact_with(policy, incoming))
         usage.compactions += 1
 
     def compact(self, **overrides: Any) -> dict[str, Any]:
@@ -220,9 +239,9 @@ class Session:
                             keep_recent=policy.keep_recent, protect_prefix=protect)
             return self._compact_with(policy)
 
-    def _compact_with(self, policy: BudgetPolicy) -> dict[str, Any]:
+    def _compact_with(self, policy: BudgetPolicy, incoming: int = 0) -> dict[str, Any]:
         before, began = self.cache.physical_length, time.perf_counter()
-        self.cache = self.manager._compact(policy, self.cache, self._system_tokens())
+        self.cache = self.manager._compact(policy, self.cache, self._system_tokens(), incoming)
         return {
             "rows_before": before, "rows_after": self.cache.physical_length,
             "logical_tokens": self.cache.logical_length, "seconds": round(time.perf_counter() - began, 4),

@@ -278,6 +278,6 @@ class SessionManager:
     def _enforce_device_budget(self, keep: Session) -> None:
         self._worker.enforce(keep=keep)
 
-    def _compact(self, policy: BudgetPolicy, cache: SessionCache, protect: int) -> SessionCache:
+    def _compact(self, policy: BudgetPolicy, cache: SessionCache, protect: int, incoming: int = 0) -> SessionCache:
         self.metrics.add("compactions")
-        return compact(self.engine, cache, **policy.compaction_arguments(cache.logical_length, protect))
+        return compact(self.engine, cache, **policy.compaction_arguments(cache.logical_length, protect, incoming))

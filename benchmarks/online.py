@@ -76,6 +76,10 @@ SCENARIOS = (
     # Beyond 10x: 6,144 tokens end in ~550 rows, the oldest text compacted 16x.
     Scenario("6k tokens, budget 640, ratio 16, keep_recent 64, fill 0.8", 6144,
              BudgetPolicy(max_live_tokens=640, target_ratio=16, keep_recent=64, fill_after_compaction=0.8)),
+    # Beyond 10x at the default ratio (4): the budget binds, not the ratio, so every compaction
+    # leaves the budget's fill live and the session ends ~10x smaller than its text.
+    Scenario("6k tokens, budget 576, keep_recent 64, fill 0.8 (ratio 4: the budget binds)", 6144,
+             BudgetPolicy(max_live_tokens=576, keep_recent=64, fill_after_compaction=0.8)),
 )
 
 
@@ -139,7 +143,7 @@ def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> OnlineR
         turn = ids[start : start + TURN]
         if cache.physical_length + len(turn) > policy.max_live_tokens:
             began = time.perf_counter()
-            cache = compact(engine, cache, **policy.compaction_arguments(cache.logical_length))
+            cache = compact(engine, cache, **policy.compaction_arguments(cache.logical_length, incoming=len(turn)))
             seconds += time.perf_counter() - began
             compactions += 1
             last = (cache.logical_length, cache.physical_length)

@@ -93,6 +93,9 @@ def test_compaction_target_applies_the_ratio_to_the_text_and_leaves_room():
     assert policy.with_overrides(fill_after_compaction=0.75).compaction_target(100_000) == 3072 - 64
     assert policy.with_overrides(target_tokens=300).compaction_target(100_000) == 300
     assert policy.compaction_target(10, protected=5000) == 1  # nothing fits: one row per head, never zero
+    # room for what is about to be read: 4096 - 1000 incoming - 64 recent, below the 80% fill
+    assert policy.compaction_target(100_000, incoming=1000) == 3096 - 64
+    assert policy.compaction_target(100_000, incoming=100) == 3276 - 64  # fits in what the fill leaves
     with pytest.raises(InvalidInput, match="fill_after_compaction"):
         BudgetPolicy.create(fill_after_compaction=1.0)
 
@@ -332,6 +335,30 @@ def test_online_compaction_during_a_long_generation(tiny, tmp_path):
             assert after[-1] > after[0] and max(after) <= policy.fill_after_compaction * policy.max_live_tokens
     finally:
         tiny.eos_token_ids = saved
+
+
+def test_a_message_longer_than_the_budget_is_read_in_pieces_within_it(tiny, tmp_path):
+    policy = BudgetPolicy(max_live_tokens=64, keep_recent=8, target_ratio=4, method="global-eviction")
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("paste")
+        session.chat("hello", max_new_tokens=2)
+        live, original = [], tiny.prefill
+
+        def recording(ids, cache=None, **kwargs):  # the live rows after each piece the session reads
+            out = original(ids, cache, **kwargs)
+            if cache is session.cache:
+                live.append(out.physical_length)
+            return out
+
+        tiny.prefill = recording
+        try:
+            usage = session.chat(filler(0) * 3, max_new_tokens=2).usage
+        finally:
+            tiny.prefill = original
+        assert usage.prefilled_tokens > 2 * policy.max_live_tokens  # the message alone is over twice the budget
+        assert usage.compactions >= 3 and len(live) >= 2  # compacted between pieces, read in pieces
+        assert max(live) <= policy.max_live_tokens and usage.live_tokens <= policy.max_live_tokens
+        assert usage.logical_tokens == usage.reused_tokens + usage.prefilled_tokens + 2  # nothing was skipped
 
 
 def test_max_stored_bytes_refuses_the_spill_and_keeps_the_session(tiny, tmp_path):
