@@ -25,7 +25,8 @@ class BudgetPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field("default", description="the policy's name (a tenant's, in a policy file)")
-    max_live_tokens: int = Field(4096, gt=0, description="physical rows that trigger compaction")
+    max_live_tokens: int = Field(4096, gt=0, description="live rows a session may hold: crossing it compacts, leaving "
+                                                         "room for the message being read (read in pieces if longer)")
     target_ratio: float | None = Field(4.0, description="compact the text a span stands for to 1 row per this many tokens")
     target_tokens: int | None = Field(None, ge=0, description="or to this many token-equivalents")
     keep_recent: int = Field(256, ge=1, description="most recent tokens kept raw: no compaction touches them, so "

@@ -265,7 +265,8 @@ def plot(rows: list[dict]) -> None:
     series_of = lambda r: (r["method"], r["reread"], r.get("queries", "repeat"), r.get("refresh", 0))  # noqa: E731
     series = list(dict.fromkeys(map(series_of, rows)))
     width = 0.8 / len(series)
-    fig, axes = plt.subplots(1, len(docs), figsize=(6.5 * len(docs), 5.5), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(docs), figsize=(max(6.5, 1.2 * len(scenarios)) * len(docs), 6), sharey=True,
+                             squeeze=False)
     for ax, doc in zip(axes[0], docs):
         for i, (method, reread, queries, refresh) in enumerate(series):
             measured = [(j, r) for j, name in enumerate(scenarios) for r in rows
