@@ -137,7 +137,8 @@ def runs(policy: BudgetPolicy, args: argparse.Namespace) -> list[tuple[str, str,
 
 
 def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> OnlineRun:
-    """The session after reading ``ids`` turn by turn, compacted as the policy says."""
+    """The session after reading ``ids`` turn by turn, compacted as the policy says, each compaction
+    leaving room for the turn about to be read (as :class:`~agentmem.SessionManager` does)."""
     cache, compactions, seconds, last = engine.new_cache(), 0, 0.0, None
     for start in range(0, len(ids), TURN):
         turn = ids[start : start + TURN]
@@ -282,7 +283,7 @@ def plot(rows: list[dict]) -> None:
         ax.axhline(0.9, color="k", linestyle=":", label="target 0.9")
         compactions = {r["scenario"]: r["compactions"] for r in rows if r["doc"] == doc}
         ax.set_xticks(range(len(scenarios)),
-                      [f"{name.replace(', ', chr(10))}\n({compactions.get(name, '?')} compactions)"
+                      [f"{name.replace(', ', chr(10)).replace(' (', chr(10) + '(')}\n({compactions.get(name, '?')} compactions)"
                        for name in scenarios], fontsize=8)
         ax.set_ylim(0, 1.25)
         ax.set_title(doc)
