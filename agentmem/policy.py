@@ -102,12 +102,16 @@ class BudgetPolicy(BaseModel):
         re-compacting earlier compacted rows by the ratio again would squeeze the oldest text by
         ratio², ratio³, … and keep a fixed (max_live_tokens − keep_recent) / ratio rows for all
         of history however long it grows. Capped so that at most ``fill_after_compaction`` of
-        ``max_live_tokens`` stays live, and less when the ``incoming`` tokens would not fit in
-        what that leaves (``max_live_tokens`` is a limit, not a trigger only); at least one row per head.
+        ``max_live_tokens`` stays live, and less, down to half of that, when the ``incoming``
+        tokens would not fit in what it leaves (``max_live_tokens`` is a limit, not only a
+        trigger). A message needing more room than that is read in pieces with compactions
+        between them (:class:`~agentmem.session.Session`), so that one long message does not
+        squeeze the whole history at once. At least one row per head.
         """
         span = max(0, logical_tokens - protected - self.keep_recent)
         wanted = round(span / self.target_ratio) if self.target_ratio is not None else self.target_tokens
-        live = min(int(self.fill_after_compaction * self.max_live_tokens), self.max_live_tokens - incoming)
+        filled = int(self.fill_after_compaction * self.max_live_tokens)
+        live = min(filled, max(self.max_live_tokens - incoming, filled // 2))
         return max(1, min(wanted, live - self.keep_recent - protected))
 
     def compaction_arguments(self, logical_tokens: int, protected: int = 0, incoming: int = 0) -> dict[str, object]:

@@ -111,15 +111,15 @@ class Session:
             self._check_context(len(delta) + max_new_tokens)
             usage.reused_tokens = self.cache.logical_length
             usage.prefilled_tokens += len(delta)
-            delta = self._read_within_budget(delta, usage)
+            delta = self._read_within_budget(delta, usage, conversation)
             generated: list[int] = []
             shown = ""
             growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
             with self.manager._room(growth, keep=self):
                 if reply_prefix:
                     yield reply_prefix
-                for token in self._generate(delta, usage, max_new_tokens, temperature=temperature, top_p=top_p,
-                                            top_k=top_k, stop=stop, seed=seed):
+                for token in self._generate(delta, usage, max_new_tokens, conversation, temperature=temperature,
+                                            top_p=top_p, top_k=top_k, stop=stop, seed=seed):
                     generated.append(token)
                     text = _visible(self.manager.engine, generated, stop)
                     if len(text) > len(shown) and not text.endswith("\ufffd"):
@@ -193,34 +193,38 @@ class Session:
                 f"{needed} more would exceed the policy's max_context_tokens={limit}"
             )
 
-    def _read_within_budget(self, delta: list[int], usage: Usage) -> list[int]:
-        """Compact so that ``delta`` fits under ``max_live_tokens``; returns what of it is left to
-        read with the reply (at least its last token, which generation starts from).
+    def _read_within_budget(self, delta: list[int], usage: Usage, conversation: list[dict[str, Any]]) -> list[int]:
+        """Compact so that ``delta``, the tokens of ``conversation`` the cache lacks, fits under
+        ``max_live_tokens``; returns what of it is left to read with the reply (at least its last
+        token, which generation starts from).
 
-        Each compaction leaves room for what is about to be read. A message longer than that
-        room is read in pieces, compacting between them, as a reply that outgrows the budget is
-        (see :meth:`_generate`): read at once, it would hold the budget's worth of live rows and
-        more. When the protected prompt and ``keep_recent`` leave no room, the rest is read as it is.
+        Each compaction leaves room for what is about to be read (within limits: see
+        :meth:`~agentmem.policy.BudgetPolicy.compaction_target`). A message longer than that room
+        is read in pieces, compacting between them, as a reply that outgrows the budget is (see
+        :meth:`_generate`): read at once, it would hold the budget's worth of live rows and more.
+        When a compaction frees nothing (the protected prompt and ``keep_recent`` fill the
+        budget), the rest is read as it is.
         """
         limit = self.policy.max_live_tokens
         while self.cache.physical_length + len(delta) > limit:
-            self._compact(usage, incoming=len(delta))
+            before = self.cache.physical_length
+            self._compact(usage, conversation, incoming=len(delta))
             room = min(limit - self.cache.physical_length, len(delta) - 1)
-            if self.cache.physical_length + len(delta) <= limit or room < 1:
+            if self.cache.physical_length + len(delta) <= limit or room < 1 or self.cache.physical_length >= before:
                 break
             with self.manager._room(self.cache.bytes_to_append(room), keep=self):
                 self.manager.engine.prefill(delta[:room], self.cache)
             delta = delta[room:]
         return delta
 
-    def _compact(self, usage: Usage, incoming: int = 0) -> None:
+    def _compact(self, usage: Usage, conversation: list[dict[str, Any]], incoming: int = 0) -> None:
         policy = self.policy
         if policy.on_over_budget == "reject":
             raise BudgetExceeded(
                 f"session {self.tenant}/{self.session_id} has {self.cache.physical_length} live tokens; "
                 f"max_live_tokens={policy.max_live_tokens} and the policy rejects instead of compacting"
             )
-        usage.compaction_events.append(self._compact_with(policy, incoming))
+        usage.compaction_events.append(self._compact_with(policy, self._system_tokens(conversation), incoming))
         usage.compactions += 1
 
     def compact(self, **overrides: Any) -> dict[str, Any]:
@@ -237,26 +241,30 @@ class Session:
             protect = self._system_tokens()
             check_reachable(self.cache, target_tokens=policy.compaction_target(self.cache.logical_length, protect),
                             keep_recent=policy.keep_recent, protect_prefix=protect)
-            return self._compact_with(policy)
+            return self._compact_with(policy, protect)
 
-    def _compact_with(self, policy: BudgetPolicy, incoming: int = 0) -> dict[str, Any]:
+    def _compact_with(self, policy: BudgetPolicy, protect: int, incoming: int = 0) -> dict[str, Any]:
         before, began = self.cache.physical_length, time.perf_counter()
-        self.cache = self.manager._compact(policy, self.cache, self._system_tokens(), incoming)
+        self.cache = self.manager._compact(policy, self.cache, protect, incoming)
         return {
             "rows_before": before, "rows_after": self.cache.physical_length,
             "logical_tokens": self.cache.logical_length, "seconds": round(time.perf_counter() - began, 4),
             "method": policy.method,
         }
 
-    def _system_tokens(self) -> int:
-        """Tokens of the leading system prompt (protected from compaction when the policy says so)."""
-        if not self.policy.protect_system_prompt or not self._messages or self._messages[0]["role"] != "system":
+    def _system_tokens(self, messages: Sequence[Mapping[str, Any]] | None = None) -> int:
+        """Tokens of the leading system prompt of ``messages`` (default: the session's; during a
+        turn, the conversation being read, which the session records only once it is answered),
+        protected from compaction when the policy says so."""
+        messages = self._messages if messages is None else messages
+        if not self.policy.protect_system_prompt or not messages or messages[0]["role"] != "system":
             return 0
         engine = self.manager.engine
-        system = engine.chat_delta(engine.new_cache(), self._messages[:1], tools=self._tools)
+        system = engine.chat_delta(engine.new_cache(), list(messages[:1]), tools=self._tools)
         return min(len(system), self.cache.logical_length)
 
-    def _generate(self, prompt: list[int], usage: Usage, max_new_tokens: int, **sampling) -> Iterator[int]:
+    def _generate(self, prompt: list[int], usage: Usage, max_new_tokens: int, conversation: list[dict[str, Any]],
+                  **sampling) -> Iterator[int]:
         """Generate, compacting whenever the live rows reach the budget (online compaction).
 
         When a round of decoding fills the budget mid-reply, its last token is taken back out
@@ -278,7 +286,7 @@ class Session:
             if len(produced) < max_new_tokens:
                 self.cache.truncate(self.cache.logical_length - 1)
                 prompt = [produced[-1]]
-                self._compact(usage)
+                self._compact(usage, conversation)
 
 
 def _visible(engine: Engine, ids: list[int], stop: Sequence[str] | None, final: bool = False) -> str:

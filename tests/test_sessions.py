@@ -96,6 +96,8 @@ def test_compaction_target_applies_the_ratio_to_the_text_and_leaves_room():
     # room for what is about to be read: 4096 - 1000 incoming - 64 recent, below the 80% fill
     assert policy.compaction_target(100_000, incoming=1000) == 3096 - 64
     assert policy.compaction_target(100_000, incoming=100) == 3276 - 64  # fits in what the fill leaves
+    # a message needing more room is read in pieces: the history keeps at least half the fill
+    assert policy.compaction_target(100_000, incoming=3000) == 3276 // 2 - 64
     with pytest.raises(InvalidInput, match="fill_after_compaction"):
         BudgetPolicy.create(fill_after_compaction=1.0)
 
@@ -341,7 +343,7 @@ def test_a_message_longer_than_the_budget_is_read_in_pieces_within_it(tiny, tmp_
     policy = BudgetPolicy(max_live_tokens=64, keep_recent=8, target_ratio=4, method="global-eviction")
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
         session = manager.session("paste")
-        session.chat("hello", max_new_tokens=2)
+        session.chat(filler(1) + " " + filler(2), max_new_tokens=2)  # a history worth keeping
         live, original = [], tiny.prefill
 
         def recording(ids, cache=None, **kwargs):  # the live rows after each piece the session reads
@@ -359,6 +361,24 @@ def test_a_message_longer_than_the_budget_is_read_in_pieces_within_it(tiny, tmp_
         assert usage.compactions >= 3 and len(live) >= 2  # compacted between pieces, read in pieces
         assert max(live) <= policy.max_live_tokens and usage.live_tokens <= policy.max_live_tokens
         assert usage.logical_tokens == usage.reused_tokens + usage.prefilled_tokens + 2  # nothing was skipped
+        # the history is not squeezed to make room for the whole message at once: each compaction
+        # leaves at least half of what fill_after_compaction leaves
+        fill = int(policy.fill_after_compaction * policy.max_live_tokens)
+        assert min(e["rows_after"] for e in usage.compaction_events) >= fill // 2
+
+
+def test_a_long_first_message_keeps_its_system_prompt_protected(tiny, tmp_path):
+    policy = BudgetPolicy(max_live_tokens=96, keep_recent=8, target_ratio=4, method="global-eviction")
+    system = {"role": "system", "content": "You are a careful assistant. " * 4}
+    protected = len(tiny.chat_delta(tiny.new_cache(), [system]))
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("first")
+        usage = session.chat([system, {"role": "user", "content": filler(0) * 3}], max_new_tokens=2).usage
+        assert usage.compactions >= 2 and protected > policy.keep_recent
+        layer = session.cache.layers[0]
+        positions = layer.slot_positions(0, layer.length, session.cache.logical_length - layer.tail_length)
+        for head in positions:  # every head still holds every row of the system prompt
+            assert set(range(protected)) <= set(head.tolist())
 
 
 def test_max_stored_bytes_refuses_the_spill_and_keeps_the_session(tiny, tmp_path):
