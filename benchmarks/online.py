@@ -77,7 +77,7 @@ SCENARIOS = (
     Scenario("6k tokens, budget 640, ratio 16, keep_recent 64, fill 0.8", 6144,
              BudgetPolicy(max_live_tokens=640, target_ratio=16, keep_recent=64, fill_after_compaction=0.8)),
     # Beyond 10x at the default ratio (4): the budget binds, not the ratio, so every compaction
-    # leaves the budget's fill live and the session ends ~10x smaller than its text.
+    # leaves what room the next turn needs (448 rows) and the session ends ~10x smaller than its text.
     Scenario("6k tokens, budget 576, keep_recent 64, fill 0.8 (ratio 4: the budget binds)", 6144,
              BudgetPolicy(max_live_tokens=576, keep_recent=64, fill_after_compaction=0.8)),
 )
