@@ -48,10 +48,10 @@ def main() -> None:
 
     rng = random.Random(0)
     engine = Engine.load("embedded")
-    # Evicted sessions are spilled as they are, not compacted. reread and fill are pinned to the
-    # values the README's table was measured with (the policy's defaults before commit f417365).
+    # Evicted sessions are spilled as they are, not compacted; how a session compacts (reread,
+    # refresh, fill) is the policy's default.
     policy = BudgetPolicy(max_live_tokens=512, keep_recent=128, target_ratio=4, method="am-fast",
-                          on_over_budget="spill", reread="all", fill_after_compaction=0.5)
+                          on_over_budget="spill")
     bytes_per_token = 2 * engine.num_layers * engine.num_kv_heads * engine.head_dim * engine.dtype.itemsize
     budget = int(args.sessions * args.live_fraction * policy.max_live_tokens * bytes_per_token)
     schedule = [sid for sid in range(args.sessions) for _ in range(args.turns)]
