@@ -126,6 +126,12 @@ class BudgetPolicy(BaseModel):
                 "target_tokens": self.compaction_target(logical_tokens, protected, incoming)}
 
     @property
+    def turn_room(self) -> int:
+        """Rows a compaction leaves free when nothing forces it lower: ``max_live_tokens`` minus the
+        ``fill_after_compaction`` share it keeps (the room the policy means for the turns to come)."""
+        return self.max_live_tokens - int(self.fill_after_compaction * self.max_live_tokens)
+
+    @property
     def refresh(self) -> int:
         """The ``refresh_tokens`` compactions use: as set, or half of ``max_live_tokens`` when unset."""
         return self.max_live_tokens // 2 if self.refresh_tokens is None else self.refresh_tokens

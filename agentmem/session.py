@@ -111,7 +111,7 @@ class Session:
             self._check_context(len(delta) + max_new_tokens)
             usage.reused_tokens = self.cache.logical_length
             usage.prefilled_tokens += len(delta)
-            delta = self._read_within_budget(delta, usage, conversation)
+            delta = self._read_within_budget(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
             generated: list[int] = []
             shown = ""
             growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
@@ -193,13 +193,19 @@ class Session:
                 f"{needed} more would exceed the policy's max_context_tokens={limit}"
             )
 
-    def _read_within_budget(self, delta: list[int], usage: Usage, conversation: list[dict[str, Any]]) -> list[int]:
+    def _read_within_budget(self, delta: list[int], usage: Usage, conversation: list[dict[str, Any]],
+                            reply: int) -> list[int]:
         """Compact so that ``delta``, the tokens of ``conversation`` the cache lacks, fits under
         ``max_live_tokens``; returns what of it is left to read with the reply (at least its last
         token, which generation starts from).
 
-        Each compaction leaves room for what is about to be read (within limits: see
-        :meth:`~agentmem.policy.BudgetPolicy.compaction_target`). A message longer than that room
+        Each compaction leaves room for what is about to be read and for ``reply`` tokens of the
+        answer (within limits: see :meth:`~agentmem.policy.BudgetPolicy.compaction_target`), so
+        that a turn whose message crosses the budget compacts once, not again mid-reply (at a
+        512-row budget, ~100-token messages and 8-token replies compacted twice in 44 of
+        ``benchmarks/sessions.py``'s 500 turns). The stream gives the reply no more than the
+        policy's :attr:`~agentmem.policy.BudgetPolicy.turn_room`: a long ``max_new_tokens`` would
+        otherwise squeeze the history for room most replies never use. A message longer than that room
         is read in pieces, compacting between them, as a reply that outgrows the budget is (see
         :meth:`_generate`): read at once, it would hold the budget's worth of live rows and more.
         When a compaction frees nothing (the protected prompt and ``keep_recent`` fill the
@@ -208,7 +214,7 @@ class Session:
         limit = self.policy.max_live_tokens
         while self.cache.physical_length + len(delta) > limit:
             before = self.cache.physical_length
-            self._compact(usage, conversation, incoming=len(delta))
+            self._compact(usage, conversation, incoming=len(delta) + reply)
             room = min(limit - self.cache.physical_length, len(delta) - 1)
             if self.cache.physical_length + len(delta) <= limit or room < 1 or self.cache.physical_length >= before:
                 break

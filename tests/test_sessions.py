@@ -367,6 +367,30 @@ def test_a_message_longer_than_the_budget_is_read_in_pieces_within_it(tiny, tmp_
         assert min(e["rows_after"] for e in usage.compaction_events) >= fill // 2
 
 
+def test_a_turn_that_crosses_the_budget_compacts_once_leaving_room_for_its_reply(tiny, tmp_path):
+    policy = BudgetPolicy(max_live_tokens=256, keep_recent=8, target_ratio=1.25, method="global-eviction")
+    saved, tiny.eos_token_ids = tiny.eos_token_ids, frozenset()  # a random model must not stop by chance
+    try:
+        with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+            session = manager.session("room")
+            session.chat(filler(1) + " " + filler(2), max_new_tokens=2)
+            reply, before_reading = 6, 0
+            assert reply <= policy.turn_room
+            for turn in range(6):
+                message = " ".join(filler(turn).split()[:45])  # ~100 tokens: with the reply, within
+                usage = session.chat(message, max_new_tokens=reply).usage  # what half the fill leaves
+                assert usage.generated_tokens == reply and usage.live_tokens <= policy.max_live_tokens
+                assert usage.prefilled_tokens > policy.turn_room  # so every turn here compacts: once
+                assert usage.compactions == 1, usage.compaction_events
+                event = usage.compaction_events[0]
+                if event["logical_tokens"] == usage.reused_tokens:  # before the message was read:
+                    before_reading += 1  # it left room for the message and the reply
+                    assert policy.max_live_tokens - event["rows_after"] >= usage.prefilled_tokens + reply
+            assert before_reading >= 2
+    finally:
+        tiny.eos_token_ids = saved
+
+
 def test_a_long_first_message_keeps_its_system_prompt_protected(tiny, tmp_path):
     policy = BudgetPolicy(max_live_tokens=96, keep_recent=8, target_ratio=4, method="global-eviction")
     system = {"role": "system", "content": "You are a careful assistant. " * 4}
