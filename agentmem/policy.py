@@ -110,7 +110,7 @@ class BudgetPolicy(BaseModel):
         """
         span = max(0, logical_tokens - protected - self.keep_recent)
         wanted = round(span / self.target_ratio) if self.target_ratio is not None else self.target_tokens
-        filled = int(self.fill_after_compaction * self.max_live_tokens)
+        filled = self.max_live_tokens - self.turn_room
         live = min(filled, max(self.max_live_tokens - incoming, filled // 2))
         return max(1, min(wanted, live - self.keep_recent - protected))
 

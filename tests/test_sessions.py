@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -30,6 +31,16 @@ def tiny(tokenizer) -> Engine:
 def filler(i: int) -> str:
     words = topics["compound"].split()
     return "Please keep this note: " + " ".join(words[i * 60 : i * 60 + 60])
+
+
+@contextmanager
+def never_stopping(engine: Engine):
+    """The engine with no end-of-sequence token, so a reply runs to ``max_new_tokens``."""
+    saved, engine.eos_token_ids = engine.eos_token_ids, frozenset()
+    try:
+        yield engine
+    finally:
+        engine.eos_token_ids = saved
 
 
 def answer_logprob(engine: Engine, cache, messages) -> float:
@@ -320,8 +331,7 @@ def test_threads_serialise_per_session_and_run_sessions_concurrently(tiny, tmp_p
 
 def test_online_compaction_during_a_long_generation(tiny, tmp_path):
     policy = BudgetPolicy(max_live_tokens=96, keep_recent=16, target_ratio=4, method="global-eviction")
-    saved, tiny.eos_token_ids = tiny.eos_token_ids, frozenset()  # a random model must not stop by chance
-    try:
+    with never_stopping(tiny):  # a random model must not stop by chance
         with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
             session = manager.session("long")
             reply = session.chat("Write a lot.", max_new_tokens=200)
@@ -335,8 +345,6 @@ def test_online_compaction_during_a_long_generation(tiny, tmp_path):
             # the longer history, up to the share of the budget a compaction may leave live.
             after = [e["rows_after"] for e in usage.compaction_events]
             assert after[-1] > after[0] and max(after) <= policy.fill_after_compaction * policy.max_live_tokens
-    finally:
-        tiny.eos_token_ids = saved
 
 
 def test_a_message_longer_than_the_budget_is_read_in_pieces_within_it(tiny, tmp_path):
@@ -369,8 +377,7 @@ def test_a_message_longer_than_the_budget_is_read_in_pieces_within_it(tiny, tmp_
 
 def test_a_turn_that_crosses_the_budget_compacts_once_leaving_room_for_its_reply(tiny, tmp_path):
     policy = BudgetPolicy(max_live_tokens=256, keep_recent=8, target_ratio=1.25, method="global-eviction")
-    saved, tiny.eos_token_ids = tiny.eos_token_ids, frozenset()  # a random model must not stop by chance
-    try:
+    with never_stopping(tiny):  # a random model must not stop by chance
         with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
             session = manager.session("room")
             session.chat(filler(1) + " " + filler(2), max_new_tokens=2)
@@ -387,8 +394,6 @@ def test_a_turn_that_crosses_the_budget_compacts_once_leaving_room_for_its_reply
                     before_reading += 1  # it left room for the message and the reply
                     assert policy.max_live_tokens - event["rows_after"] >= usage.prefilled_tokens + reply
             assert before_reading >= 2
-    finally:
-        tiny.eos_token_ids = saved
 
 
 def test_a_long_first_message_keeps_its_system_prompt_protected(tiny, tmp_path):
