@@ -172,8 +172,12 @@ def split_attention(engine, real_reference, layer_idx: int):
 def unseen_error(span, unseen, choices) -> torch.Tensor:
     """Per-head output error on ``unseen`` queries of what :func:`choose_fits` chose."""
     index, valid = pad_selection([c.index for c in choices], span.prior.device)
-    beta = torch.stack([c.beta for c in choices]) - span.prior.gather(1, index)
-    return output_error(unseen, index, valid, beta, torch.stack([c.values for c in choices]))
+    beta = torch.zeros(valid.shape)  # padding slots: output_error masks them
+    values = torch.zeros(*valid.shape, span.values.shape[-1])
+    for h, c in enumerate(choices):
+        beta[h, : len(c.index)] = c.beta - span.prior[h, c.index]
+        values[h, : len(c.index)] = c.values.float()
+    return output_error(unseen, index, valid, beta, values)
 
 
 def test_recorded_span_statistics_equal_a_pass_over_the_span(engine, real_reference):
@@ -242,26 +246,49 @@ def test_a_layer_with_a_head_over_the_fit_cap_keeps_every_head_as_it_is(engine, 
         assert choice.values.dtype == span.values.dtype and torch.equal(choice.values, plain.values)
 
 
-def test_fits_reduce_error_on_random_caches():
-    torch.manual_seed(0)
+def random_attention(keys: torch.Tensor, values: torch.Tensor):
+    """A raw span of ``keys``/``values`` ``(H, n, d)`` that is everything 800 random queries see:
+    the span and :class:`SpanAttention` of 600 of them (train) and of the other 200 (held out)."""
     from agentmem.compaction.span import LayerSpan
 
-    heads, n, d, queries = 2, 200, 16, 800
-    keys, values = torch.randn(heads, n, d), torch.randn(heads, n, d)
+    heads, n, d = keys.shape
     span = LayerSpan(keys, values, torch.zeros(heads, n), torch.full((heads, n), -math.inf),
                      torch.arange(n).expand(heads, n), [], 0, [])
-    q = torch.randn(heads, queries, d) * 2
+    q = torch.randn(heads, 800, d) * 2
     logits = torch.bmm(q, keys.transpose(1, 2)) * d**-0.5
-    out = torch.bmm(logits.softmax(-1), values)
-    lq = LayerQueries(q, logits.logsumexp(-1), out)  # the span is everything these queries see
-    train = SpanAttention.of(span, lq.take(torch.arange(600)), d**-0.5)
-    held = SpanAttention.of(span, lq.take(torch.arange(600, 800)), d**-0.5)
+    lq = LayerQueries(q, logits.logsumexp(-1), torch.bmm(logits.softmax(-1), values))
+    return (span, SpanAttention.of(span, lq.take(torch.arange(600)), d**-0.5),
+            SpanAttention.of(span, lq.take(torch.arange(600, 800)), d**-0.5))
+
+
+def test_fits_reduce_error_on_random_caches():
+    torch.manual_seed(0)
+    heads, n, d = 2, 200, 16
+    keys, values = torch.randn(heads, n, d), torch.randn(heads, n, d)
+    span, train, held = random_attention(keys, values)
     index, valid = pad_selection([torch.arange(0, n, 5)] * heads, keys.device)
     kept_v = values.gather(1, index[..., None].expand(-1, -1, d))
     log_w = fit_mass(train, index, valid).log()
     plain = output_error(held, index, valid, torch.zeros(index.shape), kept_v)
     fitted = output_error(held, index, valid, log_w, fit_values(train, index, valid, log_w, kept_v, (1.0,))[0])
     assert (fitted < plain).all()
+
+
+def test_a_head_whose_kept_rows_the_queries_cannot_tell_apart_is_fitted_without_failing():
+    """Two kept rows with the same key make a head's mass system singular in float32 (the ridge
+    is relative to the widest head's padded system): the fits must fall back to the unfitted
+    answer for that head, not fail the compaction (``am`` in a session of Python's docs did)."""
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 200, 16), torch.randn(2, 200, 16)
+    keys[1, 11] = keys[1, 10]
+    span, train, held = random_attention(keys, values)
+    selection = [torch.arange(150), torch.tensor([10, 11])]
+    index, valid = pad_selection(selection, keys.device)
+    weights = fit_mass(train, index, valid)
+    assert torch.isfinite(weights).all() and (weights[valid] > 0).all()
+    choices = choose_fits(span, train, held, selection)
+    assert all(torch.isfinite(c.beta).all() and torch.isfinite(c.values).all() for c in choices)
+    assert (unseen_error(span, held, choices) <= unseen_error(span, held, span.unfitted(selection)) + 1e-7).all()
 
 
 def test_fixed_rows_keep_their_beta_and_values_and_the_others_are_fitted_around_them(engine, real_reference):

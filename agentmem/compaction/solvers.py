@@ -115,7 +115,7 @@ def fit_mass(
     eye = torch.eye(gram.shape[-1], device=gram.device)[None]
     ridge = 1e-6 * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
     lo, hi = math.exp(-BETA_BOUND), math.exp(BETA_BOUND)
-    w = torch.linalg.solve(gram + ridge * eye, rhs[..., None])[..., 0].nan_to_num(1.0).clamp(lo, hi)
+    w = _solve(gram + ridge * eye, rhs[..., None], fallback=1.0)[..., 0].nan_to_num(1.0).clamp(lo, hi)
     step = 1.0 / _largest_eigenvalue(gram).clamp(min=1e-12)
     for _ in range(iterations):
         w = (w - step[:, None] * (torch.bmm(gram, w[..., None])[..., 0] - rhs)).clamp(lo, hi)
@@ -156,7 +156,7 @@ def fit_values(
     scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]  # so their Δ is 0
     eye = torch.eye(gram.shape[-1], device=gram.device)[None]
     systems = torch.stack([gram + s * scale * eye for s in strengths])  # (S, H, t, t)
-    delta = torch.linalg.solve(systems, rhs.expand(len(strengths), *rhs.shape))
+    delta = _solve(systems, rhs.expand(len(strengths), *rhs.shape), fallback=0.0)
     return kept_values + delta * free[..., None]
 
 
@@ -250,6 +250,21 @@ def choose_fits(
         beta, values = candidates[best[h]]
         choices.append(HeadChoice(rows, beta[h, : len(rows)], values[h, : len(rows)]))
     return choices
+
+
+def _solve(systems: torch.Tensor, rhs: torch.Tensor, *, fallback: float) -> torch.Tensor:
+    """``systems⁻¹ · rhs`` for a batch of systems ``(..., t, t)``, ``fallback`` in the solution of
+    any that is singular in float32.
+
+    A small ridge does not make every system solvable: a head whose kept rows the queries
+    barely tell apart (nearly proportional columns) can leave an exactly zero pivot, and
+    ``torch.linalg.solve`` would then fail the whole compaction for one head (seen with
+    ``am`` on a session of Python's docs, a head keeping two rows besides its sinks). The
+    fallback is the unfitted answer (weight 1, value change 0), which the fits start from
+    or are judged against anyway.
+    """
+    solution, info = torch.linalg.solve_ex(systems, rhs)
+    return solution.masked_fill((info != 0)[..., None, None], fallback)
 
 
 def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 10) -> torch.Tensor:
