@@ -38,6 +38,7 @@ import argparse
 import json
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,13 +121,16 @@ class ReadCounter:
 
 @dataclass
 class OnlineRun:
-    """A session read turn by turn: its cache, compactions, seconds spent in them, and the
-    tokens read and rows held right after the last compaction (``None`` if there was none)."""
+    """A session read turn by turn: its cache, compactions, seconds spent in them, the tokens
+    read and rows held right after the last compaction (``None`` if there was none), and the
+    schedule: for every compaction, the tokens read and the rows per layer and KV head it kept
+    of the span (``target_tokens``)."""
 
     cache: object
     compactions: int
     seconds: float
     last_compaction: tuple[int, int] | None
+    schedule: list[tuple[int, int]]
 
 
 def runs(policy: BudgetPolicy, args: argparse.Namespace) -> list[tuple[str, str, int]]:
@@ -136,20 +140,25 @@ def runs(policy: BudgetPolicy, args: argparse.Namespace) -> list[tuple[str, str,
                               for t in refresh))
 
 
-def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy) -> OnlineRun:
+def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy,
+                after_compaction: Callable[[object], None] | None = None) -> OnlineRun:
     """The session after reading ``ids`` turn by turn, compacted as the policy says, each compaction
-    leaving room for the turn about to be read (as :class:`~agentmem.SessionManager` does)."""
-    cache, compactions, seconds, last = engine.new_cache(), 0, 0.0, None
+    leaving room for the turn about to be read (as :class:`~agentmem.SessionManager` does).
+    ``after_compaction`` is shown the cache after each compaction."""
+    cache, seconds, last, schedule = engine.new_cache(), 0.0, None, []
     for start in range(0, len(ids), TURN):
         turn = ids[start : start + TURN]
         if cache.physical_length + len(turn) > policy.max_live_tokens:
+            arguments = policy.compaction_arguments(cache.logical_length, incoming=len(turn))
             began = time.perf_counter()
-            cache = compact(engine, cache, **policy.compaction_arguments(cache.logical_length, incoming=len(turn)))
+            cache = compact(engine, cache, **arguments)
             seconds += time.perf_counter() - began
-            compactions += 1
+            schedule.append((cache.logical_length, arguments["target_tokens"]))
             last = (cache.logical_length, cache.physical_length)
+            if after_compaction is not None:
+                after_compaction(cache)
         engine.prefill(turn, cache)
-    return OnlineRun(cache, compactions, seconds, last)
+    return OnlineRun(cache, len(schedule), seconds, last, schedule)
 
 
 def compact_to(engine: Engine, cache, policy: BudgetPolicy, rows: int):

@@ -1,0 +1,173 @@
+"""Where an online session's recall goes: the budget's shape, evicting for good, or the scores.
+
+A session of ``online.py`` (by default its two beyond 10x, with the policy's method and refresh) ends
+with fewer rows than its text has tokens, chosen by many compactions. This benchmark separates
+what that costs, with *unfitted* rows (global eviction's selection, so that only the choice of
+rows differs), each chosen over one exact cache (a full prefill of the text):
+
+- ``one-shot``: one compaction of the full cache to the session's final rows (``online.py``'s
+  one-shot, unfitted);
+- ``session's shape``: the same, but with the session's final shape: its last tokens (read after
+  its last compaction) raw, the rows it kept of the rest chosen by one compaction's scores;
+- ``evicted for good``: those scores, but only the rows that would survive the session's own
+  schedule (its compaction points and sizes) had every compaction chosen by them and never taken
+  an evicted row back: what irreversible online eviction costs when its scores are right;
+- ``session's rows``: the rows the session kept (the same positions per layer and KV head),
+  taken from the exact cache, unfitted: what its choice of rows keeps.
+
+Also, per 1,024-token stretch of the text, the rows the session and the ``evicted for good``
+schedule hold after each compaction: where the session's choice departs from the scores'.
+
+Writes ``benchmarks/results/online_loss.{md,json,png}``. Run: ``python benchmarks/online_loss.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from agentmem import Engine
+from agentmem.compaction.budgets import global_top
+from agentmem.compaction.methods import SINKS, Job
+from agentmem.compaction.span import assemble, plan_span
+from agentmem.models import EMBEDDED
+from common import RESULTS, command_line, machine, write_results
+from online import SCENARIOS, documents, make_probes, probe_nll, read_online
+
+STRETCH = 1024  # tokens per stretch in the per-compaction table
+
+
+def span_positions(cache, recent: int) -> list[list[torch.Tensor]]:
+    """Token positions of the rows of ``cache`` before its last ``recent`` raw rows, per layer and KV head."""
+    plan = plan_span(cache, protect_prefix=0, keep_recent=recent)
+    return [[span.positions[h][span.valid[h]] for h in range(span.valid.shape[0])] for span in plan.layers]
+
+
+def rows_per_stretch(positions: list[list[torch.Tensor]], stretches: int) -> list[int]:
+    counts = sum(torch.bincount(p // STRETCH, minlength=stretches) for layer in positions for p in layer)
+    return counts[:stretches].tolist()
+
+
+def evicted_for_good(scores: torch.Tensor, schedule: list[tuple[int, int]], keep_recent: int,
+                     stretches: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """``(L, H, n)`` rows that survive ``schedule`` if each compaction keeps the highest ``scores`` among
+    the rows still held before its raw window (an evicted row never returns), and rows held per stretch
+    after each compaction. ``scores`` are of a raw cache: slot == token position."""
+    heads = scores.shape[0] * scores.shape[1]
+    position = torch.arange(scores.shape[2], device=scores.device)
+    alive = torch.ones_like(scores, dtype=torch.bool)
+    timeline = []
+    for tokens_read, target in schedule:
+        before_window = alive & (position < tokens_read - keep_recent)
+        ranked = scores.masked_fill(~before_window, -torch.inf).reshape(-1)
+        kept = torch.zeros_like(ranked, dtype=torch.bool)
+        kept[ranked.topk(min(target * heads, int(before_window.sum()))).indices] = True
+        alive &= ~(before_window & ~kept.view_as(alive))
+        held = alive & (position < tokens_read - keep_recent)
+        timeline.append(torch.bincount(position.expand_as(held)[held] // STRETCH, minlength=stretches)[:stretches].tolist())
+    return alive & (position < schedule[-1][0] - keep_recent), timeline
+
+
+def unfitted(full, plan, rows: list[list[torch.Tensor]]):
+    """``full`` with its span replaced by the given rows (slot indices per layer and head), unfitted."""
+    return assemble(full, plan, [span.unfitted(heads) for span, heads in zip(plan.layers, rows)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scenarios", type=int, nargs="+", default=[6, 7], help="online.py scenarios (indices)")
+    parser.add_argument("--docs", nargs="+", default=["prose", "code"])
+    parser.add_argument("--passages", type=int, default=6, help="recall passages per third of the document")
+    args = parser.parse_args()
+    engine = Engine.load(EMBEDDED)
+    tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows, timelines = [], {}
+    for scenario, (doc, text) in itertools.product([SCENARIOS[i] for i in args.scenarios], documents().items()):
+        if not any(doc.startswith(d) for d in args.docs):
+            continue
+        policy = scenario.policy
+        ids = tokenize(text)[: scenario.tokens]
+        stretches = -(-len(ids) // STRETCH)
+        probes = make_probes(tokenize, ids, args.passages)
+        full = engine.prefill(ids)
+        reference = {"full": probe_nll(engine, full, probes), "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
+
+        def retention(cache) -> dict[str, float]:
+            nll = probe_nll(engine, cache, probes)
+            out = {third: (reference["none"][third] - v) / (reference["none"][third] - reference["full"][third])
+                   for third, v in nll.items()}
+            return {"mean": sum(out.values()) / len(out), **out}
+
+        session_timeline = []
+        began = time.perf_counter()
+        run = read_online(engine, ids, policy, lambda cache: session_timeline.append(
+            rows_per_stretch(span_positions(cache, cache.layers[0].tail_length), stretches)))
+        session_s = time.perf_counter() - began
+        final_raw = len(ids) - (run.schedule[-1][0] - policy.keep_recent)
+        heads = full.num_layers * full.num_kv_heads
+        measured = {"session (fitted, as it runs)": retention(run.cache)}
+        for name, recent in (("one-shot", policy.keep_recent), ("session's shape", final_raw)):
+            plan = plan_span(full, protect_prefix=0, keep_recent=recent)
+            total = (run.cache.physical_length - recent) * heads
+            job = Job(engine, full, plan, total, policy.queries, None, 0)
+            scores = torch.stack(job.reference(max_queries=1).scores)  # raw cache: equal slots per layer
+            scores[..., :SINKS] = torch.finfo(scores.dtype).max  # every method keeps the attention sinks
+            measured[name] = retention(unfitted(full, plan, global_top(list(scores), total)))
+        survivors, oracle_timeline = evicted_for_good(scores, run.schedule, policy.keep_recent, stretches)
+        if int(survivors.sum()) != total:  # the session's last compaction kept exactly this many
+            raise RuntimeError(f"the schedule kept {int(survivors.sum())} rows, the session {total}")
+        survivors_rows = [[head.nonzero()[:, 0] for head in layer] for layer in survivors]
+        measured["evicted for good"] = retention(unfitted(full, plan, survivors_rows))
+        measured["session's rows"] = retention(unfitted(full, plan, span_positions(run.cache, final_raw)))
+        for name, values in measured.items():
+            rows.append({"scenario": scenario.name, "doc": doc, "selection": name,
+                         **{f"retention {k}": round(v, 4) for k, v in values.items()},
+                         "/ one-shot": round(values["mean"] / measured["one-shot"]["mean"], 3)})
+            print(rows[-1], flush=True)
+        timelines[f"{scenario.name}; {doc}"] = {"tokens read": [t for t, _ in run.schedule],
+                                                "session": session_timeline, "evicted for good": oracle_timeline,
+                                                "session s": round(session_s, 1)}
+    extra = {"method": "each scenario's policy (am-fast, refresh half the budget)",
+             "rows per 1,024-token stretch after each compaction": "online_loss.json (timelines)",
+             "machine": machine(), "command": command_line()}
+    md = write_results("online_loss", "Where an online session's recall goes (embedded model; unfitted rows "
+                                      "but for the session's own line; retention, 1 = the full cache)", rows, extra)
+    saved = json.loads((RESULTS / "online_loss.json").read_text())
+    (RESULTS / "online_loss.json").write_text(json.dumps({**saved, "timelines": timelines}, indent=2))
+    plot(timelines)
+    print(md)
+
+
+def plot(timelines: dict[str, dict]) -> None:
+    """Per document, rows held per 1,024-token stretch after each compaction: session (solid) and
+    ``evicted for good`` (dashed), one colour per stretch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = 2
+    grid = -(-len(timelines) // columns)
+    fig, axes = plt.subplots(grid, columns, figsize=(6.5 * columns, 4.8 * grid), sharey=True, squeeze=False)
+    for ax, (doc, line) in zip(axes.flat, timelines.items()):
+        x = line["tokens read"]
+        for k in range(len(line["session"][0])):
+            ax.plot(x, [t[k] for t in line["session"]], color=f"C{k}", label=f"tokens {k * STRETCH}–{(k + 1) * STRETCH}")
+            ax.plot(x, [t[k] for t in line["evicted for good"]], color=f"C{k}", linestyle="--")
+        ax.set_title(f"{doc}\nsession (solid); one compaction's scores, evicted for good (dashed)", fontsize=8)
+        ax.set_xlabel("tokens read at the compaction")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("rows held (all layers and KV heads)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "online_loss.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
