@@ -18,7 +18,8 @@ rows differs), each chosen over one exact cache (a full prefill of the text):
 Also, per 1,024-token stretch of the text, the rows the session and the ``evicted for good``
 schedule hold after each compaction: where the session's choice departs from the scores'.
 
-Writes ``benchmarks/results/online_loss.{md,json,png}``. Run: ``python benchmarks/online_loss.py``.
+Writes ``benchmarks/results/online_loss.{md,json,png}``. Run: ``python benchmarks/online_loss.py``
+(``--plot-only`` redraws the plot from the saved JSON).
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ def main() -> None:
     parser.add_argument("--scenarios", type=int, nargs="+", default=[6, 7], help="online.py scenarios (indices)")
     parser.add_argument("--docs", nargs="+", default=["prose", "code"])
     parser.add_argument("--passages", type=int, default=6, help="recall passages per third of the document")
+    parser.add_argument("--plot-only", action="store_true", help="redraw online_loss.png from online_loss.json and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        return plot(json.loads((RESULTS / "online_loss.json").read_text())["timelines"])
     engine = Engine.load(EMBEDDED)
     tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rows, timelines = [], {}
@@ -152,7 +156,7 @@ def plot(timelines: dict[str, dict]) -> None:
 
     columns = 2
     grid = -(-len(timelines) // columns)
-    fig, axes = plt.subplots(grid, columns, figsize=(6.5 * columns, 4.8 * grid), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(grid, columns, figsize=(6.5 * columns, 4.8 * grid), squeeze=False)
     for ax, (doc, line) in zip(axes.flat, timelines.items()):
         x = line["tokens read"]
         for k in range(len(line["session"][0])):
@@ -164,6 +168,8 @@ def plot(timelines: dict[str, dict]) -> None:
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
         ax.set_ylabel("rows held (all layers and KV heads)")
+    for ax in axes.flat[len(timelines):]:
+        ax.set_visible(False)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / "online_loss.png", dpi=120)
