@@ -106,6 +106,15 @@ def probe_nll(engine: Engine, cache, probes) -> dict[str, float]:
             for name, items in probes.items()}
 
 
+def retention(engine: Engine, cache, probes, reference: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per third, (NLL without context − NLL) / (NLL without context − NLL with the full cache), and
+    their ``mean``; ``reference`` holds the ``"full"`` and ``"none"`` :func:`probe_nll`."""
+    nll = probe_nll(engine, cache, probes)
+    out = {third: (reference["none"][third] - value) / (reference["none"][third] - reference["full"][third])
+           for third, value in nll.items()}
+    return {**out, "mean": sum(out.values()) / len(out)}
+
+
 class ReadCounter:
     """Counts the tokens compactions' reference passes read (``Engine.observe`` windows, prompts included)."""
 
@@ -222,11 +231,7 @@ def main() -> None:
                        "one-shot rows": once.physical_length, "last compaction (tokens, rows)": run.last_compaction,
                        "same-point rows": same_point.physical_length}
                 for label, cache in (("online", online), ("one-shot", once), ("same point", same_point)):
-                    nll = probe_nll(engine, cache, probes)
-                    for third, value in nll.items():
-                        full_nll, none_nll = reference["full"][third], reference["none"][third]
-                        row[f"{label} {third}"] = (none_nll - value) / (none_nll - full_nll)
-                    row[f"{label} mean"] = sum(row[f"{label} {t}"] for t in probes) / len(probes)
+                    row.update({f"{label} {k}": v for k, v in retention(engine, cache, probes, reference).items()})
                 row["online / one-shot"] = row["online mean"] / row["one-shot mean"]
                 row["online / same point"] = row["online mean"] / row["same point mean"]
                 row.update({"online compaction s": run.seconds, "one-shot compaction s": once_s, "prefill s": prefill_s})

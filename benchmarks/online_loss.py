@@ -37,7 +37,7 @@ from agentmem.compaction.methods import SINKS, Job
 from agentmem.compaction.span import assemble, plan_span
 from agentmem.models import EMBEDDED
 from common import RESULTS, command_line, machine, write_results
-from online import SCENARIOS, documents, make_probes, probe_nll, read_online
+from online import SCENARIOS, documents, make_probes, probe_nll, read_online, retention
 
 STRETCH = 1024  # tokens per stretch in the per-compaction table
 
@@ -48,9 +48,25 @@ def span_positions(cache, recent: int) -> list[list[torch.Tensor]]:
     return [[span.positions[h][span.valid[h]] for h in range(span.valid.shape[0])] for span in plan.layers]
 
 
-def rows_per_stretch(positions: list[list[torch.Tensor]], stretches: int) -> list[int]:
-    counts = sum(torch.bincount(p // STRETCH, minlength=stretches) for layer in positions for p in layer)
-    return counts[:stretches].tolist()
+def rows_per_stretch(positions: torch.Tensor, stretches: int) -> list[int]:
+    """How many of the rows at token ``positions`` lie in each ``STRETCH``-token stretch of the text."""
+    return torch.bincount(positions // STRETCH, minlength=stretches)[:stretches].tolist()
+
+
+def session_rows_per_stretch(cache, stretches: int) -> list[int]:
+    """:func:`rows_per_stretch` of a session's compacted rows (all layers and KV heads)."""
+    positions = span_positions(cache, cache.layers[0].tail_length)
+    return rows_per_stretch(torch.cat([p for layer in positions for p in layer]), stretches)
+
+
+def one_compaction_scores(engine, full, policy, recent: int):
+    """The plan of ``full`` with its last ``recent`` rows raw, and its span rows' scores ``(L, H, n)``
+    under the policy's reference queries, the attention sinks made unbeatable (every method keeps them)."""
+    plan = plan_span(full, protect_prefix=0, keep_recent=recent)
+    job = Job(engine, full, plan, plan.rows, policy.queries, None, 0)
+    scores = torch.stack(job.reference(max_queries=1).scores)  # raw cache: equal slots per layer
+    scores[..., :SINKS] = torch.finfo(scores.dtype).max
+    return plan, scores
 
 
 def evicted_for_good(scores: torch.Tensor, schedule: list[tuple[int, int]], keep_recent: int,
@@ -63,14 +79,14 @@ def evicted_for_good(scores: torch.Tensor, schedule: list[tuple[int, int]], keep
     alive = torch.ones_like(scores, dtype=torch.bool)
     timeline = []
     for tokens_read, target in schedule:
-        before_window = alive & (position < tokens_read - keep_recent)
-        ranked = scores.masked_fill(~before_window, -torch.inf).reshape(-1)
+        candidates = alive & (position < tokens_read - keep_recent)
+        ranked = scores.masked_fill(~candidates, -torch.inf).reshape(-1)
         kept = torch.zeros_like(ranked, dtype=torch.bool)
-        kept[ranked.topk(min(target * heads, int(before_window.sum()))).indices] = True
-        alive &= ~(before_window & ~kept.view_as(alive))
-        held = alive & (position < tokens_read - keep_recent)
-        timeline.append(torch.bincount(position.expand_as(held)[held] // STRETCH, minlength=stretches)[:stretches].tolist())
-    return alive & (position < schedule[-1][0] - keep_recent), timeline
+        kept[ranked.topk(min(target * heads, int(candidates.sum()))).indices] = True
+        held = candidates & kept.view_as(alive)
+        alive &= held | ~candidates
+        timeline.append(rows_per_stretch(position.expand_as(held)[held], stretches))
+    return held, timeline
 
 
 def unfitted(full, plan, rows: list[list[torch.Tensor]]):
@@ -100,36 +116,32 @@ def main() -> None:
         full = engine.prefill(ids)
         reference = {"full": probe_nll(engine, full, probes), "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
 
-        def retention(cache) -> dict[str, float]:
-            nll = probe_nll(engine, cache, probes)
-            out = {third: (reference["none"][third] - v) / (reference["none"][third] - reference["full"][third])
-                   for third, v in nll.items()}
-            return {"mean": sum(out.values()) / len(out), **out}
+        kept = lambda cache: retention(engine, cache, probes, reference)  # noqa: E731
 
         session_timeline = []
         began = time.perf_counter()
         run = read_online(engine, ids, policy, lambda cache: session_timeline.append(
-            rows_per_stretch(span_positions(cache, cache.layers[0].tail_length), stretches)))
+            session_rows_per_stretch(cache, stretches)))
         session_s = time.perf_counter() - began
         final_raw = len(ids) - (run.schedule[-1][0] - policy.keep_recent)
         heads = full.num_layers * full.num_kv_heads
-        measured = {"session (fitted, as it runs)": retention(run.cache)}
-        for name, recent in (("one-shot", policy.keep_recent), ("session's shape", final_raw)):
-            plan = plan_span(full, protect_prefix=0, keep_recent=recent)
-            total = (run.cache.physical_length - recent) * heads
-            job = Job(engine, full, plan, total, policy.queries, None, 0)
-            scores = torch.stack(job.reference(max_queries=1).scores)  # raw cache: equal slots per layer
-            scores[..., :SINKS] = torch.finfo(scores.dtype).max  # every method keeps the attention sinks
-            measured[name] = retention(unfitted(full, plan, global_top(list(scores), total)))
+        measured = {"session (fitted, as it runs)": kept(run.cache)}
+        plan, scores = one_compaction_scores(engine, full, policy, policy.keep_recent)
+        total = (run.cache.physical_length - policy.keep_recent) * heads
+        measured["one-shot"] = kept(unfitted(full, plan, global_top(list(scores), total)))
+        plan, scores = one_compaction_scores(engine, full, policy, final_raw)
+        total = (run.cache.physical_length - final_raw) * heads
+        measured["session's shape"] = kept(unfitted(full, plan, global_top(list(scores), total)))
         survivors, oracle_timeline = evicted_for_good(scores, run.schedule, policy.keep_recent, stretches)
         if int(survivors.sum()) != total:  # the session's last compaction kept exactly this many
             raise RuntimeError(f"the schedule kept {int(survivors.sum())} rows, the session {total}")
         survivors_rows = [[head.nonzero()[:, 0] for head in layer] for layer in survivors]
-        measured["evicted for good"] = retention(unfitted(full, plan, survivors_rows))
-        measured["session's rows"] = retention(unfitted(full, plan, span_positions(run.cache, final_raw)))
+        measured["evicted for good"] = kept(unfitted(full, plan, survivors_rows))
+        measured["session's rows"] = kept(unfitted(full, plan, span_positions(run.cache, final_raw)))
         for name, values in measured.items():
             rows.append({"scenario": scenario.name, "doc": doc, "selection": name,
-                         **{f"retention {k}": round(v, 4) for k, v in values.items()},
+                         "retention mean": round(values["mean"], 4),
+                         **{f"retention {k}": round(v, 4) for k, v in values.items() if k != "mean"},
                          "/ one-shot": round(values["mean"] / measured["one-shot"]["mean"], 3)})
             print(rows[-1], flush=True)
         timelines[f"{scenario.name}; {doc}"] = {"tokens read": [t for t, _ in run.schedule],
@@ -140,8 +152,7 @@ def main() -> None:
              "machine": machine(), "command": command_line()}
     md = write_results("online_loss", "Where an online session's recall goes (embedded model; unfitted rows "
                                       "but for the session's own line; retention, 1 = the full cache)", rows, extra)
-    saved = json.loads((RESULTS / "online_loss.json").read_text())
-    (RESULTS / "online_loss.json").write_text(json.dumps({**saved, "timelines": timelines}, indent=2))
+    (RESULTS / "online_loss.json").write_text(json.dumps({"rows": rows, **extra, "timelines": timelines}, indent=2))
     plot(timelines)
     print(md)
 
