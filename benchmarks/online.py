@@ -130,16 +130,23 @@ class ReadCounter:
 
 @dataclass
 class OnlineRun:
-    """A session read turn by turn: its cache, compactions, seconds spent in them, the tokens
-    read and rows held right after the last compaction (``None`` if there was none), and the
-    schedule: for every compaction, the tokens read and the rows per layer and KV head it kept
-    of the span (``target_tokens``)."""
+    """A session read turn by turn: its cache, the tokens read and rows held right after the last
+    compaction (``None`` if there was none), the schedule: for every compaction, the tokens read
+    and the rows per layer and KV head it kept of the span (``target_tokens``), and the seconds
+    each compaction took."""
 
     cache: object
-    compactions: int
-    seconds: float
     last_compaction: tuple[int, int] | None
     schedule: list[tuple[int, int]]
+    compaction_seconds: list[float]
+
+    @property
+    def compactions(self) -> int:
+        return len(self.schedule)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.compaction_seconds)
 
 
 def runs(policy: BudgetPolicy, args: argparse.Namespace) -> list[tuple[str, str, int]]:
@@ -153,21 +160,21 @@ def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy,
                 after_compaction: Callable[[object], None] | None = None) -> OnlineRun:
     """The session after reading ``ids`` turn by turn, compacted as the policy says, each compaction
     leaving room for the turn about to be read (as :class:`~agentmem.SessionManager` does).
-    ``after_compaction`` is shown the cache after each compaction."""
-    cache, seconds, last, schedule = engine.new_cache(), 0.0, None, []
+    ``after_compaction`` is shown the cache after each compaction (its time is not counted)."""
+    cache, last, schedule, seconds = engine.new_cache(), None, [], []
     for start in range(0, len(ids), TURN):
         turn = ids[start : start + TURN]
         if cache.physical_length + len(turn) > policy.max_live_tokens:
             arguments = policy.compaction_arguments(cache.logical_length, incoming=len(turn))
             began = time.perf_counter()
             cache = compact(engine, cache, **arguments)
-            seconds += time.perf_counter() - began
+            seconds.append(time.perf_counter() - began)
             schedule.append((cache.logical_length, arguments["target_tokens"]))
             last = (cache.logical_length, cache.physical_length)
             if after_compaction is not None:
                 after_compaction(cache)
         engine.prefill(turn, cache)
-    return OnlineRun(cache, len(schedule), seconds, last, schedule)
+    return OnlineRun(cache, last, schedule, seconds)
 
 
 def compact_to(engine: Engine, cache, policy: BudgetPolicy, rows: int):
