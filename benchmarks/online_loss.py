@@ -12,6 +12,12 @@ rows differs), each chosen over one exact cache (a full prefill of the text):
 - ``evicted for good``: those scores, but only the rows that would survive the session's own
   schedule (its compaction points and sizes) had every compaction chosen by them and never taken
   an evicted row back: what irreversible online eviction costs when its scores are right;
+- ``scores so far``: the same schedule, but each compaction ranks the rows still held by one
+  compaction's scores of the text read *up to it* (a full prefill of that text): what a session
+  would keep with the best scores it could know (an exact cache's, without the text still to come);
+- ``scores so far, each row's best``: as the last, but each row ranked by the highest of those
+  scores it ever had, as a session's recorded scores are: what ranking by scores measured at
+  different times costs (a query's share of attention falls as the text it sees grows);
 - ``session's rows``: the rows the session kept (the same positions per layer and KV head),
   taken from the exact cache, unfitted: what its choice of rows keeps.
 
@@ -19,7 +25,9 @@ Also, per 1,024-token stretch of the text, the rows the session and the ``evicte
 schedule hold after each compaction: where the session's choice departs from the scores'.
 
 Writes ``benchmarks/results/online_loss.{md,json,png}``. Run: ``python benchmarks/online_loss.py``
-(``--plot-only`` redraws the plot from the saved JSON).
+(``--update`` keeps the saved rows of sessions not run again; ``--plot-only`` redraws the plot from
+the saved JSON). The two ``scores so far`` lines score the text once per compaction: they take
+most of the run.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import argparse
 import itertools
 import json
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -36,7 +45,7 @@ from agentmem.compaction.budgets import global_top
 from agentmem.compaction.methods import SINKS, Job
 from agentmem.compaction.span import assemble, plan_span
 from agentmem.models import EMBEDDED
-from common import RESULTS, command_line, machine, write_results
+from common import RESULTS, command_line, commands_after, machine, write_results
 from online import SCENARIOS, documents, make_probes, probe_nll, read_online, retention
 
 STRETCH = 1024  # tokens per stretch in the per-compaction table
@@ -69,16 +78,30 @@ def one_compaction_scores(engine, full, policy, recent: int):
     return plan, scores
 
 
-def evicted_for_good(scores: torch.Tensor, schedule: list[tuple[int, int]], keep_recent: int,
+def scores_so_far(engine, full, policy, schedule: list[tuple[int, int]], slots: int) -> list[torch.Tensor]:
+    """Per compaction of ``schedule``, :func:`one_compaction_scores` of the text read up to it (``full``
+    cut there: a causal cache is its own prefix), ``(L, H, slots)``, ``-inf`` past that text."""
+    out = []
+    for tokens_read, _ in schedule:
+        prefix = full.clone()
+        prefix.truncate(tokens_read)
+        _, scores = one_compaction_scores(engine, prefix, policy, policy.keep_recent)
+        out.append(torch.nn.functional.pad(scores, (0, slots - scores.shape[2]), value=-torch.inf))
+    return out
+
+
+def evicted_for_good(scores: Iterable[torch.Tensor], schedule: list[tuple[int, int]], keep_recent: int,
                      stretches: int) -> tuple[torch.Tensor, list[list[int]]]:
-    """``(L, H, n)`` rows that survive ``schedule`` if each compaction keeps the highest ``scores`` among
-    the rows still held before its raw window (an evicted row never returns), and rows held per stretch
-    after each compaction. ``scores`` are of a raw cache: slot == token position."""
-    heads = scores.shape[0] * scores.shape[1]
-    position = torch.arange(scores.shape[2], device=scores.device)
-    alive = torch.ones_like(scores, dtype=torch.bool)
-    timeline = []
-    for tokens_read, target in schedule:
+    """``(L, H, n)`` rows that survive ``schedule`` if each compaction keeps the highest of its ``scores``
+    (one ``(L, H, n)`` tensor per compaction) among the rows still held before its raw window (an evicted
+    row never returns), and rows held per stretch after each compaction. ``scores`` are of a raw cache:
+    slot == token position."""
+    timeline, alive = [], None
+    for (tokens_read, target), scores in zip(schedule, scores, strict=True):
+        if alive is None:
+            heads = scores.shape[0] * scores.shape[1]
+            position = torch.arange(scores.shape[2], device=scores.device)
+            alive = torch.ones_like(scores, dtype=torch.bool)
         candidates = alive & (position < tokens_read - keep_recent)
         ranked = scores.masked_fill(~candidates, -torch.inf).reshape(-1)
         kept = torch.zeros_like(ranked, dtype=torch.bool)
@@ -99,6 +122,8 @@ def main() -> None:
     parser.add_argument("--scenarios", type=int, nargs="+", default=[6, 7], help="online.py scenarios (indices)")
     parser.add_argument("--docs", nargs="+", default=["prose", "code"])
     parser.add_argument("--passages", type=int, default=6, help="recall passages per third of the document")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the saved rows and timelines of the sessions not run this time")
     parser.add_argument("--plot-only", action="store_true", help="redraw online_loss.png from online_loss.json and exit")
     args = parser.parse_args()
     if args.plot_only:
@@ -132,11 +157,17 @@ def main() -> None:
         plan, scores = one_compaction_scores(engine, full, policy, final_raw)
         total = (run.cache.physical_length - final_raw) * heads
         measured["session's shape"] = kept(unfitted(full, plan, global_top(list(scores), total)))
-        survivors, oracle_timeline = evicted_for_good(scores, run.schedule, policy.keep_recent, stretches)
-        if int(survivors.sum()) != total:  # the session's last compaction kept exactly this many
-            raise RuntimeError(f"the schedule kept {int(survivors.sum())} rows, the session {total}")
-        survivors_rows = [[head.nonzero()[:, 0] for head in layer] for layer in survivors]
-        measured["evicted for good"] = kept(unfitted(full, plan, survivors_rows))
+        so_far = scores_so_far(engine, full, policy, run.schedule, scores.shape[2])
+        oracles = {"evicted for good": itertools.repeat(scores, len(run.schedule)), "scores so far": so_far,
+                   "scores so far, each row's best": itertools.accumulate(so_far, torch.maximum)}
+        oracle_timelines = {}
+        for name, ranked_by in oracles.items():
+            survivors, oracle_timelines[name] = evicted_for_good(ranked_by, run.schedule, policy.keep_recent,
+                                                                 stretches)
+            if int(survivors.sum()) != total:  # the session's last compaction kept exactly this many
+                raise RuntimeError(f"{name}: the schedule kept {int(survivors.sum())} rows, the session {total}")
+            measured[name] = kept(unfitted(full, plan, [[head.nonzero()[:, 0] for head in layer]
+                                                        for layer in survivors]))
         measured["session's rows"] = kept(unfitted(full, plan, span_positions(run.cache, final_raw)))
         for name, values in measured.items():
             rows.append({"scenario": scenario.name, "doc": doc, "selection": name,
@@ -145,16 +176,35 @@ def main() -> None:
                          "/ one-shot": round(values["mean"] / measured["one-shot"]["mean"], 3)})
             print(rows[-1], flush=True)
         timelines[f"{scenario.name}; {doc}"] = {"tokens read": [t for t, _ in run.schedule],
-                                                "session": session_timeline, "evicted for good": oracle_timeline,
+                                                "session": session_timeline, **oracle_timelines,
                                                 "session s": round(session_s, 1)}
+    command = command_line()
+    if args.update:
+        rows, timelines = merge_saved(rows), {**saved_timelines(timelines), **timelines}
+        command = commands_after("online_loss")
     extra = {"method": "each scenario's policy (am-fast, refresh half the budget)",
              "rows per 1,024-token stretch after each compaction": "online_loss.json (timelines)",
-             "machine": machine(), "command": command_line()}
+             "machine": machine(), "command": command}
     md = write_results("online_loss", "Where an online session's recall goes (embedded model; unfitted rows "
                                       "but for the session's own line; retention, 1 = the full cache)", rows, extra)
     (RESULTS / "online_loss.json").write_text(json.dumps({"rows": rows, **extra, "timelines": timelines}, indent=2))
     plot(timelines)
     print(md)
+
+
+def merge_saved(rows: list[dict]) -> list[dict]:
+    """The saved rows of sessions (scenario, document) not among ``rows``, then ``rows``, in scenario order."""
+    measured = {(r["scenario"], r["doc"]) for r in rows}
+    saved = json.loads((RESULTS / "online_loss.json").read_text())["rows"]
+    order = [s.name for s in SCENARIOS]
+    merged = [r for r in saved if (r["scenario"], r["doc"]) not in measured] + rows
+    return sorted(merged, key=lambda r: order.index(r["scenario"]))  # stable: documents and lines keep their order
+
+
+def saved_timelines(timelines: dict[str, dict]) -> dict[str, dict]:
+    """The saved timelines of sessions not in ``timelines``."""
+    saved = json.loads((RESULTS / "online_loss.json").read_text())["timelines"]
+    return {name: line for name, line in saved.items() if name not in timelines}
 
 
 def plot(timelines: dict[str, dict]) -> None:
