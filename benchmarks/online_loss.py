@@ -180,7 +180,7 @@ def main() -> None:
                                                 "session s": round(session_s, 1)}
     command = command_line()
     if args.update:
-        rows, timelines = merge_saved(rows), {**saved_timelines(timelines), **timelines}
+        rows, timelines = merge_saved(rows), merge_saved_timelines(timelines)
         command = commands_after("online_loss")
     extra = {"method": "each scenario's policy (am-fast, refresh half the budget)",
              "rows per 1,024-token stretch after each compaction": "online_loss.json (timelines)",
@@ -201,10 +201,11 @@ def merge_saved(rows: list[dict]) -> list[dict]:
     return sorted(merged, key=lambda r: order.index(r["scenario"]))  # stable: documents and lines keep their order
 
 
-def saved_timelines(timelines: dict[str, dict]) -> dict[str, dict]:
-    """The saved timelines of sessions not in ``timelines``."""
-    saved = json.loads((RESULTS / "online_loss.json").read_text())["timelines"]
-    return {name: line for name, line in saved.items() if name not in timelines}
+def merge_saved_timelines(timelines: dict[str, dict]) -> dict[str, dict]:
+    """The saved timelines of sessions not in ``timelines``, and ``timelines``, in scenario order."""
+    merged = {**json.loads((RESULTS / "online_loss.json").read_text())["timelines"], **timelines}
+    order = [s.name for s in SCENARIOS]
+    return dict(sorted(merged.items(), key=lambda item: order.index(item[0].rsplit("; ", 1)[0])))
 
 
 def plot(timelines: dict[str, dict]) -> None:
