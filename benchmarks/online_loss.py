@@ -21,8 +21,9 @@ rows differs), each chosen over one exact cache (a full prefill of the text):
 - ``session's rows``: the rows the session kept (the same positions per layer and KV head),
   taken from the exact cache, unfitted: what its choice of rows keeps.
 
-Also, per 1,024-token stretch of the text, the rows the session and the ``evicted for good``
-schedule hold after each compaction: where the session's choice departs from the scores'.
+Also, per 1,024-token stretch of the text, the rows the session and each ranking of the same
+schedule hold after each compaction (in the JSON; the plot shows the session and ``evicted for
+good``): where the session's choice departs from the scores'.
 
 Writes ``benchmarks/results/online_loss.{md,json,png}``. Run: ``python benchmarks/online_loss.py``
 (``--update`` keeps the saved rows of sessions not run again; ``--plot-only`` redraws the plot from
@@ -196,9 +197,9 @@ def merge_saved(rows: list[dict]) -> list[dict]:
     """The saved rows of sessions (scenario, document) not among ``rows``, then ``rows``, in scenario order."""
     measured = {(r["scenario"], r["doc"]) for r in rows}
     saved = json.loads((RESULTS / "online_loss.json").read_text())["rows"]
-    order = [s.name for s in SCENARIOS]
+    scenarios, docs = [s.name for s in SCENARIOS], list(documents())
     merged = [r for r in saved if (r["scenario"], r["doc"]) not in measured] + rows
-    return sorted(merged, key=lambda r: order.index(r["scenario"]))  # stable: documents and lines keep their order
+    return sorted(merged, key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"])))  # stable: lines keep their order
 
 
 def merge_saved_timelines(timelines: dict[str, dict]) -> dict[str, dict]:
