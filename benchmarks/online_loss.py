@@ -181,7 +181,7 @@ def main() -> None:
                                                 "session s": round(session_s, 1)}
     command = command_line()
     if args.update:
-        rows, timelines = merge_saved(rows), merge_saved_timelines(timelines)
+        rows, timelines = merge_saved(rows, timelines)
         command = commands_after("online_loss")
     extra = {"method": "each scenario's policy (am-fast, refresh half the budget)",
              "rows per 1,024-token stretch after each compaction": "online_loss.json (timelines)",
@@ -193,20 +193,18 @@ def main() -> None:
     print(md)
 
 
-def merge_saved(rows: list[dict]) -> list[dict]:
-    """The saved rows of sessions (scenario, document) not among ``rows``, then ``rows``, in scenario order."""
-    measured = {(r["scenario"], r["doc"]) for r in rows}
-    saved = json.loads((RESULTS / "online_loss.json").read_text())["rows"]
+def merge_saved(rows: list[dict], timelines: dict[str, dict]) -> tuple[list[dict], dict[str, dict]]:
+    """``rows`` and ``timelines`` with the saved ones of the sessions (scenario, document) not run
+    again, all in scenario and document order (lines keep theirs)."""
+    saved = json.loads((RESULTS / "online_loss.json").read_text())
     scenarios, docs = [s.name for s in SCENARIOS], list(documents())
-    merged = [r for r in saved if (r["scenario"], r["doc"]) not in measured] + rows
-    return sorted(merged, key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"])))  # stable: lines keep their order
-
-
-def merge_saved_timelines(timelines: dict[str, dict]) -> dict[str, dict]:
-    """The saved timelines of sessions not in ``timelines``, and ``timelines``, in scenario order."""
-    merged = {**json.loads((RESULTS / "online_loss.json").read_text())["timelines"], **timelines}
-    order = [s.name for s in SCENARIOS]
-    return dict(sorted(merged.items(), key=lambda item: order.index(item[0].rsplit("; ", 1)[0])))
+    measured = {(r["scenario"], r["doc"]) for r in rows}
+    merged_rows = [r for r in saved["rows"] if (r["scenario"], r["doc"]) not in measured] + rows
+    merged_rows.sort(key=lambda r: (scenarios.index(r["scenario"]), docs.index(r["doc"])))
+    session_of = lambda name: tuple(name.rsplit("; ", 1))  # noqa: E731  (timelines are named "scenario; doc")
+    merged = {**saved["timelines"], **timelines}
+    order = sorted(merged, key=lambda name: (scenarios.index(session_of(name)[0]), docs.index(session_of(name)[1])))
+    return merged_rows, {name: merged[name] for name in order}
 
 
 def plot(timelines: dict[str, dict]) -> None:

@@ -3,8 +3,8 @@
 ``benchmarks/fidelity.py`` times *one* compaction of a whole context: it re-reads all of it, so it
 costs more than a prefill of it. A session under its policy (``reread="new"`` with the default
 refresh) compacts again and again, and each compaction after its first re-reads only the text
-read since the last one, ``refresh_tokens`` of older text and the end-to-end check's sample,
-whatever the length of the history. This benchmark reads ``online.py``'s sessions turn by turn
+read since the last one (its last ``TAIL_TOKENS`` twice: the ``tail`` queries), ``refresh_tokens``
+of older text and the end-to-end check's sample, whatever the length of the history. This benchmark reads ``online.py``'s sessions turn by turn
 under their policy and, right after each compaction, times a prefill of the text that compaction
 compacted (the session's tokens before its raw recent window, read into an empty cache): the
 work a session without agentmem redoes to rebuild that context. Both are timed once each,
@@ -96,7 +96,7 @@ def plot(compactions: dict[str, dict]) -> None:
     for i, (name, line) in enumerate(compactions.items()):
         ratios = [c / p for c, p in zip(line["compaction s"], line["prefill s"])]
         ax.plot(line["tokens read"], ratios, marker="o", markersize=3, color=f"C{i % 10}",
-                linestyle="-" if "am-fast" in name else "--", label=name)
+                linestyle="-" if name.endswith(f"; {BudgetPolicy().method}") else "--", label=name)
     ax.axhline(1, color="k", linestyle=":", label="one prefill of the compacted text")
     ax.set_xlabel("tokens read at the compaction")
     ax.set_ylabel("compaction s / prefill s of the text it compacts")
