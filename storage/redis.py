@@ -148,15 +148,18 @@ class RedisStore:
             with self._redis.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(meta_key, *kept_keys)
-                    old = pipe.hmget(meta_key, "version", *_LAYOUT_FIELDS)
+                    old = pipe.hmget(meta_key, "version", "expires_at", *_LAYOUT_FIELDS)
                     if not pipe.sismember(writes_key, write_id):
                         raise StoreUnavailable(
                             f"session {tenant}/{session_id}: the write took longer than {ORPHAN_TTL_MS // 1000} s"
                             " and its stored chunks expired; write again"
                         )
-                    current = int(old[0]) if old[0] is not None else 0
+                    # A version past its expires_at (its keys may outlive it a little: their TTL runs from
+                    # the write) is gone for get and list, so this write starts the session anew.
+                    alive = old[0] is not None and _alive({b"expires_at": old[1]}, time.time())
+                    current = int(old[0]) if alive else 0
                     check_expected_version(tenant, session_id, current, expected_version)
-                    replaced = old[1:]
+                    replaced = old[2:]
                     # The version it shares chunks with was replaced, or its chunks expired, since we read it.
                     if kept_keys and (replaced[0] is None or replaced[0].decode() != shared_from
                                       or pipe.exists(*kept_keys) != len(kept_keys)):

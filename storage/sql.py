@@ -83,6 +83,7 @@ from agentmem.storage.base import (
     changed_during_write,
     check_expected_version,
     check_listing,
+    is_alive,
     not_found,
     page_of,
     restore,
@@ -320,8 +321,15 @@ class SqlStore:
         lost = StoreUnavailable(f"session {tenant}/{session_id}: chunks of this write were removed before it "
                                 "committed (a concurrent delete); write again")
         with self._transaction() as conn:
-            current = conn.execute(select(sessions_table.c.version, sessions_table.c.write_id).where(*key)
-                                   .with_for_update()).first()
+            t = sessions_table.c
+            current = conn.execute(select(t.version, t.write_id, t.expires_at).where(*key).with_for_update()).first()
+            if current is not None and not is_alive(current.expires_at, time.time()):
+                # Expired: get, version and list no longer show it, so this write starts the session
+                # anew (version 1) instead of conflicting with what nobody can read (prune would
+                # have removed it). A write planned to share its chunks fails below (changed during the write).
+                _delete_version(conn, tenant, session_id, current.write_id)
+                conn.execute(delete(sessions_table).where(*key))
+                current = None
             found = current.version if current else 0
             check_expected_version(tenant, session_id, found, expected_version)
             staged = conn.execute(select(c.seq).where(*_chunk_key(tenant, session_id, write_id)).with_for_update()).all()

@@ -239,6 +239,22 @@ def test_ttl_expiry_and_prune(store):
     assert [i.session_id for i in store.list("acme").items] == ["forever"]
 
 
+def test_an_expired_session_id_starts_a_new_session(store, small_chunks):
+    """What expiry hides is gone: a new session under that ID is written from version 0, not refused
+    as a conflict with the expired one (which would make a session manager drop it), and reads back."""
+    now = time.time()
+    stale = bytes(range(256)) * 12  # three 1 KiB chunks
+    store.put("acme", "s1", record("acme", "s1", stale, updated_at=now - 100, ttl_seconds=50))
+    with pytest.raises(SessionNotFound):
+        store.version("acme", "s1")
+    fresh = stale[:1024] + b"new" * 700  # shares its first chunk's bytes with the expired version
+    assert store.put("acme", "s1", record("acme", "s1", fresh), expected_version=0) == 1
+    assert store.get("acme", "s1").blob == fresh and store.version("acme", "s1") == 1
+    assert store.put("acme", "s1", record("acme", "s1", b"v2"), expected_version=1) == 2
+    assert store.prune(now=now + 7200) == 0  # the new session never expires, and the old one left nothing
+    assert store.get("acme", "s1").blob == b"v2"
+
+
 def test_store_reopens_with_data(store_url):
     first = open_store(store_url)
     first.put("acme", "s1", record("acme", "s1", b"persisted"))
