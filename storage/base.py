@@ -9,7 +9,9 @@ rules live here once, so a fix to one reaches every store. (Cutting a blob into 
 
 from __future__ import annotations
 
-from agentmem.errors import InvalidInput, SessionNotFound, VersionConflict
+from pydantic import ValidationError
+
+from agentmem.errors import CorruptSessionError, InvalidInput, SessionNotFound, VersionConflict
 from agentmem.record import SessionPage, SessionRecord, SessionSummary, check_session_id, check_tenant
 
 MAX_LIST_LIMIT = 10_000
@@ -43,9 +45,24 @@ def is_alive(expires_at: float | None, now: float) -> bool:
     return expires_at is None or expires_at > now
 
 
-def restore(metadata_json: str | bytes, blob: bytes, version: int) -> SessionRecord:
-    """The record a store kept as its metadata JSON (``SessionRecord.metadata_json``), blob and version."""
-    return SessionRecord.model_validate_json(metadata_json).model_copy(update={"blob": blob, "version": version})
+def restore(tenant: str, session_id: str, metadata_json: str | bytes, blob: bytes, version: int) -> SessionRecord:
+    """The record a store kept under ``tenant``/``session_id`` as its metadata JSON
+    (``SessionRecord.metadata_json``), blob and version.
+
+    The metadata is not covered by the blob's checksums, so it is checked here: metadata that
+    does not parse, or that names another tenant or session than the key it was read under (a
+    row copied or restored by hand), raises :class:`CorruptSessionError` rather than handing one
+    tenant's record to another or a raw validation error to the caller.
+    """
+    try:
+        record = SessionRecord.model_validate_json(metadata_json)
+    except ValidationError as exc:
+        raise CorruptSessionError(f"session {tenant}/{session_id}: stored metadata is damaged "
+                                  f"({exc.error_count()} problems, first: {exc.errors()[0]['msg']})") from None
+    if (record.tenant, record.session_id) != (tenant, session_id):
+        raise CorruptSessionError(f"session {tenant}/{session_id}: stored metadata names "
+                                  f"{record.tenant}/{record.session_id}; not loaded")
+    return record.model_copy(update={"blob": blob, "version": version})
 
 
 def not_found(tenant: str, session_id: str) -> SessionNotFound:

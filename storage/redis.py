@@ -59,7 +59,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agentmem.errors import StoreUnavailable, VersionConflict
+from agentmem.errors import CorruptSessionError, StoreUnavailable, VersionConflict
 from agentmem.record import (
     Allocate,
     Lease,
@@ -225,13 +225,17 @@ class RedisStore:
             meta = self._call(self._redis.hgetall, _meta_key(tenant, session_id))
             if not meta or not _alive(meta, time.time()):
                 raise not_found(tenant, session_id)
-            keys = _keys_of(tenant, session_id, _owners(_layout_of(meta)))
             try:
-                blob = read_chunks(self._fetch_chunks(keys), int(meta[b"nbytes"]), session=f"{tenant}/{session_id}",
+                keys = _keys_of(tenant, session_id, _owners(_layout_of(meta)))
+                nbytes, version, metadata = int(meta[b"nbytes"]), int(meta[b"version"]), meta[b"record"]
+            except (KeyError, ValueError, TypeError) as exc:
+                raise CorruptSessionError(f"session {tenant}/{session_id}: its meta hash is damaged ({exc!r})") from None
+            try:
+                blob = read_chunks(self._fetch_chunks(keys), nbytes, session=f"{tenant}/{session_id}",
                                    recorded_in="meta", into=into)
             except _Replaced:
                 continue  # a newer write replaced this version between our reads
-            return restore(meta[b"record"], blob, int(meta[b"version"]))
+            return restore(tenant, session_id, metadata, blob, version)
         raise StoreUnavailable(f"session {tenant}/{session_id} is being rewritten too often to read")
 
     def version(self, tenant: str, session_id: str) -> int:

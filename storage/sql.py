@@ -395,7 +395,7 @@ class SqlStore:
             query = _version_chunks(conn, tenant, session_id, row.write_id)
             chunks = conn.execute(query.execution_options(stream_results=True, max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
             blob = read_chunks(chunks, row.nbytes, session=f"{tenant}/{session_id}", recorded_in="its row", into=into)
-        return restore(row.record, blob, row.version)
+        return restore(tenant, session_id, row.record, blob, row.version)
 
     def version(self, tenant: str, session_id: str) -> int:
         check_key(tenant, session_id)

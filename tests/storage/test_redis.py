@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 import agentmem.storage.redis as redis_store
-from agentmem.errors import SessionNotFound
+from agentmem.errors import CorruptSessionError, SessionNotFound
 from agentmem.storage import open_store
-from agentmem.storage.redis import RedisStore, _index_key, _writes_key
+from agentmem.storage.redis import RedisStore, _index_key, _meta_key, _writes_key
 from agentmem.storage.redis_client import Client, connect
 
 from records import record
@@ -176,5 +176,21 @@ def test_a_chunk_key_gone_from_the_stored_version_is_rewritten_not_shared(redis_
         store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"), expected_version=1)
         assert store.bytes_written - before == 6  # chunk 0 again (its key was gone) and the new chunk 2
         assert store.get("acme", "s1").blob == b"aaaabbbbcc"
+    finally:
+        store.close()
+
+
+def test_a_damaged_or_foreign_meta_hash_is_refused_as_corrupt(redis_url, raw):
+    """A meta hash missing a field, or whose metadata names another tenant (copied by hand), is not loaded."""
+    store = open_store(redis_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1"))
+        store.put("acme", "s2", record("acme", "s2"))
+        raw.hdel(_meta_key("acme", "s1"), "nbytes")
+        raw.hset(_meta_key("acme", "s2"), "record", record("globex", "s2").metadata_json())
+        with pytest.raises(CorruptSessionError, match="meta hash is damaged"):
+            store.get("acme", "s1")
+        with pytest.raises(CorruptSessionError, match="names globex/s2"):
+            store.get("acme", "s2")
     finally:
         store.close()

@@ -7,6 +7,7 @@ import time
 import pytest
 from sqlalchemy import create_engine, insert, select
 
+from agentmem.errors import CorruptSessionError
 from agentmem.storage import open_store
 from agentmem.storage import sql
 from agentmem.storage.chunks import plan_chunks
@@ -233,5 +234,25 @@ def test_a_version_written_without_a_manifest_is_read_replaced_and_never_pruned_
         assert store.get("acme", "s1").blob == b"aaaabbbb"
         store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"), expected_version=1)
         assert store.get("acme", "s1").blob == b"aaaabbbbcc" and len(chunk_rows(store)) == 3  # the old rows are gone
+    finally:
+        store.close()
+
+
+def test_damaged_or_foreign_metadata_is_refused_as_corrupt(sql_url):
+    """The metadata column is not under the blob's checksums: a row whose metadata does not parse,
+    or names another tenant than the key it is read under (copied by hand), is not loaded."""
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1"))
+        store.put("acme", "s2", record("acme", "s2"))
+        t = sql.sessions_table.c
+        with store._engine.begin() as conn:
+            conn.execute(sql.sessions_table.update().where(t.session_id == "s1").values(record='{"tenant": "acme"'))
+            conn.execute(sql.sessions_table.update().where(t.session_id == "s2")
+                         .values(record=record("globex", "s2").metadata_json()))
+        with pytest.raises(CorruptSessionError, match="metadata is damaged"):
+            store.get("acme", "s1")
+        with pytest.raises(CorruptSessionError, match="names globex/s2"):
+            store.get("acme", "s2")
     finally:
         store.close()
