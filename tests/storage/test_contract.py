@@ -360,7 +360,7 @@ def test_the_token_log_is_kept_once_in_the_blob_and_old_metadata_still_reads():
     fresh = record("acme", "t-1", b"blob")
     assert "token_ids" not in json.loads(fresh.metadata_json())
     old = json.dumps({**json.loads(fresh.metadata_json()), "token_ids": [1, 2, 3, 4]})
-    restored = restore(old, b"blob", 3)
+    restored = restore("acme", "t-1", old, b"blob", 3)
     assert restored.model_dump(exclude={"created_at", "updated_at"}) == fresh.model_copy(
         update={"version": 3}).model_dump(exclude={"created_at", "updated_at"})
 
