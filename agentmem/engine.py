@@ -261,10 +261,20 @@ class Engine:
         :func:`agentmem.chat.render_pieces` describes. Raises :class:`HistoryDivergence`
         if the conversation does not extend what the cache holds.
         """
+        return self.prompt_delta(cache.token_ids, messages, tools=tools)
+
+    def prompt_delta(
+        self,
+        held: Sequence[int],
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """:meth:`chat_delta` for a cache holding the tokens ``held`` (none is needed: a caller can
+        ask what a turn would read after a rewind before it rewinds anything)."""
         messages = validate_messages(messages)
         add_prompt = messages[-1]["role"] != "assistant"
         pieces = render_pieces(self.tokenizer, messages, add_generation_prompt=add_prompt, tools=tools)
-        held = cache.token_ids
         held_text = self._decode(held)
         rendered = "".join(p.text for p in pieces)
         if not rendered.startswith(held_text):

@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from agentmem.errors import BudgetExceeded
+from agentmem.host_tier import Key
 from agentmem.policy import BudgetPolicy
 from agentmem.record import CacheStore, SessionRecord
 
@@ -15,30 +16,58 @@ class StoreQuota:
     """Writes records to ``store`` only where their tenant's quota allows.
 
     Within one process the check and the write are one step per tenant, so concurrent spills
-    of one tenant cannot both squeeze in under its quota.
+    of one tenant cannot both squeeze in under its quota. A write behind (queued, landing
+    later) holds the bytes it will add (:meth:`hold`) until it has landed or failed
+    (:meth:`release`): checks count them as stored, so two queued writes cannot both pass a
+    check that only one fits, and the second be dropped in the background.
     """
 
     def __init__(self, store: CacheStore, policy_for: Callable[[str], BudgetPolicy]) -> None:
         self.store, self._policy_for = store, policy_for
         self._writes: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._lock = threading.Lock()
+        self._holding: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._held: dict[Key, int] = {}  # bytes queued writes will add, by session
 
     def check(self, record: SessionRecord, replaced_bytes: int) -> None:
-        """Raise :class:`BudgetExceeded` if writing ``record`` over ``replaced_bytes`` would overfill the quota."""
+        """Raise :class:`BudgetExceeded` if writing ``record`` over ``replaced_bytes`` would overfill the
+        quota, counting what the tenant's other sessions' queued writes will add."""
         cap = self._policy_for(record.tenant).max_stored_bytes
         if cap is None:
             return
-        used = self.store.usage(record.tenant).bytes
+        key = (record.tenant, record.session_id)
+        with self._lock:
+            queued = sum(b for held, b in self._held.items() if held[0] == record.tenant and held != key)
+        used = self.store.usage(record.tenant).bytes + queued
         if used - replaced_bytes + len(record.blob) > cap:
-            raise BudgetExceeded(f"tenant {record.tenant!r} stores {used} bytes; this session's {len(record.blob)} "
-                                 f"would exceed max_stored_bytes={cap}")
+            raise BudgetExceeded(f"tenant {record.tenant!r} stores {used} bytes (writes under way included); this "
+                                 f"session's {len(record.blob)} would exceed max_stored_bytes={cap}")
+
+    def hold(self, record: SessionRecord, replaced_bytes: int) -> None:
+        """:meth:`check` a write about to be queued and count what it adds until :meth:`release`."""
+        if self._policy_for(record.tenant).max_stored_bytes is None:
+            return
+        key = (record.tenant, record.session_id)
+        # One hold of a tenant at a time, but not under its write lock: a store write of another
+        # session (a write behind under way) must not hold this spill up.
+        with self._tenant_lock(self._holding, record.tenant):
+            self.check(record, replaced_bytes)
+            with self._lock:
+                self._held[key] = self._held.get(key, 0) + len(record.blob) - replaced_bytes
+
+    def release(self, key: Key) -> None:
+        """The session's queued writes landed or failed: the store counts what they added, or they added nothing."""
+        with self._lock:
+            self._held.pop(key, None)
 
     def put(self, record: SessionRecord, expected_version: int | None, replaced_bytes: int) -> int:
         """Write ``record`` (compare-and-set against ``expected_version``) within its quota; its new version."""
         if self._policy_for(record.tenant).max_stored_bytes is None:
             return self.store.put(record.tenant, record.session_id, record, expected_version=expected_version)
-        with self._lock:
-            tenant_lock = self._writes[record.tenant]
-        with tenant_lock:
+        with self._tenant_lock(self._writes, record.tenant):
             self.check(record, replaced_bytes)
             return self.store.put(record.tenant, record.session_id, record, expected_version=expected_version)
+
+    def _tenant_lock(self, locks: defaultdict[str, threading.Lock], tenant: str) -> threading.Lock:
+        with self._lock:
+            return locks[tenant]

@@ -104,11 +104,16 @@ class Session:
             self.manager._touch(self)
             usage = Usage()
             conversation = self._conversation(message_or_messages)
-            self._tools = list(tools) if tools else None
-            delta = self._reconcile(conversation, usage)
-            delta += self.manager.engine.tokenizer(reply_prefix, add_special_tokens=False,
+            tools = list(tools) if tools else None
+            keep, delta = self._plan(conversation, tools)
+            prefix = self.manager.engine.tokenizer(reply_prefix, add_special_tokens=False,
                                                    split_special_tokens=True)["input_ids"] if reply_prefix else []
-            self._check_context(len(delta) + max_new_tokens)
+            self._check_context(keep, len(delta) + len(prefix) + max_new_tokens)  # before anything changes
+            self._tools = tools
+            held = self.cache.logical_length
+            self._rewind(keep, usage)
+            usage.reprefilled_tokens += min(len(delta), held - keep)
+            delta += prefix
             usage.reused_tokens = self.cache.logical_length
             usage.prefilled_tokens += len(delta)
             delta = self._read_within_budget(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
@@ -159,37 +164,48 @@ class Session:
             return [dict(m) if isinstance(m, Mapping) else m for m in given]
         raise InvalidInput("chat takes a string, a message mapping or a non-empty list of messages")
 
-    def _reconcile(self, conversation: list[dict[str, Any]], usage: Usage) -> list[int]:
-        """Tokens to read so the cache holds ``conversation``; re-reads from a divergence, visibly."""
-        engine = self.manager.engine
-        held = self.cache.logical_length
+    def _plan(self, conversation: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None) -> tuple[int, list[int]]:
+        """How many of the held tokens the turn keeps, and the tokens it reads after them; changes
+        nothing, so a turn refused afterwards (``max_context_tokens``) leaves the session as it was.
+
+        A conversation that differs from what the cache holds is re-read from the divergence
+        (from the start when that lies inside compacted rows); one the cache holds whole (a
+        regenerated reply) re-reads its last token, whose logits generation needs.
+        """
+        engine, held = self.manager.engine, self.cache.token_ids
         try:
-            delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
+            keep, delta = len(held), engine.prompt_delta(held, conversation, tools=tools)
         except HistoryDivergence as diverged:
-            self._rewind(diverged.common_tokens, usage)
-            delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
-        if not delta and self.cache.logical_length:
-            # The cache already holds the whole prompt (a regenerated reply): the last token is
-            # read again, since generation needs its logits.
-            self._rewind(self.cache.logical_length - 1, usage)
-            delta = engine.chat_delta(self.cache, conversation, tools=self._tools)
-        usage.reprefilled_tokens += min(len(delta), held - self.cache.logical_length)
-        return delta
+            keep = self._kept_by_rewind(diverged.common_tokens)
+            delta = engine.prompt_delta(held[:keep], conversation, tools=tools)
+        if not delta and keep:
+            keep = self._kept_by_rewind(keep - 1)
+            delta = engine.prompt_delta(held[:keep], conversation, tools=tools)
+        return keep, delta
+
+    def _kept_by_rewind(self, keep_tokens: int) -> int:
+        """The tokens a rewind to ``keep_tokens`` keeps: all of them, or none when the cut reaches
+        into compacted rows (only a full re-read is exact then)."""
+        raw_from = self.cache.logical_length - self.cache.layers[0].tail_length
+        return keep_tokens if keep_tokens >= raw_from else 0
 
     def _rewind(self, keep_tokens: int, usage: Usage) -> None:
-        """Drop what the cache holds after its first ``keep_tokens`` tokens, counting them."""
+        """Drop what the cache holds after its first ``keep_tokens`` tokens (a :meth:`_plan`), counting them."""
         held = self.cache.logical_length
-        if keep_tokens >= held - self.cache.layers[0].tail_length:
+        if keep_tokens == held:
+            return
+        if keep_tokens:
             self.cache.truncate(keep_tokens)
-        else:  # the cut reaches into compacted rows: only a full re-read is exact
+        else:
             self.cache = self.manager.engine.new_cache()
-        usage.dropped_tokens += held - self.cache.logical_length
+        usage.dropped_tokens += held - keep_tokens
 
-    def _check_context(self, needed: int) -> None:
+    def _check_context(self, kept: int, needed: int) -> None:
+        """Refuse a turn that would keep ``kept`` held tokens and need ``needed`` more past ``max_context_tokens``."""
         limit = self.policy.max_context_tokens
-        if limit is not None and self.cache.logical_length + needed > limit:
+        if limit is not None and kept + needed > limit:
             raise BudgetExceeded(
-                f"session {self.tenant}/{self.session_id} holds {self.cache.logical_length} tokens; "
+                f"session {self.tenant}/{self.session_id} would hold {kept} tokens of this conversation; "
                 f"{needed} more would exceed the policy's max_context_tokens={limit}"
             )
 

@@ -98,16 +98,32 @@ class SpillWorker:
 
     def adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]],
               *, leased: bool = False) -> Session:
-        """A new live session holding ``cache`` (taking its lease unless the caller holds it already)."""
+        """A new live session holding ``cache``.
+
+        Unless the caller holds its lease already (a load that found nothing stored), it takes the
+        lease and refuses an ID the store holds (or a write behind is storing): a new session
+        there would be refused at its first spill, or dropped by an eviction, with all its turns.
+        """
         if self.registry.get((tenant, session_id)) is not None:
             raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists")
         if not leased:
+            self.spiller.wait((tenant, session_id))
             self.leases.take(tenant, session_id, self.lease_wait)
         try:
+            if not leased and self._stored(tenant, session_id):
+                raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists (stored); "
+                                   "choose another id, or delete it first")
             return self._register(self._new_session(tenant, session_id, cache, messages, 0, time.time()))
         except BaseException:
             self.leases.release(tenant, session_id)  # taken for this adoption, here or by the loader
             raise
+
+    def _stored(self, tenant: str, session_id: str) -> bool:
+        try:
+            self.spiller.store.version(tenant, session_id)
+        except SessionNotFound:
+            return False
+        return True
 
     def _register(self, session: Session) -> Session:
         """Make ``session`` live, first spilling the tenant's LRU idle session if it is at ``max_sessions``."""
@@ -147,8 +163,10 @@ class SpillWorker:
             put = functools.partial(self.quota.put, replaced_bytes=session.stored_bytes)
             behind = False
             if not durable:
-                self.quota.check(record, session.stored_bytes)  # refused now, not in the background
+                self.quota.hold(record, session.stored_bytes)  # refused now, not in the background
                 behind = self.spiller.write_behind(record, session.version, put)
+                if not behind:
+                    self.quota.release(key)
             if behind:
                 version = session.version + 1  # what the queued compare-and-set will make it
             else:
@@ -170,7 +188,9 @@ class SpillWorker:
             raise failure
 
     def written_behind(self, key: Key) -> None:
-        """A write behind landed (or failed): give the lease up unless the session is live or loading again."""
+        """A write behind landed (or failed): the quota stops holding its bytes, and the lease is
+        given up unless the session is live or loading again."""
+        self.quota.release(key)
         if not self.registry.busy(key):
             self.leases.release(*key)
 

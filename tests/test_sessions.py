@@ -200,6 +200,22 @@ def test_edited_history_is_reread_and_reported(tiny, tmp_path):
         assert manager.stats()["reprefilled_tokens"] == usage.reprefilled_tokens
 
 
+def test_a_turn_refused_for_its_length_leaves_the_session_as_it_was(tiny, tmp_path):
+    """An edited history whose turn would pass max_context_tokens is refused before the cache is
+    rewound: the session keeps what it held, and the next turn that fits reuses all of it."""
+    policy = BudgetPolicy(max_context_tokens=200)
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("s")
+        session.chat("My code is 1234.", max_new_tokens=3)
+        held, messages = session.cache.token_ids, session.messages
+        edited = [{"role": "user", "content": "My code is 9999."}] + messages[1:]
+        with pytest.raises(BudgetExceeded, match="max_context_tokens=200"):
+            session.chat(edited + [{"role": "user", "content": "Repeat it."}], max_new_tokens=150)
+        assert session.cache.token_ids == held and session.messages == messages
+        reply = session.chat("Thanks.", max_new_tokens=3)
+        assert reply.usage.reused_tokens == len(held) and reply.usage.dropped_tokens == 0
+
+
 def test_fork_copies_and_diverges(tiny, tmp_path):
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager:
         base = manager.session("base")
@@ -208,6 +224,22 @@ def test_fork_copies_and_diverges(tiny, tmp_path):
         child.chat("Only in the child.", max_new_tokens=3)
         assert len(child.messages) == len(base.messages) + 2
         assert base.cache.token_ids == child.cache.token_ids[: base.cache.logical_length]
+
+
+def test_fork_onto_a_stored_id_is_refused_and_loses_nothing(tiny, tmp_path):
+    """A fork may not start a new session under an ID the store holds: its first spill would
+    conflict with the stored version, and an eviction would drop the fork's turns."""
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager:
+        manager.session("taken").chat("Stored first.", max_new_tokens=2)
+        stored = manager.spill("default", "taken")
+        base = manager.session("base")
+        base.chat("Shared start.", max_new_tokens=2)
+        with pytest.raises(InvalidInput, match="already exists"):
+            base.fork("taken")
+        assert manager.store.version("default", "taken") == stored
+        assert manager.session("taken").messages[0]["content"] == "Stored first."
+        base.fork("free").chat("A fork elsewhere.", max_new_tokens=2)  # the lease taken for the refusal was released
+        manager.spill("default", "free")
 
 
 def test_lease_excludes_a_second_process(engine, tmp_path):

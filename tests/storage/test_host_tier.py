@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from agentmem import Engine, SessionManager
-from agentmem.errors import InvalidInput, SessionBusy
+from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.errors import BudgetExceeded, InvalidInput, SessionBusy
 from agentmem.host_tier import HostTier
 from agentmem.storage import open_store
 from helpers import tiny_model
@@ -58,6 +58,31 @@ def test_a_spill_written_behind_returns_before_the_store_write_and_resumes_from_
         assert store.gets == reads and resumed.version == version == 1  # from host memory, at the stored version
         assert resumed.messages[0]["content"] == "hello there"
         assert open_store(url).get("default", "s").version == 1  # and the store holds it
+
+
+def test_writes_behind_count_against_the_tenant_quota_until_they_land(tiny, tmp_path):
+    """Two sessions spilled behind when the quota holds one and a half: the second is refused at
+    once and stays live, instead of passing a check that ignored the first's queued write and
+    being dropped in the background when the store refused it."""
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'size.db'}") as sizer:
+        sizer.session("x").chat("hello there", max_new_tokens=3)
+        sizer.spill("default", "x")
+        size = sizer.store.usage("default").bytes
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    store = CountingGatedStore(open_store(url))
+    policy = BudgetPolicy(max_stored_bytes=size * 3 // 2)
+    with SessionManager(tiny, store, host_budget_bytes=64 * 2**20, default_policy=policy) as manager:
+        for name in ("a", "b"):
+            manager.session(name).chat("hello there", max_new_tokens=3)
+        store.gate.clear()
+        manager.spill("default", "a", durable=False)
+        with pytest.raises(BudgetExceeded, match="max_stored_bytes"):
+            manager.spill("default", "b", durable=False)
+        store.gate.set()
+        for name in ("a", "b"):
+            assert manager.session(name).messages[0]["content"] == "hello there"
+        assert open_store(url).usage("default").bytes == size
+        manager.policies["default"] = BudgetPolicy()  # so close() can store both
 
 
 def test_durable_spills_are_in_the_store_on_return_and_close_flushes_writes_behind(tiny, tmp_path):
