@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from agentmem.cache import SessionCache
@@ -160,11 +160,17 @@ class SessionManager:
             raise failures[0]
 
     def delete(self, tenant: str, session_id: str) -> bool:
-        """Forget a session, live and stored."""
+        """Forget a session, live and stored.
+
+        A turn or spill of it under way here finishes first (its lock is taken): a spill that
+        landed after the store's delete would bring the deleted session back.
+        """
         key = check_key(tenant, session_id)
-        live = self._registry.forget(key)
-        self._spiller.discard(key)
-        removed = self.store.delete(tenant, session_id)
+        handle = self._registry.get(key) or self._registry.spilled(key)
+        with handle.lock if handle is not None else nullcontext():
+            live = self._registry.forget(key)
+            self._spiller.discard(key)
+            removed = self.store.delete(tenant, session_id)
         self.store.release_lease(tenant, session_id, self.owner)
         return removed or live is not None
 

@@ -491,6 +491,30 @@ class GatedStore:
         return gated
 
 
+def test_a_delete_during_the_first_spill_of_a_session_is_not_undone_by_it(tiny, tmp_path):
+    """A session never stored, deleted while its first spill is writing: the delete waits for the
+    spill, then removes what it wrote; it used to return at once and the spill to store it after."""
+    from agentmem.storage import open_store
+
+    store = GatedStore(open_store(f"sqlite:///{tmp_path / 's.db'}"), "s", gated=("put",))
+    with SessionManager(tiny, store) as manager:
+        manager.session("s").chat("forget me", max_new_tokens=2)
+        spill = threading.Thread(target=lambda: manager.spill("default", "s"))
+        spill.start()
+        assert store.entered.wait(30)  # the spill is writing
+        deleted = []
+        delete = threading.Thread(target=lambda: deleted.append(manager.delete("default", "s")))
+        delete.start()
+        delete.join(0.5)
+        store.gate.set()
+        spill.join(60)
+        delete.join(60)
+        assert deleted == [True]
+        with pytest.raises(SessionNotFound):
+            store.get("default", "s")
+        assert manager.session("s", create=True).messages == []
+
+
 @pytest.mark.parametrize("stalled", ["resume", "spill"])
 def test_a_turn_never_waits_for_another_sessions_store_io(tiny, tmp_path, stalled):
     from agentmem.storage import open_store
