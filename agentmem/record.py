@@ -141,6 +141,13 @@ class CacheStore(Protocol):
         """The stored version, without reading the blob; :class:`SessionNotFound` if there is none."""
         ...
 
+    def stamp(self, tenant: str, session_id: str) -> tuple[int, float]:
+        """The stored version and its record's ``updated_at``, without reading the blob.
+
+        Versions start over at 1 when a session is deleted and written again, so a copy held
+        elsewhere (the host tier) is the stored one only if both match."""
+        ...
+
     def delete(self, tenant: str, session_id: str) -> bool: ...
     def list(self, tenant: str, *, limit: int = 100, cursor: str | None = None) -> SessionPage: ...
     def tenants(self) -> list[str]:

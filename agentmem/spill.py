@@ -77,7 +77,7 @@ class Spiller:
     def read(self, key: Key) -> SessionRecord:
         """The newest record of ``key``: the host tier's if it is that, else the store's."""
         entry = self.host.get(key) if self.host is not None else None
-        if entry is not None and (entry.dirty or self._still_stored(key, entry.record.version)):
+        if entry is not None and (entry.dirty or self._still_stored(key, entry.record)):
             return entry.record
         record = self.store.get(*key, into=self._read_into)
         self.cache(record)
@@ -87,7 +87,7 @@ class Spiller:
         """Bring ``key``'s record into the host tier in the background (nothing if it is there, fresh)."""
         def fetch() -> None:
             entry = self.host.get(key)
-            if entry is None or not (entry.dirty or self._still_stored(key, entry.record.version)):
+            if entry is None or not (entry.dirty or self._still_stored(key, entry.record)):
                 self.cache(self.store.get(*key, into=self._read_into))
 
         return self._readers.submit(fetch)
@@ -103,9 +103,11 @@ class Spiller:
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True, cancel_futures=True)
 
-    def _still_stored(self, key: Key, version: int) -> bool:
+    def _still_stored(self, key: Key, record: SessionRecord) -> bool:
+        """Whether the store holds ``record``'s version: the same number and the same write (a
+        session deleted and written again elsewhere starts over at version 1)."""
         try:
-            return self.store.version(*key) == version
+            return self.store.stamp(*key) == (record.version, record.updated_at)
         except SessionNotFound:
             return False
 

@@ -239,11 +239,18 @@ class RedisStore:
         raise StoreUnavailable(f"session {tenant}/{session_id} is being rewritten too often to read")
 
     def version(self, tenant: str, session_id: str) -> int:
+        return self.stamp(tenant, session_id)[0]
+
+    def stamp(self, tenant: str, session_id: str) -> tuple[int, float]:
         check_key(tenant, session_id)
-        version, expires_at = self._call(self._redis.hmget, _meta_key(tenant, session_id), "version", "expires_at")
+        version, expires_at, updated_at = self._call(self._redis.hmget, _meta_key(tenant, session_id),
+                                                     "version", "expires_at", "updated_at")
         if version is None or not _alive({b"expires_at": expires_at}, time.time()):
             raise not_found(tenant, session_id)
-        return int(version)
+        try:
+            return int(version), float(updated_at)
+        except (TypeError, ValueError) as exc:
+            raise CorruptSessionError(f"session {tenant}/{session_id}: its meta hash is damaged ({exc!r})") from None
 
     def _fetch_chunks(self, keys: list[str]) -> Iterator[bytes]:
         """The chunks in order, a pipeline's worth per round trip (no single multi-GiB reply);

@@ -398,13 +398,17 @@ class SqlStore:
         return restore(tenant, session_id, row.record, blob, row.version)
 
     def version(self, tenant: str, session_id: str) -> int:
+        return self.stamp(tenant, session_id)[0]
+
+    def stamp(self, tenant: str, session_id: str) -> tuple[int, float]:
         check_key(tenant, session_id)
+        t = sessions_table.c
         with self._connection() as conn:
-            found = conn.execute(select(sessions_table.c.version)
-                                 .where(*_key(tenant, session_id), _alive(time.time()))).scalar()
+            found = conn.execute(select(t.version, t.updated_at)
+                                 .where(*_key(tenant, session_id), _alive(time.time()))).first()
         if found is None:
             raise not_found(tenant, session_id)
-        return found
+        return found.version, found.updated_at
 
     def delete(self, tenant: str, session_id: str) -> bool:
         check_key(tenant, session_id)

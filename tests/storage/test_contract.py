@@ -32,6 +32,10 @@ def test_put_get_round_trip_and_versions(store):
     assert got.model_dump(exclude={"version"}) == first.model_dump(exclude={"version"})
     assert store.put("acme", "s1", record("acme", "s1", b"v2"), expected_version=1) == 2
     assert store.get("acme", "s1").blob == b"v2" and store.version("acme", "s1") == 2
+    second = record("acme", "s1", b"v2")
+    store.delete("acme", "s1")
+    assert store.put("acme", "s1", second) == 1  # versions start over: the stamp tells the lives apart
+    assert store.stamp("acme", "s1") == (1, second.updated_at) != (1, first.updated_at)
 
 
 def test_large_blob_is_chunked_and_exact(store):

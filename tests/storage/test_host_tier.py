@@ -85,6 +85,19 @@ def test_writes_behind_count_against_the_tenant_quota_until_they_land(tiny, tmp_
         manager.policies["default"] = BudgetPolicy()  # so close() can store both
 
 
+def test_a_clean_copy_of_a_session_deleted_and_written_again_elsewhere_is_not_served(tiny, tmp_path):
+    """Versions start over after a delete: a host-memory copy at the same version number as the
+    store's, but of the session's earlier life, must not be resumed (nor then overwrite it)."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with SessionManager(tiny, url, host_budget_bytes=64 * 2**20) as reader, SessionManager(tiny, url) as writer:
+        reader.session("s").chat("first life", max_new_tokens=2)
+        assert reader.spill("default", "s") == 1  # durable; a clean copy stays in host memory
+        assert writer.delete("default", "s")
+        writer.session("s").chat("second life", max_new_tokens=2)
+        assert writer.spill("default", "s") == 1  # the same version number, another write
+        assert reader.session("s").messages[0]["content"] == "second life"
+
+
 def test_durable_spills_are_in_the_store_on_return_and_close_flushes_writes_behind(tiny, tmp_path):
     url = f"sqlite:///{tmp_path / 's.db'}"
     manager = SessionManager(tiny, url, host_budget_bytes=64 * 2**20)
