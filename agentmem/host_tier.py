@@ -5,7 +5,8 @@ recently used first out, under a byte budget per manager and, optionally, per te
 session spilled with ``durable=False`` lives here *dirty* until its background store write
 lands; dirty entries are never evicted (they are the only copy). Clean entries are copies of
 what the store holds, kept so a resume skips the store read, or fetched ahead of a turn by a
-prefetch; a resume uses a clean entry only if the store still holds that version.
+prefetch; a resume uses a clean entry only if the store still holds that write (its version
+and ``updated_at``: versions start over after a delete).
 """
 
 from __future__ import annotations

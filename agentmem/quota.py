@@ -15,11 +15,13 @@ from agentmem.record import CacheStore, SessionRecord
 class StoreQuota:
     """Writes records to ``store`` only where their tenant's quota allows.
 
-    Within one process the check and the write are one step per tenant, so concurrent spills
-    of one tenant cannot both squeeze in under its quota. A write behind (queued, landing
-    later) holds the bytes it will add (:meth:`hold`) until it has landed or failed
-    (:meth:`release`): checks count them as stored, so two queued writes cannot both pass a
-    check that only one fits, and the second be dropped in the background.
+    Within one process every write holds the bytes it will add from its check until it has
+    landed (or failed), and checks count held bytes as stored, so concurrent spills of one
+    tenant cannot both squeeze in under its quota. A write behind (queued, landing later)
+    holds them from the spill that queues it (:meth:`hold`) until its store write lands or
+    it is dropped (:meth:`release`): two queued writes cannot both pass a check that only one
+    fits, and the second be dropped in the background. Holds are taken under a lock of their
+    own, not the one writes wait on, so a spill never waits for another session's store write.
     """
 
     def __init__(self, store: CacheStore, policy_for: Callable[[str], BudgetPolicy]) -> None:
@@ -53,7 +55,7 @@ class StoreQuota:
         with self._tenant_lock(self._holding, record.tenant):
             self.check(record, replaced_bytes)
             with self._lock:
-                self._held[key] = self._held.get(key, 0) + len(record.blob) - replaced_bytes
+                self._held[key] = self._held.get(key, 0) + max(0, len(record.blob) - replaced_bytes)
 
     def release(self, key: Key) -> None:
         """The session's queued writes landed or failed: the store counts what they added, or they added nothing."""
@@ -64,9 +66,22 @@ class StoreQuota:
         """Write ``record`` (compare-and-set against ``expected_version``) within its quota; its new version."""
         if self._policy_for(record.tenant).max_stored_bytes is None:
             return self.store.put(record.tenant, record.session_id, record, expected_version=expected_version)
+        key = (record.tenant, record.session_id)
         with self._tenant_lock(self._writes, record.tenant):
-            self.check(record, replaced_bytes)
-            return self.store.put(record.tenant, record.session_id, record, expected_version=expected_version)
+            with self._tenant_lock(self._holding, record.tenant):
+                self.check(record, replaced_bytes)
+                with self._lock:
+                    own = key not in self._held  # else a write behind's, held since its spill
+                    if own:
+                        self._held[key] = max(0, len(record.blob) - replaced_bytes)
+            landed = False
+            try:
+                version = self.store.put(record.tenant, record.session_id, record, expected_version=expected_version)
+                landed = True
+                return version
+            finally:
+                if landed or own:  # the store counts the bytes now, or they were never added
+                    self.release(key)
 
     def _tenant_lock(self, locks: defaultdict[str, threading.Lock], tenant: str) -> threading.Lock:
         with self._lock:

@@ -2,7 +2,7 @@
 
 A :class:`Session` is what callers hold; the :class:`~agentmem.sessions.SessionManager` that
 made it keeps it live, spills it and brings it back. Each turn reads only the tokens the cache
-does not hold yet (``engine.chat_delta``), compacts the cache when it crosses the tenant's
+does not hold yet (``engine.prompt_delta``), compacts the cache when it crosses the tenant's
 ``max_live_tokens`` (before reading, and during a long generation), and holds room in the
 manager's device budget for what its buffers grow by.
 """

@@ -2,8 +2,8 @@
 
 A :class:`Spiller` writes a record to the store now (``durable``), or puts it in the host tier
 and writes it behind, on one writer thread, in spill order; it reads a record back from the
-host tier when that copy is the newest (a write still pending, or a clean copy whose version
-the store still holds), else from the store; and it prefetches records into the host tier
+host tier when that copy is the newest (a write still pending, or a clean copy of the write
+the store still holds: :meth:`~agentmem.record.CacheStore.stamp`), else from the store; and it prefetches records into the host tier
 ahead of their turn. Store outages on a write behind are retried until the store returns, the
 manager closes or ``GIVE_UP_SECONDS`` pass; a lost compare-and-set (another process wrote
 meanwhile) drops the copy, as a synchronous spill would have refused it.

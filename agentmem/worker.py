@@ -107,6 +107,8 @@ class SpillWorker:
         if self.registry.get((tenant, session_id)) is not None:
             raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists")
         if not leased:
+            if self.registry.busy((tenant, session_id)):  # being loaded here: its loader holds the lease
+                raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists (being resumed)")
             self.spiller.wait((tenant, session_id))
             self.leases.take(tenant, session_id, self.lease_wait)
         try:
@@ -164,9 +166,11 @@ class SpillWorker:
             behind = False
             if not durable:
                 self.quota.hold(record, session.stored_bytes)  # refused now, not in the background
-                behind = self.spiller.write_behind(record, session.version, put)
-                if not behind:
-                    self.quota.release(key)
+                try:
+                    behind = self.spiller.write_behind(record, session.version, put)
+                finally:
+                    if not behind:
+                        self.quota.release(key)
             if behind:
                 version = session.version + 1  # what the queued compare-and-set will make it
             else:

@@ -155,9 +155,9 @@ class RedisStore:
                             " and its stored chunks expired; write again"
                         )
                     # A version past its expires_at (its keys may outlive it a little: their TTL runs from
-                    # the write) is gone for get and list, so this write starts the session anew.
-                    alive = old[0] is not None and _alive({b"expires_at": old[1]}, time.time())
-                    current = int(old[0]) if alive else 0
+                    # the write) is gone for get and list, so a new session's write starts it anew.
+                    expired = expected_version == 0 and not _alive({b"expires_at": old[1]}, time.time())
+                    current = int(old[0]) if old[0] is not None and not expired else 0
                     check_expected_version(tenant, session_id, current, expected_version)
                     replaced = old[2:]
                     # The version it shares chunks with was replaced, or its chunks expired, since we read it.
@@ -223,13 +223,16 @@ class RedisStore:
         check_key(tenant, session_id)
         for _ in range(_RETRIES):
             meta = self._call(self._redis.hgetall, _meta_key(tenant, session_id))
-            if not meta or not _alive(meta, time.time()):
+            if not meta:
                 raise not_found(tenant, session_id)
             try:
+                alive = _alive(meta, time.time())
                 keys = _keys_of(tenant, session_id, _owners(_layout_of(meta)))
                 nbytes, version, metadata = int(meta[b"nbytes"]), int(meta[b"version"]), meta[b"record"]
             except (KeyError, ValueError, TypeError) as exc:
                 raise CorruptSessionError(f"session {tenant}/{session_id}: its meta hash is damaged ({exc!r})") from None
+            if not alive:
+                raise not_found(tenant, session_id)
             try:
                 blob = read_chunks(self._fetch_chunks(keys), nbytes, session=f"{tenant}/{session_id}",
                                    recorded_in="meta", into=into)
@@ -245,12 +248,15 @@ class RedisStore:
         check_key(tenant, session_id)
         version, expires_at, updated_at = self._call(self._redis.hmget, _meta_key(tenant, session_id),
                                                      "version", "expires_at", "updated_at")
-        if version is None or not _alive({b"expires_at": expires_at}, time.time()):
+        if version is None:
             raise not_found(tenant, session_id)
         try:
-            return int(version), float(updated_at)
+            alive, stamp = _alive({b"expires_at": expires_at}, time.time()), (int(version), float(updated_at))
         except (TypeError, ValueError) as exc:
             raise CorruptSessionError(f"session {tenant}/{session_id}: its meta hash is damaged ({exc!r})") from None
+        if not alive:
+            raise not_found(tenant, session_id)
+        return stamp
 
     def _fetch_chunks(self, keys: list[str]) -> Iterator[bytes]:
         """The chunks in order, a pipeline's worth per round trip (no single multi-GiB reply);

@@ -323,10 +323,10 @@ class SqlStore:
         with self._transaction() as conn:
             t = sessions_table.c
             current = conn.execute(select(t.version, t.write_id, t.expires_at).where(*key).with_for_update()).first()
-            if current is not None and not is_alive(current.expires_at, time.time()):
-                # Expired: get, version and list no longer show it, so this write starts the session
-                # anew (version 1) instead of conflicting with what nobody can read (prune would
-                # have removed it). A write planned to share its chunks fails below (changed during the write).
+            if current is not None and expected_version == 0 and not is_alive(current.expires_at, time.time()):
+                # Expired: get, version and list no longer show it, so a new session's write starts it
+                # anew (version 1) instead of conflicting with what nobody can read (prune would have
+                # removed it). A live holder's write (expecting its version) continues it as before.
                 _delete_version(conn, tenant, session_id, current.write_id)
                 conn.execute(delete(sessions_table).where(*key))
                 current = None

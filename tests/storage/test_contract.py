@@ -256,6 +256,9 @@ def test_an_expired_session_id_starts_a_new_session(store, small_chunks):
     assert store.get("acme", "s1").blob == fresh and store.version("acme", "s1") == 1
     assert store.put("acme", "s1", record("acme", "s1", b"v2"), expected_version=1) == 2
     assert store.prune(now=now + 7200) == 0  # the new session never expires, and the old one left nothing
+    store.put("acme", "held", record("acme", "held", updated_at=now - 100, ttl_seconds=50))
+    kept_on = record("acme", "held", b"kept on", updated_at=now, ttl_seconds=3600)
+    assert store.put("acme", "held", kept_on, expected_version=1) == 2  # the session's live holder continues it
     assert store.get("acme", "s1").blob == b"v2"
 
 

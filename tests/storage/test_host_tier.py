@@ -85,6 +85,32 @@ def test_writes_behind_count_against_the_tenant_quota_until_they_land(tiny, tmp_
         manager.policies["default"] = BudgetPolicy()  # so close() can store both
 
 
+def test_a_spill_behind_counts_a_store_write_under_way_against_the_quota(tiny, tmp_path):
+    """A durable spill writing when another session is spilled behind: the second is refused at
+    once (the first's bytes are held from its check), not queued and dropped once the first lands."""
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'size.db'}") as sizer:
+        sizer.session("x").chat("hello there", max_new_tokens=3)
+        sizer.spill("default", "x")
+        size = sizer.store.usage("default").bytes
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    store = CountingGatedStore(open_store(url))
+    policy = BudgetPolicy(max_stored_bytes=size * 3 // 2)
+    with SessionManager(tiny, store, host_budget_bytes=64 * 2**20, default_policy=policy) as manager:
+        for name in ("c", "b"):
+            manager.session(name).chat("hello there", max_new_tokens=3)
+        store.gate.clear()
+        durable = threading.Thread(target=lambda: manager.spill("default", "c"))
+        durable.start()
+        assert store.writing.wait(30)  # c's store write is under way
+        with pytest.raises(BudgetExceeded, match="max_stored_bytes"):
+            manager.spill("default", "b", durable=False)
+        store.gate.set()
+        durable.join(60)
+        for name in ("c", "b"):
+            assert manager.session(name).messages[0]["content"] == "hello there"
+        manager.policies["default"] = BudgetPolicy()  # so close() can store both
+
+
 def test_a_clean_copy_of_a_session_deleted_and_written_again_elsewhere_is_not_served(tiny, tmp_path):
     """Versions start over after a delete: a host-memory copy at the same version number as the
     store's, but of the session's earlier life, must not be resumed (nor then overwrite it)."""
