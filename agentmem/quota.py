@@ -47,15 +47,8 @@ class StoreQuota:
 
     def hold(self, record: SessionRecord, replaced_bytes: int) -> None:
         """:meth:`check` a write about to be queued and count what it adds until :meth:`release`."""
-        if self._policy_for(record.tenant).max_stored_bytes is None:
-            return
-        key = (record.tenant, record.session_id)
-        # One hold of a tenant at a time, but not under its write lock: a store write of another
-        # session (a write behind under way) must not hold this spill up.
-        with self._tenant_lock(self._holding, record.tenant):
-            self.check(record, replaced_bytes)
-            with self._lock:
-                self._held[key] = self._held.get(key, 0) + max(0, len(record.blob) - replaced_bytes)
+        if self._policy_for(record.tenant).max_stored_bytes is not None:
+            self._hold(record, replaced_bytes, queued=True)
 
     def release(self, key: Key) -> None:
         """The session's queued writes landed or failed: the store counts what they added, or they added nothing."""
@@ -68,20 +61,32 @@ class StoreQuota:
             return self.store.put(record.tenant, record.session_id, record, expected_version=expected_version)
         key = (record.tenant, record.session_id)
         with self._tenant_lock(self._writes, record.tenant):
-            with self._tenant_lock(self._holding, record.tenant):
-                self.check(record, replaced_bytes)
-                with self._lock:
-                    own = key not in self._held  # else a write behind's, held since its spill
-                    if own:
-                        self._held[key] = max(0, len(record.blob) - replaced_bytes)
-            landed = False
+            own = self._hold(record, replaced_bytes, queued=False)
             try:
                 version = self.store.put(record.tenant, record.session_id, record, expected_version=expected_version)
-                landed = True
-                return version
-            finally:
-                if landed or own:  # the store counts the bytes now, or they were never added
+            except BaseException:
+                if own:  # a write behind keeps its hold while it is retried; :meth:`release` ends it
                     self.release(key)
+                raise
+        self.release(key)  # the store counts the bytes now
+        return version
+
+    def _hold(self, record: SessionRecord, replaced_bytes: int, *, queued: bool) -> bool:
+        """:meth:`check` ``record`` and hold what it adds; whether this call made the session's hold.
+
+        A queued write adds to the session's hold; a write going to the store now holds only if
+        no write behind of the session holds already (its own, queued since its spill). One hold
+        of a tenant at a time, but not under its write lock: a store write of another session (a
+        write behind under way) must not hold a spill up.
+        """
+        key = (record.tenant, record.session_id)
+        with self._tenant_lock(self._holding, record.tenant):
+            self.check(record, replaced_bytes)
+            with self._lock:
+                made = key not in self._held
+                if queued or made:
+                    self._held[key] = self._held.get(key, 0) + max(0, len(record.blob) - replaced_bytes)
+                return made
 
     def _tenant_lock(self, locks: defaultdict[str, threading.Lock], tenant: str) -> threading.Lock:
         with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import pytest
 
@@ -60,20 +61,29 @@ def test_a_spill_written_behind_returns_before_the_store_write_and_resumes_from_
         assert open_store(url).get("default", "s").version == 1  # and the store holds it
 
 
-def test_writes_behind_count_against_the_tenant_quota_until_they_land(tiny, tmp_path):
-    """Two sessions spilled behind when the quota holds one and a half: the second is refused at
-    once and stays live, instead of passing a check that ignored the first's queued write and
-    being dropped in the background when the store refused it."""
+@contextmanager
+def quota_of_one_and_a_half(tiny, tmp_path, names: tuple[str, ...]):
+    """A manager with a host tier over a gated store, whose tenant quota holds one and a half of
+    the sessions it opens (``names``, one turn each); yields it, the store and one session's bytes.
+    The quota is lifted at the end so that closing can store them all."""
     with SessionManager(tiny, f"sqlite:///{tmp_path / 'size.db'}") as sizer:
         sizer.session("x").chat("hello there", max_new_tokens=3)
         sizer.spill("default", "x")
         size = sizer.store.usage("default").bytes
-    url = f"sqlite:///{tmp_path / 's.db'}"
-    store = CountingGatedStore(open_store(url))
+    store = CountingGatedStore(open_store(f"sqlite:///{tmp_path / 's.db'}"))
     policy = BudgetPolicy(max_stored_bytes=size * 3 // 2)
     with SessionManager(tiny, store, host_budget_bytes=64 * 2**20, default_policy=policy) as manager:
-        for name in ("a", "b"):
+        for name in names:
             manager.session(name).chat("hello there", max_new_tokens=3)
+        yield manager, store, size
+        manager.policies["default"] = BudgetPolicy()
+
+
+def test_writes_behind_count_against_the_tenant_quota_until_they_land(tiny, tmp_path):
+    """Two sessions spilled behind when the quota holds one and a half: the second is refused at
+    once and stays live, instead of passing a check that ignored the first's queued write and
+    being dropped in the background when the store refused it."""
+    with quota_of_one_and_a_half(tiny, tmp_path, ("a", "b")) as (manager, store, size):
         store.gate.clear()
         manager.spill("default", "a", durable=False)
         with pytest.raises(BudgetExceeded, match="max_stored_bytes"):
@@ -81,23 +91,13 @@ def test_writes_behind_count_against_the_tenant_quota_until_they_land(tiny, tmp_
         store.gate.set()
         for name in ("a", "b"):
             assert manager.session(name).messages[0]["content"] == "hello there"
-        assert open_store(url).usage("default").bytes == size
-        manager.policies["default"] = BudgetPolicy()  # so close() can store both
+        assert store.usage("default").bytes == size
 
 
 def test_a_spill_behind_counts_a_store_write_under_way_against_the_quota(tiny, tmp_path):
     """A durable spill writing when another session is spilled behind: the second is refused at
     once (the first's bytes are held from its check), not queued and dropped once the first lands."""
-    with SessionManager(tiny, f"sqlite:///{tmp_path / 'size.db'}") as sizer:
-        sizer.session("x").chat("hello there", max_new_tokens=3)
-        sizer.spill("default", "x")
-        size = sizer.store.usage("default").bytes
-    url = f"sqlite:///{tmp_path / 's.db'}"
-    store = CountingGatedStore(open_store(url))
-    policy = BudgetPolicy(max_stored_bytes=size * 3 // 2)
-    with SessionManager(tiny, store, host_budget_bytes=64 * 2**20, default_policy=policy) as manager:
-        for name in ("c", "b"):
-            manager.session(name).chat("hello there", max_new_tokens=3)
+    with quota_of_one_and_a_half(tiny, tmp_path, ("c", "b")) as (manager, store, _):
         store.gate.clear()
         durable = threading.Thread(target=lambda: manager.spill("default", "c"))
         durable.start()
@@ -108,7 +108,6 @@ def test_a_spill_behind_counts_a_store_write_under_way_against_the_quota(tiny, t
         durable.join(60)
         for name in ("c", "b"):
             assert manager.session(name).messages[0]["content"] == "hello there"
-        manager.policies["default"] = BudgetPolicy()  # so close() can store both
 
 
 def test_a_clean_copy_of_a_session_deleted_and_written_again_elsewhere_is_not_served(tiny, tmp_path):
