@@ -192,5 +192,10 @@ def test_a_damaged_or_foreign_meta_hash_is_refused_as_corrupt(redis_url, raw):
             store.get("acme", "s1")
         with pytest.raises(CorruptSessionError, match="names globex/s2"):
             store.get("acme", "s2")
+        store.put("acme", "s3", record("acme", "s3"))
+        raw.hset(_meta_key("acme", "s3"), "expires_at", "soon")
+        for read in (store.get, store.version, store.stamp):
+            with pytest.raises(CorruptSessionError, match="meta hash is damaged"):
+                read("acme", "s3")
     finally:
         store.close()
