@@ -204,7 +204,7 @@ class Engine:
         appears in the decoded output, at ``max_new_tokens`` or at the model's context limit.
         Every yielded token is in the cache when the iterator finishes (or is closed early).
         """
-        self._check_sampling(max_new_tokens, temperature, top_p, top_k)
+        self.check_sampling(max_new_tokens, temperature, top_p, top_k)
         ids = self._check_tokens(prompt_ids, cache, reserve=0)
         processors = _warpers(temperature, top_p, top_k)
         generator = None
@@ -337,7 +337,8 @@ class Engine:
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (self.num_layers, self.num_kv_heads, self.head_dim):
             raise ModelMismatch("cache layout does not match the model's layers, KV heads or head size")
 
-    def _check_sampling(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    def check_sampling(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+        """Raise :class:`InvalidInput` for generation settings :meth:`stream` cannot honour."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInput(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if not temperature >= 0:

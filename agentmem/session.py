@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from agentmem.cache import SessionCache
 from agentmem.compaction import check_reachable
 from agentmem.engine import Engine
-from agentmem.errors import BudgetExceeded, HistoryDivergence, InvalidInput
+from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, InvalidInput
 from agentmem.policy import BudgetPolicy
 
 if TYPE_CHECKING:
@@ -108,7 +108,8 @@ class Session:
             keep, delta = self._plan(conversation, tools)
             prefix = self.manager.engine.tokenizer(reply_prefix, add_special_tokens=False,
                                                    split_special_tokens=True)["input_ids"] if reply_prefix else []
-            self._check_context(keep, len(delta) + len(prefix) + max_new_tokens)  # before anything changes
+            self.manager.engine.check_sampling(max_new_tokens, temperature, top_p, top_k)
+            self._check_turn(keep, len(delta) + len(prefix), max_new_tokens)  # before anything changes
             self._tools = tools
             held = self.cache.logical_length
             self._rewind(keep, usage)
@@ -200,14 +201,37 @@ class Session:
             self.cache = self.manager.engine.new_cache()
         usage.dropped_tokens += held - keep_tokens
 
-    def _check_context(self, kept: int, needed: int) -> None:
-        """Refuse a turn that would keep ``kept`` held tokens and need ``needed`` more past ``max_context_tokens``."""
-        limit = self.policy.max_context_tokens
-        if limit is not None and kept + needed > limit:
+    def _check_turn(self, kept: int, reading: int, max_new_tokens: int) -> None:
+        """Refuse, before the cache is rewound, a turn that keeps ``kept`` held tokens and reads
+        ``reading`` more (``max_new_tokens`` to follow) when it would pass ``max_context_tokens``,
+        the model's context, or, under ``on_over_budget="reject"``, ``max_live_tokens``: a
+        refusal after the rewind would already have thrown away what an edited history cut off."""
+        policy, where = self.policy, f"session {self.tenant}/{self.session_id}"
+        limit = policy.max_context_tokens
+        if limit is not None and kept + reading + max_new_tokens > limit:
             raise BudgetExceeded(
-                f"session {self.tenant}/{self.session_id} would hold {kept} tokens of this conversation; "
-                f"{needed} more would exceed the policy's max_context_tokens={limit}"
+                f"{where} would hold {kept} tokens of this conversation; "
+                f"{reading + max_new_tokens} more would exceed the policy's max_context_tokens={limit}"
             )
+        model_context = self.manager.engine.max_context
+        if kept + reading > model_context:
+            raise ContextOverflow(
+                f"{where} would hold {kept} tokens of this conversation; "
+                f"{reading} more exceed the model's context of {model_context}"
+            )
+        live = self._live_rows_after_rewind(kept) + reading
+        if policy.on_over_budget == "reject" and live > policy.max_live_tokens:
+            raise BudgetExceeded(
+                f"{where} would hold {live} live tokens to read this turn; "
+                f"max_live_tokens={policy.max_live_tokens} and the policy rejects instead of compacting"
+            )
+
+    def _live_rows_after_rewind(self, kept: int) -> int:
+        """The cache's rows once :meth:`_rewind` keeps ``kept`` tokens: a cut lies in the raw tail
+        (one row per token), a rewind to nothing starts a new cache (see :meth:`_kept_by_rewind`)."""
+        if not kept:
+            return 0
+        return self.cache.physical_length - (self.cache.logical_length - kept)
 
     def _read_within_budget(self, delta: list[int], usage: Usage, conversation: list[dict[str, Any]],
                             reply: int) -> list[int]:

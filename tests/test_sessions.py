@@ -15,7 +15,7 @@ import torch
 from pydoc_data.topics import topics
 
 from agentmem import BudgetPolicy, Engine, SessionManager
-from agentmem.errors import BudgetExceeded, InvalidInput, SessionBusy, SessionNotFound
+from agentmem.errors import BudgetExceeded, ContextOverflow, InvalidInput, SessionBusy, SessionNotFound
 from helpers import tiny_model
 
 FACT = "For the record: my account number is 73914 and I live in Porto."
@@ -200,17 +200,30 @@ def test_edited_history_is_reread_and_reported(tiny, tmp_path):
         assert manager.stats()["reprefilled_tokens"] == usage.reprefilled_tokens
 
 
-def test_a_turn_refused_for_its_length_leaves_the_session_as_it_was(tiny, tmp_path):
-    """An edited history whose turn would pass max_context_tokens is refused before the cache is
-    rewound: the session keeps what it held, and the next turn that fits reuses all of it."""
-    policy = BudgetPolicy(max_context_tokens=200)
+REFUSALS = {  # a policy, the edited turn's extra text and max_new_tokens, the error it gets
+    "max_context_tokens": (BudgetPolicy(max_context_tokens=200), "", 150, BudgetExceeded, "max_context_tokens=200"),
+    "model context": (BudgetPolicy(), " ".join(["word"] * 1100), 3, ContextOverflow, "model's context of 1024"),
+    "reject over budget": (BudgetPolicy(max_live_tokens=64, on_over_budget="reject", keep_recent=8),
+                           filler(0), 3, BudgetExceeded, "rejects instead of compacting"),
+    "bad sampling": (BudgetPolicy(), "", 3, InvalidInput, "temperature"),
+}
+
+
+@pytest.mark.parametrize("refusal", REFUSALS)
+def test_a_refused_turn_leaves_the_session_as_it_was(tiny, tmp_path, refusal):
+    """An edited history whose turn is refused (too long for the policy or the model, over a
+    rejecting budget, bad settings) is refused before the cache is rewound: the session keeps
+    what it held, and the next turn that fits reuses all of it."""
+    policy, extra, max_new_tokens, error, message = REFUSALS[refusal]
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
         session = manager.session("s")
         session.chat("My code is 1234.", max_new_tokens=3)
         held, messages = session.cache.token_ids, session.messages
         edited = [{"role": "user", "content": "My code is 9999."}] + messages[1:]
-        with pytest.raises(BudgetExceeded, match="max_context_tokens=200"):
-            session.chat(edited + [{"role": "user", "content": "Repeat it."}], max_new_tokens=150)
+        temperature = -1.0 if refusal == "bad sampling" else 0.0
+        with pytest.raises(error, match=message):
+            session.chat(edited + [{"role": "user", "content": "Repeat it." + extra}],
+                         max_new_tokens=max_new_tokens, temperature=temperature)
         assert session.cache.token_ids == held and session.messages == messages
         reply = session.chat("Thanks.", max_new_tokens=3)
         assert reply.usage.reused_tokens == len(held) and reply.usage.dropped_tokens == 0
