@@ -6,7 +6,8 @@ spilling and evicting happen in the spill/load worker. A session's state is one 
 
 - *live*: in memory, in LRU order; a spill of it holds the session's own lock, so a turn on it
   waits for the spill (and then brings it back) while other sessions go on;
-- *loading*: one thread is resuming it; others asking for it wait for that thread alone;
+- *loading*: one thread is resuming it; others asking for it wait for that thread alone (a delete
+  waits for it too, and holds loads off until it is done);
 - *spilled*: not live here; a handle a caller still holds is kept (weakly) so that resuming
   the session revives that very object.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from agentmem.errors import InvalidInput
@@ -60,6 +62,28 @@ class Registry:
                 finally:
                     with self._lock:  # retired while held, so no waiter can load beside a newer loader
                         del self._loaders[key]
+
+    @contextmanager
+    def exclusive(self, key: Key) -> Iterator[None]:
+        """Hold off loads of ``key`` while the caller changes what they would read (a delete).
+
+        Waits for a load under way to finish; loads asked for meanwhile wait, then start over
+        (they read the store as the caller left it). Take the session's own lock first: a turn
+        reviving a spilled handle holds that lock and then loads.
+        """
+        while True:
+            with self._lock:
+                loader = self._loaders.setdefault(key, threading.Lock())
+            with loader:
+                with self._lock:
+                    if self._loaders.get(key) is not loader:
+                        continue  # a load finished and retired it: take a loader of our own
+                try:
+                    yield
+                finally:
+                    with self._lock:
+                        del self._loaders[key]
+                return
 
     def add(self, session: Session) -> None:
         """Make ``session`` live (most recently used); a live session of the same key is an error."""

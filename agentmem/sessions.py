@@ -162,17 +162,21 @@ class SessionManager:
     def delete(self, tenant: str, session_id: str) -> bool:
         """Forget a session, live and stored.
 
-        A turn or spill of it under way here finishes first (its lock is taken): a spill that
-        landed after the store's delete would bring the deleted session back.
+        A turn, spill or resume of it under way here finishes first, and resumes asked for
+        meanwhile wait for the delete: a spill that landed after the store's delete would bring
+        the deleted session back, and so would a resume that had read the store before it.
         """
         key = check_key(tenant, session_id)
-        handle = self._registry.get(key) or self._registry.spilled(key)
-        with handle.lock if handle is not None else nullcontext():
-            live = self._registry.forget(key)
-            self._spiller.discard(key)
-            removed = self.store.delete(tenant, session_id)
-        self.store.release_lease(tenant, session_id, self.owner)
-        return removed or live is not None
+        while True:
+            handle = self._handle(key)
+            with handle.lock if handle is not None else nullcontext(), self._registry.exclusive(key):
+                if self._handle(key) is not handle:
+                    continue  # a resume under way made it live as another handle: lock that one
+                live = self._registry.forget(key)
+                self._spiller.discard(key)
+                removed = self.store.delete(tenant, session_id)
+                self.store.release_lease(tenant, session_id, self.owner)
+                return removed or live is not None
 
     def release(self, tenant: str, session_id: str) -> None:
         """Give a live session up without writing it: the store keeps what it had (or nothing).
@@ -247,6 +251,10 @@ class SessionManager:
         """Sessions whose leases this process keeps: live ones, and those whose write behind is pending."""
         live = self._registry.keys()
         return live + sorted(set(self._spiller.pending()).difference(live))
+
+    def _handle(self, key: Key) -> Session | None:
+        """The session object callers hold for ``key``: the live one, else a spilled handle still held."""
+        return self._registry.get(key) or self._registry.spilled(key)
 
     def _adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
         """A new live session of ``tenant`` holding ``cache`` and ``messages`` (a fork)."""

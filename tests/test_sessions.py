@@ -528,6 +528,36 @@ def test_a_delete_during_the_first_spill_of_a_session_is_not_undone_by_it(tiny, 
         assert manager.session("s", create=True).messages == []
 
 
+def test_a_delete_during_a_resume_is_not_undone_by_it(tiny, tmp_path):
+    """A stored session deleted while a resume has read it: the delete waits for the resume, then
+    forgets the session it made live; it used to leave that session live, its next spill refused."""
+    from agentmem.storage import open_store
+
+    inner = open_store(f"sqlite:///{tmp_path / 's.db'}")
+    with SessionManager(tiny, inner) as writer:
+        writer.session("s").chat("forget me", max_new_tokens=2)
+    store = GatedStore(inner, "s", gated=("get",))
+    with SessionManager(tiny, store) as manager:
+        resumed = []
+        resume = threading.Thread(target=lambda: resumed.append(manager.session("s", create=False)))
+        resume.start()
+        assert store.entered.wait(30)  # the resume is reading the store
+        deleted = []
+        delete = threading.Thread(target=lambda: deleted.append(manager.delete("default", "s")))
+        delete.start()
+        delete.join(0.5)
+        assert delete.is_alive()  # waiting for the resume
+        store.gate.set()
+        resume.join(60)
+        delete.join(60)
+        assert deleted == [True] and resumed[0].messages[0]["content"] == "forget me"
+        assert manager.list("default") == []
+        with pytest.raises(SessionNotFound):
+            manager.session("s", create=False)
+        with pytest.raises(SessionNotFound):
+            resumed[0].chat("still there?", max_new_tokens=2)  # the handle is not brought back either
+
+
 @pytest.mark.parametrize("stalled", ["resume", "spill"])
 def test_a_turn_never_waits_for_another_sessions_store_io(tiny, tmp_path, stalled):
     from agentmem.storage import open_store
