@@ -12,7 +12,9 @@ than one hash slot at a time. Keys of one session share the hash tag ``{tenant:s
   ``write_id``: a version shares the chunks that did not change with the one it replaced
   (see :mod:`agentmem.storage.chunks`);
 - ``am:{t:s}:writes`` — ids of puts under way (a set that expires after ``ORPHAN_TTL_MS``);
-- ``am:{t:s}:lease`` — the owner holding the session's lease (SET NX PX).
+- ``am:{t:s}:lease`` — the owner holding the session's lease (SET NX PX). Taking or renewing
+  it also keeps the session's keys from expiring before the lease does, so a session kept live
+  past its ``ttl_seconds`` can still be written as its next version.
 
 Tenants list their sessions through the index ``am:tenant:<t>``, a sorted set in another slot.
 Every multi-key command and every MULTI/EXEC touches one slot; work on both a session and
@@ -356,7 +358,7 @@ class RedisStore:
             return bool(self._redis.set(key, owner, nx=True, px=ttl_ms)) or self._extend_lease(
                 key, owner, ttl_ms, take_free=True, replacing=replacing)
 
-        return self._call(acquire)
+        return self._call(acquire) and self._call(self._outlast_lease, tenant, session_id, ttl_ms)
 
     def lease_holder(self, tenant: str, session_id: str) -> Lease | None:
         check_key(tenant, session_id)
@@ -376,7 +378,29 @@ class RedisStore:
     def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
         check_key(tenant, session_id)
         key, ttl_ms = _lease_key(tenant, session_id), milliseconds(ttl_seconds)
-        return self._call(lambda: self._extend_lease(key, owner, ttl_ms, take_free=False))
+        return (self._call(lambda: self._extend_lease(key, owner, ttl_ms, take_free=False))
+                and self._call(self._outlast_lease, tenant, session_id, ttl_ms))
+
+    def _outlast_lease(self, tenant: str, session_id: str, lease_ms: int) -> bool:
+        """Keep the stored session's keys at least ``lease_ms`` longer: its holder may keep it live
+        past ``ttl_seconds`` and then spill it as the next version, which needs the version it
+        continues still there (as a SQL row past its ``expires_at`` still is). Gets and lists go
+        by ``expires_at``, so this hides nothing; returns ``True`` (the lease is held)."""
+        meta_key = _meta_key(tenant, session_id)
+        with self._redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(meta_key)
+                left = pipe.pttl(meta_key)
+                if left < 0 or left >= lease_ms:  # nothing stored (-2), never expires (-1), or lasts
+                    return True
+                keys = [meta_key, *_keys_of(tenant, session_id, _owners(pipe.hmget(meta_key, *_LAYOUT_FIELDS)))]
+                pipe.multi()
+                for key in keys:  # a version's chunks expire with its meta (a put sets them together)
+                    pipe.pexpire(key, lease_ms)
+                pipe.execute()
+            except WatchError:
+                pass  # a put replaced the version meanwhile and set its keys' expiry itself
+        return True
 
     def _extend_lease(self, key: str, owner: str, ttl_ms: int, *, take_free: bool, replacing: str | None = None) -> bool:
         """Set the lease to ``owner`` for ``ttl_ms`` if ``owner`` or ``replacing`` holds it (or, with

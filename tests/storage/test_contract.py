@@ -262,6 +262,25 @@ def test_an_expired_session_id_starts_a_new_session(store, small_chunks):
     assert store.get("acme", "s1").blob == b"v2"
 
 
+def test_a_session_held_past_its_ttl_is_continued_by_its_lease_holder(store):
+    """A worker may keep a session live past ``ttl_seconds``; its next spill continues the version
+    it resumed, also where the store expires keys itself (Redis): taking or renewing the lease
+    keeps them while reads still treat the session as expired. Without that, the spill was
+    refused as a conflict and an eviction dropped the live session."""
+    store.put("acme", "resumed", record("acme", "resumed", ttl_seconds=1))
+    assert store.acquire_lease("acme", "resumed", "worker-a", 30)  # a resume after the write
+    assert store.acquire_lease("acme", "renewed", "worker-a", 30)  # a lease held across the write
+    store.put("acme", "renewed", record("acme", "renewed", ttl_seconds=1))
+    assert store.renew_lease("acme", "renewed", "worker-a", 30)
+    time.sleep(1.3)
+    for session_id in ("resumed", "renewed"):
+        with pytest.raises(SessionNotFound):
+            store.get("acme", session_id)
+        kept_on = record("acme", session_id, b"kept on", ttl_seconds=3600)
+        assert store.put("acme", session_id, kept_on, expected_version=1) == 2
+        assert store.get("acme", session_id).blob == b"kept on"
+
+
 def test_store_reopens_with_data(store_url):
     first = open_store(store_url)
     first.put("acme", "s1", record("acme", "s1", b"persisted"))
