@@ -21,17 +21,18 @@ def run_checks(*, model: str, stores: Sequence[str | None],
     also gets a persistence check: without AOF a Redis restart loses the sessions written
     since its last snapshot, which the store's guarantees assume cannot happen.
     """
-    from agentmem.storage.redis_client import is_redis_url
+    from agentmem.storage import default_url
+    from agentmem.storage.redis_client import is_redis_url, redact
 
     rows = [{"check": "python", "status": "ok", "detail": platform.python_version()}]
     for package in PACKAGES:
         rows.append(_check(f"package {package}", lambda p=package: importlib.metadata.version(p)))
     rows.append(_check("device", _device))
     rows.append(_check(f"model {model}", lambda: _model(model, dict(engine_options or {}))))
-    for url in stores:
-        rows.append(_check(f"store {url or '(default)'}", lambda u=url: _store(u)))
-        if url is not None and is_redis_url(url):
-            rows.append(_check(f"redis persistence {url}", lambda u=url: _redis_persistence(u)))
+    for url in (given or default_url() for given in stores):  # the default is $AGENTMEM_STORE, maybe Redis
+        rows.append(_check(f"store {redact(url)}", lambda u=url: _store(u)))
+        if is_redis_url(url):
+            rows.append(_check(f"redis persistence {redact(url)}", lambda u=url: _redis_persistence(u)))
     return rows
 
 
@@ -61,14 +62,15 @@ def _model(model: str, engine_options: dict[str, Any]) -> str:
             f"fingerprint {engine.fingerprint}, loaded in {time.perf_counter() - began:.1f} s")
 
 
-def _store(url: str | None) -> str:
-    from agentmem.storage import default_url, open_store
+def _store(url: str) -> str:
+    from agentmem.storage import open_store
+    from agentmem.storage.redis_client import redact
 
     store = open_store(url)
     try:
         began = time.perf_counter()
         usage = store.usage("default")
-        return (f"{url or default_url()}: answers in {(time.perf_counter() - began) * 1e3:.1f} ms; "
+        return (f"{redact(url)}: answers in {(time.perf_counter() - began) * 1e3:.1f} ms; "
                 f"tenant 'default' has {usage.sessions} sessions, {usage.bytes} bytes")
     finally:
         store.close()
@@ -81,12 +83,13 @@ def _redis_persistence(url: str) -> str:
     every session written since the last RDB snapshot; an evicting ``maxmemory-policy``
     drops sessions silently when Redis fills up.
     """
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisClusterException, RedisError
 
     from agentmem.storage.redis_client import connect, redact
 
-    client = connect(url)
+    client = None
     try:
+        client = connect(url)  # a cluster client asks its nodes for the slot map here
         aof_off = _nodes_where(client, "persistence", url, lambda info: not int(info.get("aof_enabled", 0)))
         if aof_off:
             raise StoreUnavailable(
@@ -107,10 +110,11 @@ def _redis_persistence(url: str) -> str:
                 "no": "what the OS had not flushed"}
         return ("AOF on, noeviction" + (f", appendfsync {fsync}: a crash loses {risk.get(fsync, 'an unknown amount')}"
                                         if fsync else " (appendfsync not readable: CONFIG refused)"))
-    except RedisError as exc:
+    except (RedisError, RedisClusterException) as exc:  # the cluster's own errors are not RedisErrors
         raise StoreUnavailable(f"cannot read the persistence settings of {redact(url)}: {exc}") from exc
     finally:
-        client.close()
+        if client is not None:
+            client.close()
 
 
 def _nodes_where(client: Any, section: str, url: str, wrong: Callable[[dict[str, Any]], bool]) -> list[str]:

@@ -200,10 +200,24 @@ def test_chat_logs_no_message_text(engine, tmp_path, monkeypatch, caplog):
 
 def test_doctor_reports_each_check_and_fails_on_a_dead_store(tmp_path):
     result = CliRunner().invoke(app, ["doctor", "--store", f"sqlite:///{tmp_path / 'd.db'}",
-                                      "--redis", "redis://127.0.0.1:1/0", "--json"])
+                                      "--redis", "redis://:s3cret@127.0.0.1:1/0", "--json"])
     checks = {c["check"]: c["status"] for c in json.loads(result.stdout)}
     assert checks["model embedded"] == "ok" and checks["package torch"] == "ok"
     assert checks["store redis://127.0.0.1:1/0"] == "fail" and result.exit_code == 1
+    assert checks["redis persistence redis://127.0.0.1:1/0"] == "fail"
+    assert "s3cret" not in result.output  # names and details show the URL without its password
+
+
+def test_doctor_checks_the_store_from_the_environment_and_an_unreachable_cluster(engine, monkeypatch):
+    """The default store ($AGENTMEM_STORE) gets the Redis persistence check too; a cluster that
+    does not answer is a failed check, not a traceback."""
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    monkeypatch.setenv("AGENTMEM_STORE", "redis+cluster://127.0.0.1:1")
+    result = CliRunner().invoke(app, ["doctor", "--json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    checks = {c["check"]: c for c in json.loads(result.stdout)}
+    check = checks["redis persistence redis+cluster://127.0.0.1:1"]
+    assert check["status"] == "fail" and "StoreUnavailable" in check["detail"] and result.exit_code == 1
 
 
 def test_bench_dispatches_to_the_benchmark_script():
