@@ -584,9 +584,9 @@ class SessionCache:
         """
         try:
             return cls._from_tensors(tensors, meta, torch.device(device), dtype)
-        except CorruptSessionError:
+        except (CorruptSessionError, torch.OutOfMemoryError):  # no room on the device is not damage
             raise
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
             raise CorruptSessionError(f"cache tensors do not match their layout: {exc!r}") from exc
         finally:
             wait_for_copies(device)  # the sources may be freed once we return

@@ -8,6 +8,7 @@ would have had in the full sequence.
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -194,7 +195,7 @@ class Engine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        stop: Sequence[str] | None = None,
+        stop: str | Sequence[str] | None = None,
         seed: int | None = None,
     ) -> Iterator[int]:
         """Read ``prompt_ids`` into the cache, then yield generated tokens one by one.
@@ -210,7 +211,7 @@ class Engine:
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        return self._decode_loop(cache, ids, max_new_tokens, processors, generator, list(stop or ()))
+        return self._decode_loop(cache, ids, max_new_tokens, processors, generator, stop_strings(stop))
 
     def _decode_loop(
         self,
@@ -320,9 +321,10 @@ class Engine:
         ids = list(token_ids)
         if not ids:
             raise InvalidInput("token list is empty")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+        for t in ids:  # numpy integers are integers too; bools and floats are not token ids
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
                 raise InvalidInput(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        ids = [int(t) for t in ids]
         used = cache.logical_length if cache is not None else 0
         if used + len(ids) + reserve > self.max_context:
             raise ContextOverflow(
@@ -368,6 +370,15 @@ def _sample(
     context = torch.tensor([generated], dtype=torch.long, device=logits.device)
     scores = processors(context, logits)
     return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """``stop`` as a list of stop strings: one string is one stop string (not its characters);
+    an empty one would stop every reply at its first token, so it is refused."""
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if not all(isinstance(s, str) and s for s in stops):
+        raise InvalidInput(f"stop strings must be non-empty strings, got {stop!r}")
+    return stops
 
 
 def _hit_stop(tokenizer: PreTrainedTokenizerBase, generated: list[int], stop: list[str]) -> bool:

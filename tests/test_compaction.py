@@ -291,6 +291,20 @@ def test_a_head_whose_kept_rows_the_queries_cannot_tell_apart_is_fitted_without_
     assert (unseen_error(span, held, choices) <= unseen_error(span, held, span.unfitted(selection)) + 1e-7).all()
 
 
+def test_a_head_with_fewer_rows_than_another_is_fitted_when_a_padding_slot_comes_first():
+    """Heads keep different numbers of rows; the shorter ones' selections are padded with slot 0.
+    Where slot 0 is a padding slot of the buffer (prior -inf: the head kept nothing in the span's
+    first segment), its -inf made every candidate's error NaN and the head was never fitted."""
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 200, 16), torch.randn(2, 200, 16)
+    span, train, held = random_attention(keys, values)
+    span.prior[1, 0] = -math.inf
+    selection = [torch.arange(0, 200, 5), torch.arange(10, 200, 10)]  # head 1 keeps 19 rows, head 0 40
+    choices = choose_fits(span, train, held, selection)
+    fitted, unfitted = unseen_error(span, held, choices), unseen_error(span, held, span.unfitted(selection))
+    assert fitted[1] < unfitted[1] and not torch.equal(choices[1].values, span.values[1, selection[1]])
+
+
 def test_fixed_rows_keep_their_beta_and_values_and_the_others_are_fitted_around_them(engine, real_reference):
     """``choose_fits(fixed=…)``: the fixed slots' rows stay exactly as they are in whatever is
     chosen, the other rows are still fitted, and the choice is never worse than eviction on
@@ -690,6 +704,35 @@ def test_edge_cases(llama):
         compact(llama, cache, ratio=2, queries="telepathy")
     with pytest.raises(InvalidInput):
         compact(llama, cache, ratio=2, keep_recent=-1)
+    zeros = torch.zeros(llama.num_layers, llama.num_kv_heads)
+    with pytest.raises(InvalidInput, match="positive sum"):
+        compact(llama, cache, ratio=2, keep_recent=10, head_budgets=zeros, method="am-fast")
+
+
+@pytest.mark.parametrize("method", ["am", "am-fast"])
+@pytest.mark.parametrize("span", [1, 2, 3])
+def test_a_span_of_a_few_tokens_compacts(llama, method, span):
+    """A span too short for the end-to-end check's sample (a quarter of it rounds to nothing)
+    used to divide by zero choosing that sample; it compacts like any other."""
+    cache = llama.prefill(doc_ids(llama, 20 + span))
+    small = compact(llama, cache, ratio=4, keep_recent=20, method=method)
+    assert small.logical_length == cache.logical_length and small.physical_length <= cache.physical_length
+
+
+def test_reference_windows_past_the_model_context_are_not_read(llama):
+    """Within a few tokens of the model's context the reference has no room left: the compaction
+    reads nothing (it used to send an empty window to the model and fail) and still compacts."""
+    from agentmem.compaction.queries import collect_reference
+
+    cache = llama.prefill(doc_ids(llama, 100))
+    plan = plan_span(cache, keep_recent=10, protect_prefix=0)
+    saved, llama.max_context = llama.max_context, cache.logical_length
+    try:
+        reference = collect_reference(llama, cache, plan, "repeat+tail", start=0, budget=64, max_queries=None, seed=0)
+        assert all(layer.q.shape[1] == 0 for layer in reference.queries)
+        assert compact(llama, cache, ratio=4, keep_recent=10, method="am-fast").physical_length < 100
+    finally:
+        llama.max_context = saved
 
 
 def test_calibration_profile_sums_to_one_and_drives_budgets(llama):

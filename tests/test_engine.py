@@ -192,6 +192,25 @@ def test_stream_closed_early_keeps_yielded_tokens_in_cache(tiny_engine):
     assert cache.token_ids == prompt + got
 
 
+def test_one_stop_string_is_one_stop_and_numpy_token_ids_are_token_ids(tiny_engine):
+    """``stop="ab"`` stops at "ab", not at every "a" or "b"; an empty stop string is refused (it
+    would stop every reply at once); numpy integers read like ints."""
+    import numpy as np
+
+    prompt = text_ids(tiny_engine, 20)
+    free = tiny_engine.generate(tiny_engine.new_cache(), prompt, max_new_tokens=12)
+    text = tiny_engine.tokenizer.decode(free)
+    stop = next(pair for pair in (text[i : i + 2] for i in range(len(text) // 2, len(text) - 1))
+                if min(text.index(c) for c in pair) < text.index(pair))  # one of its characters comes first
+    stopped = tiny_engine.tokenizer.decode(tiny_engine.generate(tiny_engine.new_cache(), prompt,
+                                                                max_new_tokens=12, stop=stop))
+    assert stop in stopped and text.startswith(stopped)
+    with pytest.raises(InvalidInput, match="non-empty"):
+        tiny_engine.generate(tiny_engine.new_cache(), prompt, max_new_tokens=4, stop=["", "x"])
+    cache = tiny_engine.prefill(np.array(prompt, dtype=np.int64))
+    assert cache.token_ids == prompt and all(type(t) is int for t in cache.token_ids)
+
+
 def test_bad_input_raises_typed_errors(tiny_engine, tokenizer):
     cache = tiny_engine.new_cache()
     with pytest.raises(InvalidInput, match="empty"):

@@ -40,8 +40,9 @@ def proportional(counts: list[list[int]], total: int, proportions: torch.Tensor 
         shares = torch.full((layers, heads), 1.0 / (layers * heads), device="cpu")
     else:
         shares = proportions.float().cpu()
-    if shares.shape != (layers, heads) or not torch.isfinite(shares).all() or (shares < 0).any():
-        raise InvalidInput(f"head budgets must be a non-negative {layers}x{heads} table")
+    if (shares.shape != (layers, heads) or not torch.isfinite(shares).all() or (shares < 0).any()
+            or not shares.sum() > 0):
+        raise InvalidInput(f"head budgets must be a non-negative {layers}x{heads} table with a positive sum")
     shares = shares / shares.sum()
     cap = torch.tensor(counts, dtype=torch.float32, device="cpu")
     budget = torch.zeros_like(cap)

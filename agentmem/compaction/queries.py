@@ -199,7 +199,9 @@ def collect_reference(
     if not reads:
         return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device=cache.device), 1).result()
     windows = [(w[:room], [-1 if i < 0 else first + i for i in at[:room]]) for tokens, first, p, size in reads
-               for w, at in _windows(engine, cache, tokens, p, size, seed)]
+               for w, at in _windows(engine, cache, tokens, p, size, seed) if room > 0]
+    if not windows:  # no room left in the model's context to read anything
+        return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device=cache.device), 1).result()
     group = engine.num_heads // engine.num_kv_heads
     eligible = torch.tensor([i not in held_out for _, at in windows for i in at], device="cpu")
     candidates = eligible.repeat_interleave(group).nonzero()[:, 0]
@@ -239,6 +241,8 @@ def sample_positions(length: int, budget: int) -> list[int]:
     """``budget`` positions of ``range(length)`` as evenly spread contiguous chunks (all of them if they fit)."""
     if length <= budget:
         return list(range(length))
+    if budget <= 0:  # a span of a few tokens: nothing to sample
+        return []
     size = min(_CHUNK, budget)
     chunks = max(1, budget // size)
     stride = (length - size) / max(1, chunks - 1)

@@ -233,7 +233,7 @@ def choose_fits(
     index, valid = pad_selection(selection, span.prior.device)
     free = valid if fixed is None else valid & ~fixed.gather(1, index)
     kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
-    prior = span.prior.gather(1, index)
+    prior = span.prior.gather(1, index).masked_fill(~valid, 0.0)  # padding may gather a -inf slot: NaN below
     candidates = [(prior, kept_values)]
     log_weights = (torch.zeros_like(prior), fit_scalar_mass(train, index, valid, free=free).log(),
                    fit_mass(train, index, valid, free=free).log())

@@ -353,6 +353,21 @@ def test_a_tail_whose_blocks_disagree_with_its_layout_is_a_corrupt_session(cache
         SessionCache.from_tensors(wide, meta)
 
 
+def test_a_layout_that_is_not_a_mapping_is_corrupt_and_no_room_on_the_device_is_not(cache, monkeypatch):
+    """Damaged layout metadata of any shape is a CorruptSessionError; a device out of memory while
+    the rows are copied in is reported as what it is, not as damage (the blob is fine)."""
+    tensors, _ = cache.to_tensors()
+    with pytest.raises(CorruptSessionError, match="do not match their layout"):
+        SessionCache.from_tensors(tensors, ["format_version", 2])
+
+    def full_device(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(SessionCache, "_from_tensors", full_device)
+    with pytest.raises(torch.OutOfMemoryError):
+        SessionCache.from_tensors(*cache.to_tensors())
+
+
 def test_pieces_of_a_tail_must_agree_and_every_layer_must_hold_the_same_tail(cache):
     keys = torch.zeros(2, 3, 4)
     with pytest.raises(InvalidInput, match="piece by piece"):
