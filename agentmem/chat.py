@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from agentmem.errors import InvalidInput, UnsupportedModel
@@ -64,6 +65,8 @@ def render_pieces(
     the system message (see :mod:`agentmem.tools`).
     """
     checked = validate_messages(messages)
+    if not tokenizer.chat_template:
+        raise UnsupportedModel("the model has no chat template (a base model?); chat needs an instruction-tuned one")
     template_kwargs: dict[str, Any] = {}
     if tools:
         tools = check_tools(tools)
@@ -78,9 +81,12 @@ def render_pieces(
         else:
             checked.insert(0, {"role": "system", "content": system_prompt_with_tools("", tools)})
     masked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(checked)]
-    rendered = tokenizer.apply_chat_template(
-        masked, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            masked, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+    except TemplateError as exc:  # the template's own checks (roles must alternate, say)
+        raise InvalidInput(f"the model's chat template refuses this conversation: {exc}") from exc
     pieces: list[TextPiece] = []
     cursor = 0
     seen = set()

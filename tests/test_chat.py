@@ -57,3 +57,21 @@ def test_edited_history_raises_divergence_with_common_prefix(tiny):
 def test_invalid_messages_raise(tiny, messages):
     with pytest.raises(InvalidInput):
         tiny.chat_delta(tiny.new_cache(), messages)
+
+
+def test_a_template_that_refuses_a_conversation_or_no_template_is_a_typed_error(tokenizer):
+    """A template's own checks (Llama-2's "roles must alternate") and a model without a template
+    (a base model's folder) are our errors, not jinja's or transformers' exceptions."""
+    import copy
+
+    from agentmem.chat import render_pieces
+    from agentmem.errors import UnsupportedModel
+
+    strict = copy.copy(tokenizer)
+    strict.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(InvalidInput, match="refuses this conversation: Conversation roles must alternate"):
+        render_pieces(strict, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    bare = copy.copy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(UnsupportedModel, match="no chat template"):
+        render_pieces(bare, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
