@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentmem.cache import SessionCache
 from agentmem.compaction import check_reachable
-from agentmem.engine import Engine
+from agentmem.engine import Engine, stop_strings
 from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, InvalidInput
 from agentmem.policy import BudgetPolicy
 
@@ -90,7 +90,7 @@ class Session:
         return Reply("".join(pieces), usage, self._last_reply_ids)
 
     def stream(self, message_or_messages, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
+               top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
                seed: int | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                reply_prefix: str = "") -> Iterator[str | Usage]:
         """Like :meth:`chat`, yielding text pieces as they are generated and finally the :class:`Usage`.
@@ -109,6 +109,7 @@ class Session:
             prefix = self.manager.engine.tokenizer(reply_prefix, add_special_tokens=False,
                                                    split_special_tokens=True)["input_ids"] if reply_prefix else []
             self.manager.engine.check_sampling(max_new_tokens, temperature, top_p, top_k)
+            stop = stop_strings(stop)
             self._check_turn(keep, len(delta) + len(prefix), max_new_tokens)  # before anything changes
             self._tools = tools
             held = self.cache.logical_length
@@ -119,7 +120,7 @@ class Session:
             usage.prefilled_tokens += len(delta)
             delta = self._read_within_budget(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
             generated: list[int] = []
-            shown = ""
+            shown, replied_from = "", self.cache.logical_length + len(delta)  # where the reply's tokens go
             growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
             with self.manager._room(growth, keep=self):
                 if reply_prefix:
@@ -137,7 +138,11 @@ class Session:
             eos = self.manager.engine.eos_token_ids
             stopped = text != _visible(self.manager.engine, generated, None)
             usage.finish_reason = "stop" if generated and (generated[-1] in eos or stopped) else "length"
-            content = reply_prefix + self.manager.engine.tokenizer.decode([t for t in generated if t not in eos])
+            if stopped:  # the caller got the reply up to its stop string: record that, and keep that
+                self._take_back(self._tokens_shown(generated, text), replied_from)
+                content = reply_prefix + text
+            else:
+                content = reply_prefix + self.manager.engine.tokenizer.decode([t for t in generated if t not in eos])
             self._messages = conversation + [{"role": "assistant", "content": content}]
             self._last_reply_ids = generated
             usage.generated_tokens = len(generated)
@@ -200,6 +205,21 @@ class Session:
         else:
             self.cache = self.manager.engine.new_cache()
         usage.dropped_tokens += held - keep_tokens
+
+    def _tokens_shown(self, generated: list[int], text: str) -> int:
+        """How many of ``generated`` decode to a prefix of ``text``, the reply cut before its stop string."""
+        decode, shown = self.manager.engine.tokenizer.decode, len(generated)
+        while shown and not text.startswith(decode(generated[:shown], skip_special_tokens=True)):
+            shown -= 1  # a stop string is a few tokens: this runs a few times
+        return shown
+
+    def _take_back(self, shown: int, replied_from: int) -> None:
+        """Drop the reply's tokens after its first ``shown`` from the cache (the stop string the
+        caller never saw), so that the next turn, which sends the reply as returned, only appends.
+        Rows already compacted stay: the next turn then re-reads from the divergence, as for any edit."""
+        cut = replied_from + shown
+        if cut < self.cache.logical_length and self._kept_by_rewind(cut) == cut:
+            self.cache.truncate(cut)
 
     def _check_turn(self, kept: int, reading: int, max_new_tokens: int) -> None:
         """Refuse, before the cache is rewound, a turn that keeps ``kept`` held tokens and reads

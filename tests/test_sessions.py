@@ -229,6 +229,26 @@ def test_a_refused_turn_leaves_the_session_as_it_was(tiny, tmp_path, refusal):
         assert reply.usage.reused_tokens == len(held) and reply.usage.dropped_tokens == 0
 
 
+def test_a_reply_cut_at_a_stop_string_is_recorded_and_kept_as_returned(tiny, tmp_path):
+    """The caller gets the reply up to its stop string (a ReAct agent's "Observation:"); the
+    session records that text, not the stop string, and its cache holds no token of the stop, so
+    the next turn, which sends the reply back as the caller got it, only appends to the cache."""
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager, never_stopping(tiny):
+        free = manager.session("free").chat("Tell me something.", max_new_tokens=16)
+        decode = tiny.tokenizer.decode
+        cut = next(j for j in range(len(free.token_ids) // 2, len(free.token_ids) - 2)
+                   if free.text.index(decode(free.token_ids[j : j + 2])) == len(decode(free.token_ids[:j])))
+        stop, shown = decode(free.token_ids[cut : cut + 2]), decode(free.token_ids[:cut])
+        session = manager.session("stopped")
+        reply = session.chat("Tell me something.", max_new_tokens=16, stop=[stop])
+        assert reply.text == shown and session.messages[-1]["content"] == shown
+        assert reply.usage.finish_reason == "stop"
+        held = session.cache.logical_length
+        assert decode(session.cache.token_ids).endswith(shown) and stop not in decode(session.cache.token_ids)
+        following = session.chat(session.messages + [{"role": "user", "content": "Go on."}], max_new_tokens=2)
+        assert following.usage.dropped_tokens == 0 and following.usage.reused_tokens == held
+
+
 def test_fork_copies_and_diverges(tiny, tmp_path):
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager:
         base = manager.session("base")
