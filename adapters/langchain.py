@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
+from langchain_core.caches import BaseCache
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import (
@@ -45,7 +46,9 @@ from agentmem.home import DEFAULT_TENANT
 from agentmem.models import EMBEDDED
 from agentmem.policy import BudgetPolicy
 from agentmem.record import check_session_id, check_tenant
+from agentmem.session import DEFAULT_MAX_NEW_TOKENS
 from agentmem.sessions import Session, SessionManager, Usage
+from agentmem.storage.redis_client import redact
 from agentmem.tools import forced_call_prefix, format_tool_call, parse_tool_calls
 
 _GENERATION_KEYS = frozenset({"temperature", "max_tokens", "top_p", "top_k", "seed"})
@@ -74,6 +77,12 @@ class ChatAgentMem(BaseChatModel):
     stop: list[str] | None = None
     seed: int | None = None
     streaming: bool = False
+    # A reply depends on the session's history, which the prompt LangChain's cache keys on does
+    # not show: a cached answer would skip the turn and hand one session another's reply.
+    cache: BaseCache | bool | None = Field(default=False, exclude=True)
+    # A reply that may be a tool call is sent whole at the end (see _stream), so with tools bound
+    # invoke does not go through the stream, whose chunks carry no invalid tool calls.
+    disable_streaming: bool | Literal["tool_calling"] = "tool_calling"
     # Accepted for drop-in compatibility; a local model has no network call to time out,
     # retry or authenticate.
     timeout: float | None = None
@@ -93,7 +102,7 @@ class ChatAgentMem(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "store": self.store, "tenant": self.tenant}
+        return {"model": self.model, "store": None if self.store is None else redact(self.store), "tenant": self.tenant}
 
     @property
     def manager(self) -> SessionManager:
@@ -173,7 +182,16 @@ class ChatAgentMem(BaseChatModel):
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         # One worker thread runs the whole turn: the session's lock belongs to the thread that took it.
         kwargs["session_id"] = _session_id(kwargs.get("session_id"), run_manager, self.session_id)
-        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+        turns: list[_Turn] = []
+
+        def pieces() -> Iterator[str]:
+            turns.append(turn := self._turn(messages, stop, None, kwargs))
+            yield from turn.pieces()
+
+        async for piece in _iterate_in_thread(pieces):
+            if run_manager and not turns[0].tools:
+                await run_manager.on_llm_new_token(piece)
+        return ChatResult(generations=[ChatGeneration(message=turns[0].message())])
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
@@ -192,14 +210,20 @@ class ChatAgentMem(BaseChatModel):
             raise InvalidInput(f"this ChatAgentMem serves model {self.model!r}, not {requested!r}")
         tools = kwargs.pop("tools", None) or None
         tool_choice = kwargs.pop("tool_choice", None)
+        kwargs.pop("stream", None)  # LangChain's own switch between invoke and the stream, already applied
         unknown = {k for k in kwargs if k not in _GENERATION_KEYS and not k.startswith("ls_")}
         if unknown:
             raise InvalidInput(f"unsupported call arguments: {', '.join(sorted(unknown))}")
+
+        def setting(name: str, default: Any) -> Any:  # a call's None means "the model's own setting"
+            value = kwargs.get(name)
+            return default if value is None else value
+
         generation = {
-            "max_new_tokens": kwargs.get("max_tokens", self.max_tokens) or 256,
-            "temperature": kwargs.get("temperature", self.temperature),
-            "top_p": kwargs.get("top_p", self.top_p),
-            "top_k": kwargs.get("top_k", self.top_k),
+            "max_new_tokens": setting("max_tokens", self.max_tokens or DEFAULT_MAX_NEW_TOKENS),
+            "temperature": setting("temperature", self.temperature),
+            "top_p": setting("top_p", self.top_p),
+            "top_k": setting("top_k", self.top_k),
             "seed": kwargs.get("seed", self.seed),
             "stop": stop if stop is not None else self.stop,
         }
@@ -355,25 +379,44 @@ def _json(value: Any) -> str:
 
 
 async def _iterate_in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
-    """Run a blocking iterator on one thread (locks stay with it) and yield its items here."""
+    """Run a blocking iterator on one thread (locks stay with it) and yield its items here.
+
+    A consumer that stops early (a cancelled task, a client gone, the generator closed) stops
+    the thread at its next item, which closes the iterator as a sync consumer's early exit
+    does: a session turn nobody read to the end is not recorded, nor run on to its last token.
+    """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+    done, stopped = object(), threading.Event()
+
+    def send(item: Any, error: BaseException | None = None) -> None:
+        if not stopped.is_set():
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (item, error))
+            except RuntimeError:  # the loop closed under us: nobody is waiting
+                stopped.set()
 
     def run() -> None:
+        iterator = make()
         try:
-            for item in make():
-                loop.call_soon_threadsafe(queue.put_nowait, (item, None))
+            for item in iterator:
+                if stopped.is_set():
+                    break
+                send(item)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side, which re-raises it
-            loop.call_soon_threadsafe(queue.put_nowait, (None, exc))
+            send(None, exc)
         finally:
-            loop.call_soon_threadsafe(queue.put_nowait, (done, None))
+            getattr(iterator, "close", lambda: None)()
+            send(done)
 
     threading.Thread(target=run, name="agentmem-astream", daemon=True).start()
-    while True:
-        item, error = await queue.get()
-        if error is not None:
-            raise error
-        if item is done:
-            return
-        yield item
+    try:
+        while True:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stopped.set()

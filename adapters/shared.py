@@ -15,48 +15,71 @@ import os
 import threading
 
 from agentmem.engine import Engine
-from agentmem.errors import AgentMemError, InvalidInput
-from agentmem.policy import BudgetPolicy
+from agentmem.errors import InvalidInput
+from agentmem.policy import BudgetPolicy, configured_policies
 from agentmem.sessions import SessionManager
 from agentmem.storage import default_url
+from agentmem.storage.redis_client import redact
 
 log = logging.getLogger(__name__)
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards the dicts below; never held while a model loads
 _engines: dict[str, Engine] = {}
+_loading: dict[str, threading.Lock] = {}  # one per model: a load waits only for loads of its own model
 _managers: dict[tuple[str, str], SessionManager] = {}
+_given: dict[tuple[str, str, str], BudgetPolicy] = {}  # (model, store, tenant): a policy an adapter object set
 DEFAULT_HOST_BUDGET_BYTES = 512 * 2**20
 
 
 def use_engine(model: str, engine: Engine) -> None:
-    """Serve ``model`` with an engine already loaded (another device or dtype, or one shared with other code)."""
+    """Serve ``model`` with an engine already loaded (another device or dtype, or one shared with other code).
+
+    Call it before the first chat model of ``model`` runs: a manager already serving ``model``
+    keeps its engine, so a later call raises :class:`InvalidInput` rather than being ignored.
+    """
     with _lock:
+        serving = next((url for (name, url) in _managers if name == model), None)
+        if serving is not None and _engines.get(model) is not engine:
+            raise InvalidInput(f"model {model!r} is already served (store {redact(serving)}) by another engine")
         _engines[model] = engine
 
 
 def shared_engine(model: str) -> Engine:
+    """The process's engine for ``model``, loaded on first use; turns on other models go on meanwhile."""
     with _lock:
-        if model not in _engines:
-            _engines[model] = Engine.load(model)
-        return _engines[model]
+        loading = _loading.setdefault(model, threading.Lock())
+    with loading:
+        with _lock:
+            engine = _engines.get(model)
+        if engine is None:
+            engine = Engine.load(model)
+            with _lock:
+                engine = _engines.setdefault(model, engine)
+        return engine
 
 
 def shared_manager(model: str, store: str | None, tenant: str, policy: BudgetPolicy | None) -> SessionManager:
     """The process's manager for (model, store), with ``policy`` registered for ``tenant``.
 
-    A tenant's policy is fixed per manager: giving the same tenant a different policy from
-    another adapter object raises :class:`InvalidInput` rather than silently changing budgets.
+    A new manager reads the policies every entry point reads
+    (:func:`~agentmem.policy.configured_policies`: ``$AGENTMEM_HOME/policies.yaml``, else the
+    ``AGENTMEM_*`` variables), so a session runs under the same budget here as in ``agentmem
+    chat``; a ``policy`` given to an adapter object overrides its tenant's entry. A tenant's
+    policy is fixed per manager: giving the same tenant a different policy from another adapter
+    object raises :class:`InvalidInput` rather than silently changing budgets.
     """
     url = store or default_url()
     engine = shared_engine(model)
     with _lock:
         manager = _managers.get((model, url))
         if manager is None:
-            manager = _managers[(model, url)] = SessionManager(engine, url, host_budget_bytes=host_budget_bytes())
+            policies, default = configured_policies()
+            manager = _managers[(model, url)] = SessionManager(
+                engine, url, policies=policies, default_policy=default, host_budget_bytes=host_budget_bytes())
         if policy is not None:
-            current = manager.policies.get(tenant)
-            if current is not None and current != policy:
+            given = _given.setdefault((model, url, tenant), policy)
+            if given != policy:
                 raise InvalidInput(
-                    f"tenant {tenant!r} already has policy {current.name!r} on store {url}; "
+                    f"tenant {tenant!r} already has policy {given.name!r} on store {redact(url)}; "
                     "one tenant has one policy per process"
                 )
             manager.policies[tenant] = policy
@@ -80,10 +103,11 @@ def close_shared() -> None:
     with _lock:
         managers = list(_managers.values())
         _managers.clear()
+        _given.clear()
     for manager in managers:  # one failing store must not keep the others' sessions from being spilled
         try:
             manager.close()
-        except AgentMemError as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure (a device error too): log it, close the rest
             log.error("closing the session manager on %s failed: %s", manager.store, exc)
 
 

@@ -444,18 +444,16 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def _policies_path(path: Path | None) -> Path:
-    from agentmem.home import agentmem_home
+    from agentmem.home import default_policies_path
 
-    return path or agentmem_home() / "policies.yaml"
+    return path or default_policies_path()
 
 
 def _load_policies(path: Path | None):
-    """``(per-tenant policies, default policy)``: the file's entries, its ``default`` entry else AGENTMEM_*."""
-    from agentmem.policy import BudgetPolicy
+    """``(per-tenant policies, default policy)``: see :func:`~agentmem.policy.configured_policies`."""
+    from agentmem.policy import configured_policies
 
-    file = _policies_path(path)
-    loaded = BudgetPolicy.from_file(file) if file.is_file() else {}
-    return loaded, loaded.get("default") or BudgetPolicy.from_env()
+    return configured_policies(path)
 
 
 @policy_app.command("show")

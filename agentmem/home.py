@@ -16,7 +16,13 @@ DEFAULT_TENANT = "default"
 
 def agentmem_home() -> Path:
     """``$AGENTMEM_HOME``, default ``~/.cache/agentmem``: converted models and the default SQLite store."""
-    return Path(os.environ.get("AGENTMEM_HOME", Path.home() / ".cache" / "agentmem")).expanduser()
+    home = os.environ.get("AGENTMEM_HOME")  # read first: Path.home() fails where HOME and passwd lack the user
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "agentmem"
+
+
+def default_policies_path() -> Path:
+    """``$AGENTMEM_HOME/policies.yaml``: the per-tenant policies every entry point reads when none is named."""
+    return agentmem_home() / "policies.yaml"
 
 
 def default_store_url() -> str:

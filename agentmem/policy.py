@@ -190,6 +190,20 @@ class BudgetPolicy(BaseModel):
             raise InvalidInput(_explain(exc, variables)) from exc
 
 
+def configured_policies(path: str | os.PathLike[str] | None = None) -> tuple[dict[str, BudgetPolicy], BudgetPolicy]:
+    """``(per-tenant policies, default policy)`` as every entry point reads them: the entries of
+    ``path`` (default ``$AGENTMEM_HOME/policies.yaml``, optional there), its ``default`` entry
+    else the ``AGENTMEM_*`` variables. A ``path`` that is named but missing is an error: a
+    typo must not run a session under budgets nobody chose."""
+    from agentmem.home import default_policies_path
+
+    if path is not None and not Path(path).is_file():
+        raise InvalidInput(f"policy file {path} does not exist")
+    file = Path(path) if path is not None else default_policies_path()
+    loaded = BudgetPolicy.from_file(file) if file.is_file() else {}
+    return loaded, loaded.get("default") or BudgetPolicy.from_env()
+
+
 def _not_a_tenant(path: str | os.PathLike[str], key: object) -> str:
     raise InvalidInput(f"{path}: tenant names are strings, got {key!r}")
 

@@ -304,6 +304,7 @@ def test_compact_that_cannot_shrink_says_why_and_stores_nothing(engine, tmp_path
     finally:
         backend.close()
     assert "keep-recent" in runner.invoke(app, ["compact", "--help"]).output
+    (tmp_path / "none.yaml").write_text("{}\n")  # no entries: the defaults
     shown = runner.invoke(app, ["policy", "show", "--policies", str(tmp_path / "none.yaml")]).output
     assert re.search(r"keep_recent\s+256\s+most recent tokens kept raw", shown)
 
@@ -373,6 +374,24 @@ def test_a_bad_environment_variable_is_named(monkeypatch):
     monkeypatch.setenv("AGENTMEM_STORE", "sessions.db")
     result = CliRunner().invoke(app, ["sessions", "list"])
     assert result.exit_code == 1 and "from $AGENTMEM_STORE" in result.output
+
+
+def test_agentmem_home_needs_no_home_directory_and_a_named_policy_file_must_exist(tmp_path, monkeypatch):
+    """In a container with no HOME and no passwd entry, $AGENTMEM_HOME alone is enough; a policy
+    file named with --policies that is not there is an error, not a silent fall-back to defaults."""
+    from pathlib import Path
+
+    from agentmem.home import agentmem_home
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path))
+    assert agentmem_home() == tmp_path
+    result = CliRunner().invoke(app, ["policy", "show", "--policies", str(tmp_path / "tenants.yml")])
+    assert result.exit_code == 1 and "tenants.yml does not exist" in result.output, result.output
+    assert CliRunner().invoke(app, ["policy", "show"]).exit_code == 0  # the default file may be absent
 
 
 def test_the_langchain_adapter_uses_the_shared_default_tenant():

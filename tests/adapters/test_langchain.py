@@ -238,3 +238,168 @@ def test_tool_specs_with_special_tokens_are_refused(store):
 
     with pytest.raises(InvalidInput, match="special tokens"):
         ChatAgentMem(store=store, session_id="inject", max_tokens=4).bind_tools([lookup]).invoke("hi")
+
+
+def test_the_store_password_is_never_in_what_langchain_traces_or_keys_on():
+    params = ChatAgentMem(store="redis://:s3cret@cache.internal:6379/0")._identifying_params
+    assert params["store"] == "redis://cache.internal:6379/0"
+
+
+def test_a_global_llm_cache_never_answers_for_a_session(store):
+    """The reply depends on the session's history, which no cache key holds: a global LLM cache
+    must not hand one session's answer to another (the second session's turn must run)."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+
+    set_llm_cache(InMemoryCache())
+    try:
+        ChatAgentMem(store=store, session_id="first", max_tokens=3).invoke("Hi")
+        second = ChatAgentMem(store=store, session_id="second", max_tokens=3)
+        second.invoke("Hi")
+        assert [m["role"] for m in second.session("second").messages] == ["user", "assistant"]
+    finally:
+        set_llm_cache(None)
+
+
+def test_call_arguments_langchain_passes_are_understood(store):
+    """``stream=`` is LangChain's own switch; ``temperature=None`` means the model's setting;
+    ``max_tokens=0`` is refused rather than silently made 256."""
+    model = ChatAgentMem(store=store, session_id="kwargs", max_tokens=3)
+    assert model.invoke("Hi", stream=False).usage_metadata["output_tokens"] <= 3
+    assert model.invoke("Hi", temperature=None, top_p=None).usage_metadata["output_tokens"] <= 3
+    with pytest.raises(InvalidInput, match="max_new_tokens"):
+        model.invoke("Hi", max_tokens=0)
+
+
+def test_a_cancelled_async_stream_stops_its_turn_and_records_nothing(store, engine):
+    """A client that goes away mid-reply: the worker thread stops at the next token instead of
+    generating the whole reply, and the turn nobody read to the end is not recorded."""
+    model = ChatAgentMem(store=store, session_id="gone", max_tokens=200)
+
+    async def first_chunk_then_leave():
+        stream = model.astream("Write a long story.")
+        async for _ in stream:
+            break
+        await stream.aclose()
+        session = model.session("gone")
+        def turn_let_go() -> bool:  # an RLock is released by the thread that took it
+            if not session.lock.acquire(timeout=60):
+                return False
+            session.lock.release()
+            return True
+
+        # The loop stays up meanwhile, as a server's does: the thread could go on sending tokens.
+        assert await asyncio.to_thread(turn_let_go)
+        return session
+
+    saved, engine.eos_token_ids = engine.eos_token_ids, frozenset()
+    try:
+        session = asyncio.run(first_chunk_then_leave())
+    finally:
+        engine.eos_token_ids = saved
+    prompt = len(engine.chat_delta(engine.new_cache(), [{"role": "user", "content": "Write a long story."}]))
+    assert session.messages == [] and session.cache.logical_length < prompt + 20
+
+
+def test_ainvoke_reports_tokens_to_async_callbacks(store):
+    from langchain_core.callbacks import AsyncCallbackHandler
+
+    class Tokens(AsyncCallbackHandler):
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        async def on_llm_new_token(self, token: str, **kwargs) -> None:
+            self.seen.append(token)
+
+    handler = Tokens()
+    model = ChatAgentMem(store=store, session_id="callbacks", max_tokens=6)
+    reply = asyncio.run(model.ainvoke("Name a colour.", config={"callbacks": [handler]}))
+    assert handler.seen and "".join(handler.seen) == reply.content
+
+
+def test_invoke_that_streams_internally_keeps_invalid_tool_calls(store, monkeypatch):
+    """With ``streaming=True`` (or a streaming callback, as LangGraph attaches) invoke could go
+    through the stream, whose merged chunks drop invalid tool calls; with tools bound it does not."""
+    def cut_off(self, *args, **kwargs):
+        yield '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b'
+        yield Usage(generated_tokens=12, finish_reason="length")
+
+    monkeypatch.setattr(Session, "stream", cut_off)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    message = ChatAgentMem(store=store, session_id="cut", streaming=True).bind_tools([add]).invoke("2+3?")
+    assert message.tool_calls == [] and len(message.invalid_tool_calls) == 1
+
+
+def test_the_shared_manager_reads_the_policies_every_entry_point_reads(tmp_path, monkeypatch):
+    """``$AGENTMEM_HOME/policies.yaml`` (what ``agentmem policy set`` writes) holds for the adapter
+    too; a policy given to the adapter object overrides its tenant's entry."""
+    monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path))
+    (tmp_path / "policies.yaml").write_text("default:\n  max_live_tokens: 1234\nacme:\n  max_live_tokens: 999\n")
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    try:
+        manager = ChatAgentMem(store=url).manager
+        assert manager.policy_for("default").max_live_tokens == 1234
+        assert manager.policy_for("acme").max_live_tokens == 999
+        own = BudgetPolicy(name="own", max_live_tokens=777)
+        assert ChatAgentMem(store=url, tenant="acme", policy=own).manager.policy_for("acme") == own
+    finally:
+        shared.close_shared()
+
+
+def test_shared_engines_load_one_model_without_holding_up_another(engine, monkeypatch):
+    """A model loading (a first GGUF conversion takes many seconds) does not stall turns on a
+    model already loaded; a second engine for a model already served is refused, not ignored."""
+    import threading
+
+    from agentmem.engine import Engine
+
+    loading, release = threading.Event(), threading.Event()
+
+    def slow_load(name, **kwargs):
+        loading.set()
+        assert release.wait(30)
+        return engine
+
+    monkeypatch.setattr(Engine, "load", staticmethod(slow_load))
+    slow = threading.Thread(target=lambda: shared.shared_engine("slow-model"))
+    slow.start()
+    got = []
+    try:
+        assert loading.wait(30)
+        answer = threading.Thread(target=lambda: got.append(shared.shared_engine("embedded")))
+        answer.start()
+        answer.join(10)
+        assert got == [engine] and slow.is_alive()  # answered while the other model still loads
+    finally:
+        release.set()
+        slow.join(30)
+    shared._engines.pop("slow-model", None)
+
+
+def test_a_second_engine_for_a_served_model_is_refused(store, engine):
+    ChatAgentMem(store=store).manager  # "embedded" is now served by the shared engine
+    with pytest.raises(InvalidInput, match="already served"):
+        shared.use_engine("embedded", object())
+    shared.use_engine("embedded", engine)  # the same engine again: nothing changes
+
+
+def test_closing_shared_managers_goes_on_past_one_that_fails(tmp_path, monkeypatch):
+    """One manager failing to close (a device error, not ours) must not keep the others' live
+    sessions from being spilled at exit."""
+    from agentmem.storage import open_store
+
+    first, second = (f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db"))
+    ChatAgentMem(store=first, session_id="x", max_tokens=2).invoke("Hi")
+    ChatAgentMem(store=second, session_id="y", max_tokens=2).invoke("Hi")
+    broken = ChatAgentMem(store=first).manager
+
+    def fail() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(broken, "close", fail)
+    shared.close_shared()
+    assert open_store(second).version("default", "y") == 1
