@@ -34,6 +34,9 @@ BetaMode = Literal["mask", "fold"]
 # Most negative logit offset the fold path writes into a key (finite in fp16 and bf16).
 _FOLD_FLOOR = -3.0e4
 _FOLD_DIMS = 8  # extra key dimensions; keeps head_dim a multiple of 8 for fused kernels
+# Most bytes one attention call's mask may take: a 512-token chunk's queries over a 128k-row cache
+# would need 4 GiB (8 KV heads x 2,048 folded rows x 128k, bf16), so they are attended in slices.
+MASK_BYTES = 64 * 2**20
 
 
 class QueryRecorder(Protocol):
@@ -108,31 +111,38 @@ def biased_attention(
     if mode == "fold" and prefix_bias is not None:
         q, keys, values = _fold_bias(q, keys, values, prefix_bias, scale)
         prefix_bias = None
-    mask = _attention_mask(n, total, group, prefix_bias, q.dtype, q.device)
+    rows = group * n
+    if n == 1 and prefix_bias is None:  # decoding, no β: nothing to mask
+        step = rows
+    else:  # a mask row costs `total` entries (per KV head when it carries β): attend in slices under MASK_BYTES
+        row_bytes = total * (1 if prefix_bias is None else kv_heads * q.element_size())
+        step = max(1, MASK_BYTES // row_bytes)
     # 4-D inputs: with 3-D ones PyTorch's CPU dispatch falls back to the slow math kernel (3x).
-    out = F.scaled_dot_product_attention(
-        q[None], keys[None], values[None], attn_mask=None if mask is None else mask[None], scale=scale
-    )
+    # Each query row attends independently, so slices give exactly what one call would.
+    outs = [F.scaled_dot_product_attention(
+        q[None, :, first : first + step], keys[None], values[None], scale=scale,
+        attn_mask=_attention_mask(first, min(rows, first + step), n, total, prefix_bias, q.dtype, q.device))
+        for first in range(0, rows, step)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out[0, ..., :d].reshape(q_heads, n, d)
 
 
 def _attention_mask(
-    n: int, total: int, group: int, prefix_bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+    first: int, end: int, n: int, total: int, prefix_bias: torch.Tensor | None, dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor | None:
-    """Mask for queries laid out ``(Hkv, group·n)``: causal among the new rows, β on the prefix."""
+    """Mask of the folded query rows ``first:end`` (row ``g·n + i`` is new token ``i`` of query head
+    ``g`` of a group): token ``i`` sees every slot up to its own, ``total − n + i``; β on the prefix."""
     if n == 1 and prefix_bias is None:
         return None
-    past = total - n
-    visible = torch.ones(n, total, dtype=torch.bool, device=device)
-    if n > 1:
-        visible[:, past:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    visible = visible.repeat(group, 1)
+    new_token = torch.arange(first, end, device=device) % n
+    visible = torch.arange(total, device=device)[None, :] <= (total - n + new_token)[:, None]
     if prefix_bias is None:
-        return visible.unsqueeze(0)
-    mask = torch.zeros(prefix_bias.shape[0], group * n, total, dtype=dtype, device=device)
+        return visible[None, None]
+    mask = torch.zeros(prefix_bias.shape[0], end - first, total, dtype=dtype, device=device)
     mask.masked_fill_(~visible, float("-inf"))
     mask[:, :, : prefix_bias.shape[1]] += prefix_bias.unsqueeze(1)
-    return mask
+    return mask[None]
 
 
 def _fold_bias(

@@ -52,6 +52,32 @@ def test_biased_attention_equals_direct_softmax(n, prefix, mode):
     assert torch.allclose(got.double(), direct_attention(q, k, v, bias, 0.25), atol=1e-5)
 
 
+@pytest.mark.parametrize("prefix", [0, 12])
+def test_queries_attended_in_slices_under_the_mask_budget_give_the_same_output(prefix, monkeypatch):
+    """A chunk of queries over a long cache is attended in slices so its mask stays under
+    MASK_BYTES (4 GiB in one piece at 128k rows, 8B shape); the slices, one query row or a few
+    each and cut across GQA groups, give the one call's output."""
+    from agentmem import attention
+
+    q, k, v, bias = random_case(5, prefix, tail=9)
+    whole = biased_attention(q, k, v, bias, scale=0.25)
+    row_bytes = k.shape[1] * (1 if bias is None else 3 * 4)
+    masks, attend = [], F.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask.numel() * attn_mask.element_size())
+        return attend(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    for rows_per_slice in (1, 4, 7):
+        monkeypatch.setattr(attention, "MASK_BYTES", rows_per_slice * row_bytes)
+        masks.clear()
+        sliced = biased_attention(q, k, v, bias, scale=0.25)
+        assert max(masks) <= rows_per_slice * row_bytes and len(masks) == -(-10 // rows_per_slice)
+        assert torch.allclose(sliced, whole, atol=1e-6)
+        assert torch.allclose(sliced.double(), direct_attention(q, k, v, bias, 0.25), atol=1e-5)
+
+
 def test_fold_and_mask_agree_including_decode_without_mask():
     q, k, v, bias = random_case(1, 40, 30, seed=3)
     mask = biased_attention(q, k, v, bias, scale=0.25, mode="mask")
