@@ -13,7 +13,9 @@ Two ways to carry β, chosen by ``BetaMode``:
 - ``"fold"``: β moved into an extra key dimension: ``q' = [q, 1]``, ``k' = [k, β/scale]``,
   so ``scale·q'·k' = scale·q·k + β`` and no mask is needed for decoding, which is what fused
   kernels (FlashAttention) require. Padding uses a large finite negative instead of ``-inf``
-  so half precision stays finite.
+  so half precision stays finite. It copies the layer's keys and values, widened, on every
+  call (decode steps too: ~0.6 GB per layer per token at 128k rows, 8B shape), so it serves
+  measuring kernels (``benchmarks/engine.py``), not long sessions; ``"mask"`` is the default.
 """
 
 from __future__ import annotations

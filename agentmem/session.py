@@ -110,7 +110,7 @@ class Session:
                                                    split_special_tokens=True)["input_ids"] if reply_prefix else []
             self.manager.engine.check_sampling(max_new_tokens, temperature, top_p, top_k)
             stop = stop_strings(stop)
-            self._check_turn(keep, len(delta) + len(prefix), max_new_tokens)  # before anything changes
+            self._check_turn(keep, len(delta) + len(prefix), max_new_tokens, conversation, tools)  # before anything changes
             self._tools = tools
             held = self.cache.logical_length
             self._rewind(keep, usage)
@@ -221,11 +221,14 @@ class Session:
         if cut < self.cache.logical_length and self._kept_by_rewind(cut) == cut:
             self.cache.truncate(cut)
 
-    def _check_turn(self, kept: int, reading: int, max_new_tokens: int) -> None:
+    def _check_turn(self, kept: int, reading: int, max_new_tokens: int, conversation: list[dict[str, Any]],
+                    tools: list[Mapping[str, Any]] | None) -> None:
         """Refuse, before the cache is rewound, a turn that keeps ``kept`` held tokens and reads
         ``reading`` more (``max_new_tokens`` to follow) when it would pass ``max_context_tokens``,
-        the model's context, or, under ``on_over_budget="reject"``, ``max_live_tokens``: a
-        refusal after the rewind would already have thrown away what an edited history cut off."""
+        the model's context, or, under ``on_over_budget="reject"``, ``max_live_tokens``; or when
+        it may compact while the protected system prompt and ``keep_recent`` fill what a compaction
+        leaves, which would squeeze all history into one row per head. A refusal after the rewind
+        would already have thrown away what an edited history cut off."""
         policy, where = self.policy, f"session {self.tenant}/{self.session_id}"
         limit = policy.max_context_tokens
         if limit is not None and kept + reading + max_new_tokens > limit:
@@ -245,6 +248,16 @@ class Session:
                 f"{where} would hold {live} live tokens to read this turn; "
                 f"max_live_tokens={policy.max_live_tokens} and the policy rejects instead of compacting"
             )
+        if live + max_new_tokens > policy.max_live_tokens:  # this turn may compact
+            protected = self._protected_length(conversation, tools)
+            if protected and protected + policy.keep_recent >= policy.max_live_tokens - policy.turn_room:
+                raise BudgetExceeded(
+                    f"{where}: its protected system prompt ({protected} tokens) and keep_recent="
+                    f"{policy.keep_recent} fill the {policy.max_live_tokens - policy.turn_room} rows a compaction "
+                    f"leaves under max_live_tokens={policy.max_live_tokens}, so compacting would squeeze all "
+                    "other history into one row per head; raise max_live_tokens, lower keep_recent or set "
+                    "protect_system_prompt=False"
+                )
 
     def _live_rows_after_rewind(self, kept: int) -> int:
         """The cache's rows once :meth:`_rewind` keeps ``kept`` tokens: a cut lies in the raw tail
@@ -320,14 +333,18 @@ class Session:
 
     def _system_tokens(self, messages: Sequence[Mapping[str, Any]] | None = None) -> int:
         """Tokens of the leading system prompt of ``messages`` (default: the session's; during a
-        turn, the conversation being read, which the session records only once it is answered),
-        protected from compaction when the policy says so."""
+        turn, the conversation being read, which the session records only once it is answered)
+        that the cache holds, protected from compaction when the policy says so."""
         messages = self._messages if messages is None else messages
+        return min(self._protected_length(messages, self._tools), self.cache.logical_length)
+
+    def _protected_length(self, messages: Sequence[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None) -> int:
+        """Tokens of the leading system prompt of ``messages`` rendered with ``tools``, when the
+        policy protects it (else 0)."""
         if not self.policy.protect_system_prompt or not messages or messages[0]["role"] != "system":
             return 0
         engine = self.manager.engine
-        system = engine.chat_delta(engine.new_cache(), list(messages[:1]), tools=self._tools)
-        return min(len(system), self.cache.logical_length)
+        return len(engine.chat_delta(engine.new_cache(), list(messages[:1]), tools=tools))
 
     def _generate(self, prompt: list[int], usage: Usage, max_new_tokens: int, conversation: list[dict[str, Any]],
                   **sampling) -> Iterator[int]:

@@ -229,6 +229,24 @@ def test_a_refused_turn_leaves_the_session_as_it_was(tiny, tmp_path, refusal):
         assert reply.usage.reused_tokens == len(held) and reply.usage.dropped_tokens == 0
 
 
+def test_a_system_prompt_that_leaves_history_no_room_is_refused_before_compacting(tiny, tmp_path):
+    """A protected system prompt (a large tool schema, say) that with keep_recent fills what a
+    compaction leaves would squeeze all other history into one row per head at the next
+    compaction; that turn is refused with a plain reason, and the session is left as it was."""
+    policy = BudgetPolicy(max_live_tokens=128, keep_recent=16)  # a compaction leaves 102 rows
+    system = {"role": "system", "content": filler(1)}  # ~90 tokens: with keep_recent, over 102
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("s")
+        session.chat([system, {"role": "user", "content": "Hello."}], max_new_tokens=2)
+        held, messages = session.cache.token_ids, session.messages
+        with pytest.raises(BudgetExceeded, match="protected system prompt"):
+            session.chat(messages + [{"role": "user", "content": filler(2)}], max_new_tokens=4)
+        assert session.cache.token_ids == held and session.messages == messages
+        relaxed = policy.model_copy(update={"protect_system_prompt": False})
+        manager.policies["default"] = relaxed
+        assert session.chat(messages + [{"role": "user", "content": filler(2)}], max_new_tokens=4).usage.compactions
+
+
 def test_a_reply_cut_at_a_stop_string_is_recorded_and_kept_as_returned(tiny, tmp_path):
     """The caller gets the reply up to its stop string (a ReAct agent's "Observation:"); the
     session records that text, not the stop string, and its cache holds no token of the stop, so
