@@ -12,6 +12,7 @@ constructor's ``session_id``. The tenant is fixed at construction and never read
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import threading
@@ -224,7 +225,7 @@ class ChatAgentMem(BaseChatModel):
             "temperature": setting("temperature", self.temperature),
             "top_p": setting("top_p", self.top_p),
             "top_k": setting("top_k", self.top_k),
-            "seed": kwargs.get("seed", self.seed),
+            "seed": setting("seed", self.seed),
             "stop": stop if stop is not None else self.stop,
         }
         if tool_choice == "none":
@@ -397,8 +398,9 @@ async def _iterate_in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator
                 stopped.set()
 
     def run() -> None:
-        iterator = make()
+        iterator = None
         try:
+            iterator = make()
             for item in iterator:
                 if stopped.is_set():
                     break
@@ -409,7 +411,10 @@ async def _iterate_in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator
             getattr(iterator, "close", lambda: None)()
             send(done)
 
-    threading.Thread(target=run, name="agentmem-astream", daemon=True).start()
+    # The caller's context variables (LangChain's tracing and callbacks) go with the turn, as
+    # asyncio.to_thread would carry them.
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(run,), name="agentmem-astream", daemon=True).start()
     try:
         while True:
             item, error = await queue.get()

@@ -38,7 +38,9 @@ _FOLD_FLOOR = -3.0e4
 _FOLD_DIMS = 8  # extra key dimensions; keeps head_dim a multiple of 8 for fused kernels
 # Most bytes one attention call's mask may take: a 512-token chunk's queries over a 128k-row cache
 # would need 4 GiB (8 KV heads x 2,048 folded rows x 128k, bf16), so they are attended in slices.
-MASK_BYTES = 64 * 2**20
+# Each slice reads all keys and values again, so slices are kept large: at this cap that chunk
+# takes 8 calls, reading K/V (4 GiB at 128k) about as many bytes as the whole mask was.
+MASK_BYTES = 512 * 2**20
 
 
 class QueryRecorder(Protocol):
@@ -117,7 +119,8 @@ def biased_attention(
     if n == 1 and prefix_bias is None:  # decoding, no β: nothing to mask
         step = rows
     else:  # a mask row costs `total` entries (per KV head when it carries β): attend in slices under MASK_BYTES
-        row_bytes = total * (1 if prefix_bias is None else kv_heads * q.element_size())
+        # (SDPA turns a bool mask into one of the query's dtype: that copy counts too)
+        row_bytes = total * (1 + q.element_size() if prefix_bias is None else kv_heads * q.element_size())
         step = max(1, MASK_BYTES // row_bytes)
     # 4-D inputs: with 3-D ones PyTorch's CPU dispatch falls back to the slow math kernel (3x).
     # Each query row attends independently, so slices give exactly what one call would.

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from agentmem.errors import InvalidInput
+
 DEFAULT_TENANT = "default"
 """The tenant of every entry point that is not given one."""
 
@@ -17,7 +19,13 @@ DEFAULT_TENANT = "default"
 def agentmem_home() -> Path:
     """``$AGENTMEM_HOME``, default ``~/.cache/agentmem``: converted models and the default SQLite store."""
     home = os.environ.get("AGENTMEM_HOME")  # read first: Path.home() fails where HOME and passwd lack the user
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "agentmem"
+    if home:
+        return Path(home).expanduser()
+    try:
+        return Path.home() / ".cache" / "agentmem"
+    except RuntimeError as exc:  # a container user with no HOME and no passwd entry
+        raise InvalidInput("no home directory to keep agentmem's files in: set AGENTMEM_HOME "
+                           "(and give a store URL, or AGENTMEM_STORE)") from exc
 
 
 def default_policies_path() -> Path:

@@ -110,9 +110,13 @@ class BudgetPolicy(BaseModel):
         """
         span = max(0, logical_tokens - protected - self.keep_recent)
         wanted = round(span / self.target_ratio) if self.target_ratio is not None else self.target_tokens
+        return max(1, min(wanted, self.live_after_compaction(incoming) - self.keep_recent - protected))
+
+    def live_after_compaction(self, incoming: int = 0) -> int:
+        """Live rows a compaction leaves at most before ``incoming`` tokens are read: the
+        ``fill_after_compaction`` share of the budget, less, down to half of it, for what is coming."""
         filled = self.max_live_tokens - self.turn_room
-        live = min(filled, max(self.max_live_tokens - incoming, filled // 2))
-        return max(1, min(wanted, live - self.keep_recent - protected))
+        return min(filled, max(self.max_live_tokens - incoming, filled // 2))
 
     def compaction_arguments(self, logical_tokens: int, protected: int = 0, incoming: int = 0) -> dict[str, object]:
         """Keyword arguments of :func:`agentmem.compaction.compact` for a session that has read
@@ -199,8 +203,11 @@ def configured_policies(path: str | os.PathLike[str] | None = None) -> tuple[dic
 
     if path is not None and not Path(path).is_file():
         raise InvalidInput(f"policy file {path} does not exist")
-    file = Path(path) if path is not None else default_policies_path()
-    loaded = BudgetPolicy.from_file(file) if file.is_file() else {}
+    try:
+        file = Path(path) if path is not None else default_policies_path()
+    except InvalidInput:  # no home directory, so no default file: the defaults hold
+        file = None
+    loaded = BudgetPolicy.from_file(file) if file is not None and file.is_file() else {}
     return loaded, loaded.get("default") or BudgetPolicy.from_env()
 
 

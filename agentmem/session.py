@@ -248,15 +248,17 @@ class Session:
                 f"{where} would hold {live} live tokens to read this turn; "
                 f"max_live_tokens={policy.max_live_tokens} and the policy rejects instead of compacting"
             )
-        if live + max_new_tokens > policy.max_live_tokens:  # this turn may compact
+        if policy.on_over_budget != "reject" and live + max_new_tokens > policy.max_live_tokens:  # may compact
             protected = self._protected_length(conversation, tools)
-            if protected and protected + policy.keep_recent >= policy.max_live_tokens - policy.turn_room:
+            # What a compaction leaves when nothing long is coming (one reading a long message in
+            # pieces leaves less, down to half: the pieces read first are compacted harder).
+            room = policy.live_after_compaction()
+            if protected and protected + policy.keep_recent >= room:
                 raise BudgetExceeded(
                     f"{where}: its protected system prompt ({protected} tokens) and keep_recent="
-                    f"{policy.keep_recent} fill the {policy.max_live_tokens - policy.turn_room} rows a compaction "
-                    f"leaves under max_live_tokens={policy.max_live_tokens}, so compacting would squeeze all "
-                    "other history into one row per head; raise max_live_tokens, lower keep_recent or set "
-                    "protect_system_prompt=False"
+                    f"{policy.keep_recent} fill the {room} rows a compaction leaves under "
+                    f"max_live_tokens={policy.max_live_tokens}, so compacting would squeeze all other history "
+                    "into one row per head; raise max_live_tokens, lower keep_recent or set protect_system_prompt=False"
                 )
 
     def _live_rows_after_rewind(self, kept: int) -> int:

@@ -51,6 +51,7 @@ Durability is Redis's: with RDB snapshots alone a restart loses recent writes; u
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -86,6 +87,8 @@ from agentmem.storage.base import (
 )
 from agentmem.storage.chunks import ChunkPlan, plan_chunks, read_chunks, write_chunks
 from agentmem.storage.redis_client import Client, connect, redact
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 * 2**20
 ORPHAN_TTL_MS = milliseconds(ORPHAN_SECONDS)  # chunks and registration of a put that never committed vanish
@@ -358,7 +361,7 @@ class RedisStore:
             return bool(self._redis.set(key, owner, nx=True, px=ttl_ms)) or self._extend_lease(
                 key, owner, ttl_ms, take_free=True, replacing=replacing)
 
-        return self._call(acquire) and self._call(self._outlast_lease, tenant, session_id, ttl_ms)
+        return self._call(acquire) and self._outlast_lease(tenant, session_id, ttl_ms)
 
     def lease_holder(self, tenant: str, session_id: str) -> Lease | None:
         check_key(tenant, session_id)
@@ -379,20 +382,28 @@ class RedisStore:
         check_key(tenant, session_id)
         key, ttl_ms = _lease_key(tenant, session_id), milliseconds(ttl_seconds)
         return (self._call(lambda: self._extend_lease(key, owner, ttl_ms, take_free=False))
-                and self._call(self._outlast_lease, tenant, session_id, ttl_ms))
+                and self._outlast_lease(tenant, session_id, ttl_ms))
 
     def _outlast_lease(self, tenant: str, session_id: str, lease_ms: int) -> bool:
         """Keep the stored session's keys at least ``lease_ms`` longer: its holder may keep it live
         past ``ttl_seconds`` and then spill it as the next version, which needs the version it
         continues still there (as a SQL row past its ``expires_at`` still is). Gets and lists go
-        by ``expires_at``, so this hides nothing; returns ``True`` (the lease is held)."""
+        by ``expires_at``, so this hides nothing. Best effort: the lease is held whatever happens
+        here (a failure only leaves the keys' expiry as it was), so it returns ``True``."""
+        try:
+            self._call(self._extend_keys, tenant, session_id, lease_ms)
+        except (StoreUnavailable, ValueError, TypeError) as exc:  # unreachable, or a damaged meta hash
+            log.warning("could not keep the keys of %s/%s for its lease: %s", tenant, session_id, exc)
+        return True
+
+    def _extend_keys(self, tenant: str, session_id: str, lease_ms: int) -> None:
         meta_key = _meta_key(tenant, session_id)
         with self._redis.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(meta_key)
                 left = pipe.pttl(meta_key)
                 if left < 0 or left >= lease_ms:  # nothing stored (-2), never expires (-1), or lasts
-                    return True
+                    return
                 keys = [meta_key, *_keys_of(tenant, session_id, _owners(pipe.hmget(meta_key, *_LAYOUT_FIELDS)))]
                 pipe.multi()
                 for key in keys:  # a version's chunks expire with its meta (a put sets them together)
@@ -400,7 +411,6 @@ class RedisStore:
                 pipe.execute()
             except WatchError:
                 pass  # a put replaced the version meanwhile and set its keys' expiry itself
-        return True
 
     def _extend_lease(self, key: str, owner: str, ttl_ms: int, *, take_free: bool, replacing: str | None = None) -> bool:
         """Set the lease to ``owner`` for ``ttl_ms`` if ``owner`` or ``replacing`` holds it (or, with

@@ -61,7 +61,7 @@ def test_queries_attended_in_slices_under_the_mask_budget_give_the_same_output(p
 
     q, k, v, bias = random_case(5, prefix, tail=9)
     whole = biased_attention(q, k, v, bias, scale=0.25)
-    row_bytes = k.shape[1] * (1 if bias is None else 3 * 4)
+    row_bytes = k.shape[1] * (1 + 4 if bias is None else 3 * 4)
     masks, attend = [], F.scaled_dot_product_attention
 
     def spy(*args, attn_mask=None, **kwargs):

@@ -392,6 +392,13 @@ def test_agentmem_home_needs_no_home_directory_and_a_named_policy_file_must_exis
     result = CliRunner().invoke(app, ["policy", "show", "--policies", str(tmp_path / "tenants.yml")])
     assert result.exit_code == 1 and "tenants.yml does not exist" in result.output, result.output
     assert CliRunner().invoke(app, ["policy", "show"]).exit_code == 0  # the default file may be absent
+    monkeypatch.delenv("AGENTMEM_HOME")  # no home at all: the default policy file is simply not there
+    from agentmem.errors import InvalidInput
+    from agentmem.policy import configured_policies
+
+    assert configured_policies()[0] == {}
+    with pytest.raises(InvalidInput, match="set AGENTMEM_HOME"):
+        agentmem_home()
 
 
 def test_the_langchain_adapter_uses_the_shared_default_tenant():

@@ -245,6 +245,12 @@ def test_a_system_prompt_that_leaves_history_no_room_is_refused_before_compactin
         relaxed = policy.model_copy(update={"protect_system_prompt": False})
         manager.policies["default"] = relaxed
         assert session.chat(messages + [{"role": "user", "content": filler(2)}], max_new_tokens=4).usage.compactions
+    rejecting = policy.model_copy(update={"on_over_budget": "reject"})  # never compacts: nothing to squeeze
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'r.db'}", default_policy=rejecting) as manager, \
+            never_stopping(tiny):
+        session = manager.session("r")
+        with pytest.raises(BudgetExceeded, match="rejects instead of compacting"):
+            session.chat([system, {"role": "user", "content": "Hello."}], max_new_tokens=60)
 
 
 def test_a_reply_cut_at_a_stop_string_is_recorded_and_kept_as_returned(tiny, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -403,3 +404,27 @@ def test_closing_shared_managers_goes_on_past_one_that_fails(tmp_path, monkeypat
     monkeypatch.setattr(broken, "close", fail)
     shared.close_shared()
     assert open_store(second).version("default", "y") == 1
+
+
+def test_the_turn_thread_carries_the_callers_context_and_its_failures():
+    """The thread a turn runs on sees the caller's context variables (LangChain's tracing lives
+    there) and hands back a failure to start the turn instead of leaving the caller waiting."""
+    import contextvars
+
+    from agentmem.adapters.langchain import _iterate_in_thread
+
+    run_name = contextvars.ContextVar("run_name", default=None)
+
+    def seen() -> Iterator[str]:
+        yield run_name.get()
+
+    def refused() -> Iterator[str]:
+        raise InvalidInput("no session ID")
+
+    async def collect(make):
+        run_name.set("traced-run")
+        return [item async for item in _iterate_in_thread(make)]
+
+    assert asyncio.run(collect(seen)) == ["traced-run"]
+    with pytest.raises(InvalidInput, match="no session ID"):
+        asyncio.run(asyncio.wait_for(collect(refused), 30))

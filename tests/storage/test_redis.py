@@ -199,3 +199,18 @@ def test_a_damaged_or_foreign_meta_hash_is_refused_as_corrupt(redis_url, raw):
                 read("acme", "s3")
     finally:
         store.close()
+
+
+def test_a_lease_is_held_even_when_its_session_keys_cannot_be_kept(redis_url, raw):
+    """Taking or renewing a lease also extends the session's keys (see the contract test); that
+    extension is best effort: a damaged meta hash must not make the lease a raw error, nor leave
+    it held by a call that raised."""
+    store = open_store(redis_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", ttl_seconds=5))
+        raw.hset(_meta_key("acme", "s1"), "chunk_writes", "[not json")
+        assert store.acquire_lease("acme", "s1", "worker-a", 30)
+        assert store.renew_lease("acme", "s1", "worker-a", 30)
+        assert store.lease_holder("acme", "s1").owner == "worker-a"
+    finally:
+        store.close()
