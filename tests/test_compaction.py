@@ -719,6 +719,25 @@ def test_a_span_of_a_few_tokens_compacts(llama, method, span):
     assert small.logical_length == cache.logical_length and small.physical_length <= cache.physical_length
 
 
+def test_self_study_writes_at_most_one_window(llama, monkeypatch):
+    """``self-study`` samples text for its queries; over a long span that was its whole share of
+    the budget (tens of thousands of sampled tokens at 32k), now one window at most."""
+    from agentmem.compaction import queries
+
+    asked = []
+    generate = llama.generate
+
+    def spy(cache, prompt, **kwargs):
+        asked.append(kwargs["max_new_tokens"])
+        return generate(cache, prompt, **kwargs)
+
+    monkeypatch.setattr(queries, "WINDOW_TOKENS", 24)
+    monkeypatch.setattr(llama, "generate", spy)
+    cache = llama.prefill(doc_ids(llama, 200))
+    compact(llama, cache, ratio=4, keep_recent=10, method="am-fast", queries="self-study")
+    assert asked and max(asked) == 24
+
+
 def test_reference_windows_past_the_model_context_are_not_read(llama):
     """Within a few tokens of the model's context the reference has no room left: the compaction
     reads nothing (it used to send an empty window to the model and fail) and still compacts."""

@@ -222,9 +222,9 @@ def _windows(
     if source == "self-study":
         prompt = encode(SELF_STUDY_PROMPT)
         mark = cache.logical_length
-        try:
-            written = engine.generate(cache, prompt, max_new_tokens=max(16, budget - len(prompt)), temperature=0.8,
-                                      top_p=0.95, seed=seed)
+        try:  # one window's worth at most: sampling is slow, and it grows the cache's buffer while it runs
+            written = engine.generate(cache, prompt, max_new_tokens=min(WINDOW_TOKENS, max(16, budget - len(prompt))),
+                                      temperature=0.8, top_p=0.95, seed=seed)
         finally:
             cache.truncate(mark)
         return [(prompt + written, [-1] * (len(prompt) + len(written)))]
