@@ -45,31 +45,25 @@ class Registry:
         asking for the same key meanwhile wait for it and get its session, or, if it failed,
         try themselves. Returns the session and whether this call loaded it.
         """
-        while True:
+        with self._lock:
+            if key in self._live:
+                self._live.move_to_end(key)
+                return self._live[key], False
+        with self.exclusive(key):
             with self._lock:
-                if key in self._live:
-                    self._live.move_to_end(key)
+                if key in self._live:  # loaded by the thread this one waited for
                     return self._live[key], False
-                loader = self._loaders.setdefault(key, threading.Lock())
-            with loader:
-                with self._lock:
-                    if key in self._live:  # loaded by the thread this one waited for
-                        return self._live[key], False
-                    if self._loaders.get(key) is not loader:
-                        continue  # that thread's load failed and retired its loader: start over
-                try:
-                    return load(), True
-                finally:
-                    with self._lock:  # retired while held, so no waiter can load beside a newer loader
-                        del self._loaders[key]
+            return load(), True
 
     @contextmanager
     def exclusive(self, key: Key) -> Iterator[None]:
-        """Hold off loads of ``key`` while the caller changes what they would read (a delete).
+        """Hold ``key``'s loader: no other load of ``key`` runs (or starts) until the block ends.
 
-        Waits for a load under way to finish; loads asked for meanwhile wait, then start over
-        (they read the store as the caller left it). Take the session's own lock first: a turn
-        reviving a spilled handle holds that lock and then loads.
+        A load (:meth:`live_or_load`) runs inside it, and so does a delete, which must not race
+        a resume that read the store before it. Waiters get the loader in turn; one retired while
+        waited on (its holder finished) is replaced by a new one, so waiters never run beside a
+        newer holder. Take the session's own lock first: a turn reviving a spilled handle holds
+        that lock and then loads.
         """
         while True:
             with self._lock:
@@ -77,11 +71,11 @@ class Registry:
             with loader:
                 with self._lock:
                     if self._loaders.get(key) is not loader:
-                        continue  # a load finished and retired it: take a loader of our own
+                        continue  # its holder finished and retired it: take a loader of our own
                 try:
                     yield
                 finally:
-                    with self._lock:
+                    with self._lock:  # retired while held, so no waiter can load beside a newer loader
                         del self._loaders[key]
                 return
 

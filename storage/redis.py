@@ -361,7 +361,10 @@ class RedisStore:
             return bool(self._redis.set(key, owner, nx=True, px=ttl_ms)) or self._extend_lease(
                 key, owner, ttl_ms, take_free=True, replacing=replacing)
 
-        return self._call(acquire) and self._outlast_lease(tenant, session_id, ttl_ms)
+        held = self._call(acquire)
+        if held:
+            self._outlast_lease(tenant, session_id, ttl_ms)
+        return held
 
     def lease_holder(self, tenant: str, session_id: str) -> Lease | None:
         check_key(tenant, session_id)
@@ -381,23 +384,26 @@ class RedisStore:
     def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
         check_key(tenant, session_id)
         key, ttl_ms = _lease_key(tenant, session_id), milliseconds(ttl_seconds)
-        return (self._call(lambda: self._extend_lease(key, owner, ttl_ms, take_free=False))
-                and self._outlast_lease(tenant, session_id, ttl_ms))
+        held = self._call(lambda: self._extend_lease(key, owner, ttl_ms, take_free=False))
+        if held:
+            self._outlast_lease(tenant, session_id, ttl_ms)
+        return held
 
-    def _outlast_lease(self, tenant: str, session_id: str, lease_ms: int) -> bool:
+    def _outlast_lease(self, tenant: str, session_id: str, lease_ms: int) -> None:
         """Keep the stored session's keys at least ``lease_ms`` longer: its holder may keep it live
         past ``ttl_seconds`` and then spill it as the next version, which needs the version it
         continues still there (as a SQL row past its ``expires_at`` still is). Gets and lists go
         by ``expires_at``, so this hides nothing. Best effort: the lease is held whatever happens
-        here (a failure only leaves the keys' expiry as it was), so it returns ``True``."""
+        here (a failure only leaves the keys' expiry as it was)."""
         try:
             self._call(self._extend_keys, tenant, session_id, lease_ms)
         except (StoreUnavailable, ValueError, TypeError) as exc:  # unreachable, or a damaged meta hash
             log.warning("could not keep the keys of %s/%s for its lease: %s", tenant, session_id, exc)
-        return True
 
     def _extend_keys(self, tenant: str, session_id: str, lease_ms: int) -> None:
         meta_key = _meta_key(tenant, session_id)
+        if not 0 <= self._redis.pttl(meta_key) < lease_ms:  # one round trip on every renewal of a turn:
+            return  # nothing stored (-2), never expires (-1), or lasts; checked again under WATCH
         with self._redis.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(meta_key)

@@ -196,12 +196,10 @@ def collect_reference(
     reads = [(span_tokens, start, p, TAIL_TOKENS if p == "tail" else share) for p in parts] if span_tokens else []
     if refresh is not None and refresh[1] > refresh[0]:
         reads.append((cache.token_ids[refresh[0] : refresh[1]], refresh[0], "repeat", refresh[1] - refresh[0]))
-    if not reads:
+    if not reads or room <= 0:  # nothing to read, or no room left in the model's context to read it
         return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device=cache.device), 1).result()
     windows = [(w[:room], [-1 if i < 0 else first + i for i in at[:room]]) for tokens, first, p, size in reads
-               for w, at in _windows(engine, cache, tokens, p, size, seed) if room > 0]
-    if not windows:  # no room left in the model's context to read anything
-        return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device=cache.device), 1).result()
+               for w, at in _windows(engine, cache, tokens, p, size, seed)]
     group = engine.num_heads // engine.num_kv_heads
     eligible = torch.tensor([i not in held_out for _, at in windows for i in at], device="cpu")
     candidates = eligible.repeat_interleave(group).nonzero()[:, 0]
