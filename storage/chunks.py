@@ -108,7 +108,7 @@ def write_chunks(blob: bytes | bytearray | memoryview, bounds: list[tuple[int, i
     return handed
 
 
-def read_chunks(chunks: Iterable[bytes], nbytes: int, *, session: str, recorded_in: str,
+def read_chunks(chunks: Iterable[bytes], nbytes: int, *, capacity: int, session: str, recorded_in: str,
                 into: Allocate = bytearray) -> bytearray | memoryview:
     """The blob from its chunks in order, checked against the ``nbytes`` the store recorded beside it.
 
@@ -116,8 +116,13 @@ def read_chunks(chunks: Iterable[bytes], nbytes: int, *, session: str, recorded_
     memory, say, that a GPU copies from at full speed), then can be freed: a read holds the
     blob once plus the chunks in flight, where joining them held it twice.
     A missing or extra chunk is a :class:`CorruptSessionError`, never a short read handed to the
-    decoder. ``session`` and ``recorded_in`` ("its row", "meta") only word that error.
+    decoder. So is an ``nbytes`` above ``capacity`` (the stored chunks' count times the store's
+    chunk size), refused before the buffer is allocated: a damaged size must not ask for
+    terabytes. ``session`` and ``recorded_in`` ("its row", "meta") only word those errors.
     """
+    if not 0 <= nbytes <= capacity:
+        raise CorruptSessionError(f"session {session}: {recorded_in} says the blob is {nbytes} bytes, "
+                                  f"its chunks hold at most {capacity}")
     blob = into(nbytes)
     if len(blob) != nbytes:
         raise InvalidInput(f"session {session}: the read buffer allocated for {nbytes} bytes holds {len(blob)}")

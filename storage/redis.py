@@ -239,8 +239,8 @@ class RedisStore:
             if not alive:
                 raise not_found(tenant, session_id)
             try:
-                blob = read_chunks(self._fetch_chunks(keys), nbytes, session=f"{tenant}/{session_id}",
-                                   recorded_in="meta", into=into)
+                blob = read_chunks(self._fetch_chunks(keys), nbytes, capacity=len(keys) * CHUNK_BYTES,
+                                   session=f"{tenant}/{session_id}", recorded_in="meta", into=into)
             except _Replaced:
                 continue  # a newer write replaced this version between our reads
             return restore(tenant, session_id, metadata, blob, version)

@@ -48,6 +48,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    Select,
     String,
     Table,
     Text,
@@ -392,9 +393,10 @@ class SqlStore:
             # Streamed (a server-side cursor on PostgreSQL, whose client otherwise receives every
             # row before the first is read), so only a few chunks are in memory beside the blob;
             # in manifest order straight from its index (sorting would copy every chunk).
-            query = _version_chunks(conn, tenant, session_id, row.write_id)
+            query, count = _version_chunks(conn, tenant, session_id, row.write_id)
             chunks = conn.execute(query.execution_options(stream_results=True, max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
-            blob = read_chunks(chunks, row.nbytes, session=f"{tenant}/{session_id}", recorded_in="its row", into=into)
+            blob = read_chunks(chunks, row.nbytes, capacity=count * CHUNK_BYTES, session=f"{tenant}/{session_id}",
+                               recorded_in="its row", into=into)
         return restore(tenant, session_id, row.record, blob, row.version)
 
     def version(self, tenant: str, session_id: str) -> int:
@@ -607,15 +609,19 @@ def _in_version(tenant: str, session_id: str, write_id: str):
     return or_(_in_manifest(tenant, session_id, write_id), chunks_table.c.write_id == write_id)
 
 
-def _version_chunks(conn: Connection, tenant: str, session_id: str, write_id: str):
-    """The query for a version's chunk data in order: through its manifest, or (a version stored
-    before manifests) its own chunk rows."""
+def _version_chunks(conn: Connection, tenant: str, session_id: str, write_id: str) -> tuple[Select, int]:
+    """The query for a version's chunk data in order, and how many chunks it lists: through its
+    manifest, or (a version stored before manifests) its own chunk rows."""
     m, c = manifests_table.c, chunks_table.c
-    if conn.execute(select(m.seq).where(*_manifest_key(tenant, session_id, write_id)).limit(1)).first() is None:
-        return select(c.data).where(*_chunk_key(tenant, session_id, write_id)).order_by(c.seq)
+    listed = conn.execute(select(func.count()).select_from(manifests_table)
+                          .where(*_manifest_key(tenant, session_id, write_id))).scalar_one()
+    if not listed:
+        own = _chunk_key(tenant, session_id, write_id)
+        return (select(c.data).where(*own).order_by(c.seq),
+                conn.execute(select(func.count()).select_from(chunks_table).where(*own)).scalar_one())
     joined = manifests_table.join(chunks_table, and_(
         c.tenant == m.tenant, c.session_id == m.session_id, c.write_id == m.chunk_write_id, c.seq == m.seq))
-    return select(c.data).select_from(joined).where(*_manifest_key(tenant, session_id, write_id)).order_by(m.seq)
+    return select(c.data).select_from(joined).where(*_manifest_key(tenant, session_id, write_id)).order_by(m.seq), listed
 
 
 def _delete_version(conn: Connection, tenant: str, session_id: str, write_id: str) -> None:

@@ -66,17 +66,29 @@ def test_digests_hash_every_chunk_in_parallel_as_one_would_in_order():
 def test_the_reader_puts_back_what_the_writer_cut(size):
     blob = bytes(range(size))
     _, calls = written(blob, 8, per_call=3)
-    got = read_chunks((c for _, chunks in calls for c in chunks), size, session="acme/s1", recorded_in="its row")
+    got = read_chunks((c for _, chunks in calls for c in chunks), size, capacity=len(chunk_bounds(size, 8)) * 8,
+                      session="acme/s1", recorded_in="its row")
     assert isinstance(got, bytearray) and got == blob
 
 
 @pytest.mark.parametrize("chunks", [[b"0123", b"89"], [b"0123", b"4567", b"89", b"x"]])
 def test_a_missing_or_extra_chunk_is_a_corrupt_session(chunks):
     with pytest.raises(CorruptSessionError, match=f"acme/s1: blob is {sum(map(len, chunks))} bytes, meta says 10"):
-        read_chunks(iter(chunks), 10, session="acme/s1", recorded_in="meta")
+        read_chunks(iter(chunks), 10, capacity=16, session="acme/s1", recorded_in="meta")
 
 
 def test_a_read_buffer_of_the_wrong_size_is_refused():
     """An allocator that hands back a shorter or longer buffer would leave garbage or lose bytes."""
     with pytest.raises(InvalidInput, match="acme/s1: the read buffer allocated for 10 bytes holds 9"):
-        read_chunks(iter([b"0123456789"]), 10, session="acme/s1", recorded_in="meta", into=lambda n: bytearray(n - 1))
+        read_chunks(iter([b"0123456789"]), 10, capacity=16, session="acme/s1", recorded_in="meta",
+                    into=lambda n: bytearray(n - 1))
+
+
+@pytest.mark.parametrize("nbytes", [17, 10**15, -1])
+def test_a_size_the_chunks_cannot_hold_is_refused_before_allocating(nbytes):
+    """A damaged recorded size must not make the read ask for terabytes of (page-locked) memory."""
+    asked = []
+    with pytest.raises(CorruptSessionError, match=f"acme/s1: meta says the blob is {nbytes} bytes, its chunks hold at most 16"):
+        read_chunks(iter([b"0123456789"]), nbytes, capacity=16, session="acme/s1", recorded_in="meta",
+                    into=lambda n: asked.append(n) or bytearray(n))
+    assert asked == []

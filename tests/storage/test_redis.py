@@ -180,6 +180,21 @@ def test_a_chunk_key_gone_from_the_stored_version_is_rewritten_not_shared(redis_
         store.close()
 
 
+def test_a_damaged_size_is_refused_before_the_read_allocates_it(redis_url, raw, monkeypatch):
+    """A meta hash whose ``nbytes`` was damaged to a petabyte is a corrupt session, not a MemoryError."""
+    monkeypatch.setattr(redis_store, "CHUNK_BYTES", 4)
+    store = open_store(redis_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"0123456789"))
+        raw.hset(_meta_key("acme", "s1"), "nbytes", 10**15)
+        asked = []
+        with pytest.raises(CorruptSessionError, match="meta says the blob is 1000000000000000 bytes, its chunks hold at most 12"):
+            store.get("acme", "s1", into=lambda n: asked.append(n) or bytearray(n))
+        assert asked == []
+    finally:
+        store.close()
+
+
 def test_a_damaged_or_foreign_meta_hash_is_refused_as_corrupt(redis_url, raw):
     """A meta hash missing a field, or whose metadata names another tenant (copied by hand), is not loaded."""
     store = open_store(redis_url)

@@ -132,6 +132,22 @@ def test_a_blob_missing_a_chunk_is_a_corrupt_session_not_a_short_read(sql_url, m
         store.close()
 
 
+def test_a_damaged_size_is_refused_before_the_read_allocates_it(sql_url, monkeypatch):
+    """A row whose ``nbytes`` was damaged to a petabyte is a corrupt session, not a MemoryError."""
+    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"0123456789"))
+        with store._transaction() as conn:
+            conn.execute(sql.sessions_table.update().values(nbytes=10**15))
+        asked = []
+        with pytest.raises(CorruptSessionError, match="its row says the blob is 1000000000000000 bytes, its chunks hold at most 12"):
+            store.get("acme", "s1", into=lambda n: asked.append(n) or bytearray(n))
+        assert asked == []
+    finally:
+        store.close()
+
+
 def chunk_rows(store) -> list[tuple[str, int]]:
     c = chunks_table.c
     with store._engine.connect() as conn:
