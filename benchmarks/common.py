@@ -40,11 +40,12 @@ def random_shape_engine(shape: str, device: torch.device, dtype: torch.dtype, ma
     return Engine(model.eval(), AutoTokenizer.from_pretrained(embedded_model_dir()), name=f"random {shape}")
 
 
-def stdlib_text() -> str:
-    """Real English prose not written by us: the Python documentation's topic pages."""
+def stdlib_text(*, reverse: bool = False) -> str:
+    """Real English prose not written by us: the Python documentation's topic pages (``reverse``:
+    from the last topic, so its opening is other pages)."""
     from pydoc_data.topics import topics
 
-    return "\n\n".join(topics[k] for k in sorted(topics))
+    return "\n\n".join(topics[k] for k in sorted(topics, reverse=reverse))
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -89,12 +89,10 @@ def documents(*, held_out: bool = False) -> dict[str, str]:
     a second of each follows, which chose no default (the policy's were chosen on the first two):
     whether what the first two show carries over. The prose is the same pages in reverse order, so
     its first 6,144 tokens are other topics."""
-    from pydoc_data.topics import topics
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     docs = {"prose: Python docs": stdlib_text(), "code: argparse.py": (stdlib / "argparse.py").read_text()}
     if held_out:
-        docs["prose: Python docs, Z to A"] = "\n\n".join(topics[k] for k in sorted(topics, reverse=True))
+        docs["prose: Python docs, Z to A"] = stdlib_text(reverse=True)
         docs["code: inspect.py"] = (stdlib / "inspect.py").read_text()
     return docs
 

@@ -117,35 +117,35 @@ def test_cleanup_after_a_failed_publish_never_deletes_published_chunks(sql_url):
         store.close()
 
 
-def test_a_blob_missing_a_chunk_is_a_corrupt_session_not_a_short_read(sql_url, monkeypatch):
-    from agentmem.errors import CorruptSessionError
-
+@pytest.fixture
+def ten_bytes_in_three_chunks(sql_url, monkeypatch):
+    """A store holding acme/s1 = b"0123456789" in 4-byte chunks, for a test to damage."""
     monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
     store = open_store(sql_url)
     try:
         store.put("acme", "s1", record("acme", "s1", b"0123456789"))
-        with store._transaction() as conn:
-            conn.execute(chunks_table.delete().where(chunks_table.c.seq == 1))
-        with pytest.raises(CorruptSessionError, match="its row says 10"):
-            store.get("acme", "s1")
+        yield store
     finally:
         store.close()
 
 
-def test_a_damaged_size_is_refused_before_the_read_allocates_it(sql_url, monkeypatch):
+def test_a_blob_missing_a_chunk_is_a_corrupt_session_not_a_short_read(ten_bytes_in_three_chunks):
+    store = ten_bytes_in_three_chunks
+    with store._transaction() as conn:
+        conn.execute(chunks_table.delete().where(chunks_table.c.seq == 1))
+    with pytest.raises(CorruptSessionError, match="its row says 10"):
+        store.get("acme", "s1")
+
+
+def test_a_damaged_size_is_refused_before_the_read_allocates_it(ten_bytes_in_three_chunks):
     """A row whose ``nbytes`` was damaged to a petabyte is a corrupt session, not a MemoryError."""
-    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
-    store = open_store(sql_url)
-    try:
-        store.put("acme", "s1", record("acme", "s1", b"0123456789"))
-        with store._transaction() as conn:
-            conn.execute(sql.sessions_table.update().values(nbytes=10**15))
-        asked = []
-        with pytest.raises(CorruptSessionError, match="its row says the blob is 1000000000000000 bytes, its chunks hold at most 12"):
-            store.get("acme", "s1", into=lambda n: asked.append(n) or bytearray(n))
-        assert asked == []
-    finally:
-        store.close()
+    store = ten_bytes_in_three_chunks
+    with store._transaction() as conn:
+        conn.execute(sql.sessions_table.update().values(nbytes=10**15))
+    asked = []
+    with pytest.raises(CorruptSessionError, match="its row says the blob is 1000000000000000 bytes, its chunks hold at most 12"):
+        store.get("acme", "s1", into=lambda n: asked.append(n) or bytearray(n))
+    assert asked == []
 
 
 def chunk_rows(store) -> list[tuple[str, int]]:
