@@ -5,11 +5,19 @@ the one-live-copy guarantee (two managers in one process would fight over the sa
 adapters get one :class:`~agentmem.engine.Engine` per model and one
 :class:`~agentmem.sessions.SessionManager` per (model, store). Every shared manager spills its
 live sessions when the process exits normally, so a restarted process resumes them.
+
+That spill must run before the interpreter stops its thread pools: an ``atexit`` hook runs
+after ``concurrent.futures`` has refused new work ("cannot schedule new futures after
+interpreter shutdown"), so the stores' writers and hashers could no longer run and every
+session was lost at exit. :func:`close_shared` is therefore registered with
+``threading._register_atexit``, the hook ``concurrent.futures`` itself uses, which runs hooks in
+reverse order of registration, before non-daemon threads are joined.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - registers its shutdown hook before ours, so ours runs first
 import logging
 import os
 import threading
@@ -111,4 +119,7 @@ def close_shared() -> None:
             log.error("closing the session manager on %s failed: %s", manager.store, exc)
 
 
-atexit.register(close_shared)
+_before_thread_shutdown = getattr(threading, "_register_atexit", None)
+if _before_thread_shutdown is not None:
+    _before_thread_shutdown(close_shared)
+atexit.register(close_shared)  # a no-op after the hook above; the only one where threading lacks the hook

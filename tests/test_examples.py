@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentmem.adapters import shared
+from agentmem.storage import open_store
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # so tests can read an example's constants
@@ -43,10 +44,16 @@ def test_coding_agent_reads_files_compacts_and_measures_answers(run_example):
     assert scores["full"] > scores["never_read"]  # reading the file makes the true answer likelier
 
 
-def test_langchain_chat_sends_every_prompt_and_reuses_the_cache(run_example, capsys):
+def test_langchain_chat_sends_every_prompt_and_reuses_the_cache(run_example, capsys, tmp_path):
     from langchain_chat import PROMPTS
 
     usages = run_example("langchain_chat", "--max-tokens", "12")
+    shared.close_shared()  # what the process's exit does (tests/adapters/test_langchain_exit.py runs a real exit)
+    backend = open_store(f"sqlite:///{tmp_path / 'x.db'}")
+    try:
+        assert len(backend.get("default", "langchain-example").messages) == 2 * len(PROMPTS) + 1  # stored, whole
+    finally:
+        backend.close()
     assert len(usages) == len(PROMPTS) == 3
     out = capsys.readouterr().out
     assert all(f"you: {prompt}" in out for prompt in PROMPTS)  # the output shows what was asked
