@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from agentmem.errors import AgentMemError, CompactionUnreachable, InvalidInput
+from agentmem.errors import AgentMemError, CompactionUnreachable, InvalidInput, SessionNotFound
 from agentmem.home import DEFAULT_TENANT
 
 if TYPE_CHECKING:
@@ -316,12 +316,17 @@ def sessions_list(
 
     The store and tenant read are named on stderr, so an empty list says where it looked.
     """
-    from agentmem.storage import open_store
+
+    from agentmem.storage import open_existing_store
 
     if all_tenants and tenant is not None:
         raise InvalidInput("give --tenant or --all-tenants, not both")
     tenant = tenant or DEFAULT_TENANT
-    backend = open_store(store)
+    backend = open_existing_store(store)
+    if backend is None:
+        typer.echo(f"0 sessions: nothing stored yet ({_shown_url(store)} does not exist)", err=True)
+        emit([], as_json)
+        return
     try:
         tenants = backend.tenants() if all_tenants else [tenant]
         rows = [row for name in tenants for row in _stored_sessions(backend, name, with_tenant=all_tenants)]
@@ -395,14 +400,16 @@ def sessions_delete(
     store: Optional[str] = StoreOpt,
 ) -> None:
     """Delete one session, or with --all every session of one named tenant."""
-    from agentmem.storage import open_store
+    from agentmem.storage import open_existing_store
 
     if all_sessions == (session_id is not None):
         raise InvalidInput("give a session ID or --all, not both or neither")
     if all_sessions and tenant is None:
         raise InvalidInput("--all needs an explicit --tenant; bulk deletes across tenants are refused")
     tenant = tenant or DEFAULT_TENANT
-    backend = open_store(store)
+    backend = open_existing_store(store)
+    if backend is None:
+        raise SessionNotFound(f"nothing stored yet in {_shown_url(store)}: no session of tenant {tenant!r} to delete")
     try:
         if all_sessions:
             if not yes and not typer.confirm(f"delete every session of tenant {tenant!r}?"):
@@ -417,9 +424,12 @@ def sessions_delete(
 
 
 def _get_record(store: str | None, tenant: str, session_id: str):
-    from agentmem.storage import open_store
+    from agentmem.storage import open_existing_store
 
-    backend = open_store(store)
+    backend = open_existing_store(store)
+    if backend is None:
+        raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}: nothing stored yet in "
+                              f"{_shown_url(store)}")
     try:
         return backend.get(tenant, session_id)
     finally:
@@ -545,13 +555,16 @@ def compact(
     """
     from agentmem.record import check_session_id, check_tenant
     from agentmem.sessions import SessionManager
-    from agentmem.storage import open_store
+    from agentmem.storage import open_existing_store
 
     overrides = {k: v for k, v in {"target_ratio": ratio, "target_tokens": target_tokens, "method": method,
                                    "keep_recent": keep_recent}.items() if v is not None}
     loaded, default = _load_policies(policies)
     policy = loaded.get(check_tenant(tenant), default).with_overrides(**overrides)  # bad values fail here, not later
-    backend = open_store(store)
+    backend = open_existing_store(store)
+    if backend is None:
+        raise SessionNotFound(f"no session {session!r} for tenant {tenant!r}: nothing stored yet in "
+                              f"{_shown_url(store)}")
     try:
         backend.version(tenant, check_session_id(session))  # SessionNotFound before the model loads
     finally:

@@ -29,8 +29,9 @@ def run_checks(*, model: str, stores: Sequence[str | None],
         rows.append(_check(f"package {package}", lambda p=package: importlib.metadata.version(p)))
     rows.append(_check("device", _device))
     rows.append(_check(f"model {model}", lambda: _model(model, dict(engine_options or {}))))
-    for url in (given or default_url() for given in stores):  # the default is $AGENTMEM_STORE, maybe Redis
-        rows.append(_check(f"store {redact(url)}", lambda u=url: _store(u)))
+    for given in stores:
+        url = given or default_url()  # the default is $AGENTMEM_STORE, maybe Redis
+        rows.append(_check(f"store {redact(url)}", lambda g=given: _store(g)))
         if is_redis_url(url):
             rows.append(_check(f"redis persistence {redact(url)}", lambda u=url: _redis_persistence(u)))
     return rows
@@ -62,11 +63,15 @@ def _model(model: str, engine_options: dict[str, Any]) -> str:
             f"fingerprint {engine.fingerprint}, loaded in {time.perf_counter() - began:.1f} s")
 
 
-def _store(url: str) -> str:
-    from agentmem.storage import open_store
+def _store(given: str | None) -> str:
+    """The store's answer time and the default tenant's usage; ``None`` is the default store."""
+    from agentmem.storage import default_url, open_existing_store
     from agentmem.storage.redis_client import redact
 
-    store = open_store(url)
+    url = given or default_url()
+    store = open_existing_store(given)  # a check must not create the store it checks
+    if store is None:
+        return f"{redact(url)}: not created yet (the first stored session creates it)"
     try:
         began = time.perf_counter()
         usage = store.usage("default")

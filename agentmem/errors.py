@@ -63,6 +63,19 @@ class StoreUnavailable(AgentMemError):
     """The store (database file, server) cannot be reached or written right now."""
 
 
+class StoreNotFound(InvalidInput):
+    """A command that only reads was pointed at a store that does not exist (a mistyped path).
+
+    Reading never creates a store: the database file and its folders are made only by a
+    command that writes a session.
+    """
+
+
+class CorruptStoreError(AgentMemError):
+    """The store's own files are damaged (a SQLite page, not one session's cache): restore it
+    from a backup or salvage it (``sqlite3 FILE .recover``); retrying will not help."""
+
+
 class CompactionUnreachable(AgentMemError):
     """A compaction asked for now cannot make the cache smaller, so nothing was changed or written.
 

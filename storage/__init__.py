@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentmem.errors import InvalidInput, StoreUnavailable
+from agentmem.errors import InvalidInput, StoreNotFound, StoreUnavailable
 from agentmem.home import default_store_url as default_url
 from agentmem.lazy import lazy_attributes
 from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
@@ -49,13 +49,19 @@ __all__ = [
     "decoded_nbytes",
     "default_url",
     "encode_cache",
+    "open_existing_store",
     "open_store",
     "read_header",
 ]
 
 
-def open_store(url: str | None = None) -> CacheStore:
-    """Open the store at ``url`` (default: SQLite under ``$AGENTMEM_HOME``)."""
+def open_store(url: str | None = None, *, create: bool = True) -> CacheStore:
+    """Open the store at ``url`` (default: SQLite under ``$AGENTMEM_HOME``).
+
+    ``create=False`` is for commands that only read: a SQLite file that does not exist is
+    :class:`StoreNotFound` naming the path, instead of a new empty database (and its folders)
+    that would report "0 sessions" for a mistyped path.
+    """
     source = " (from $AGENTMEM_STORE)" if url is None and os.environ.get("AGENTMEM_STORE") else ""
     url = url or default_url()
     if not isinstance(url, str) or "://" not in url and not url.startswith("sqlite:"):
@@ -65,8 +71,12 @@ def open_store(url: str | None = None) -> CacheStore:
         from agentmem.storage.redis import RedisStore
 
         return RedisStore(url)
-    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-        folder = Path(url.removeprefix("sqlite:///")).expanduser().parent
+    database = sqlite_path(url)
+    if database is not None and not create and not database.is_file():
+        raise StoreNotFound(f"no store at {database}{source}: no such file (nothing is created by a command that "
+                            "only reads; check the path)")
+    if database is not None:
+        folder = database.parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -74,3 +84,25 @@ def open_store(url: str | None = None) -> CacheStore:
     from agentmem.storage.sql import SqlStore
 
     return SqlStore(url)
+
+
+def open_existing_store(url: str | None = None) -> CacheStore | None:
+    """The store a reading command names, never created; None when the default store was never made.
+
+    A store that was named (an argument or ``$AGENTMEM_STORE``) must exist: a mistyped path is
+    :class:`StoreNotFound`, not an empty new database. The default store under
+    ``$AGENTMEM_HOME`` is made by the first stored session, so before that it holds nothing.
+    """
+    try:
+        return open_store(url, create=False)
+    except StoreNotFound:
+        if url is not None or os.environ.get("AGENTMEM_STORE"):
+            raise
+        return None
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The absolute path of a ``sqlite:///`` store's database file; None for other stores and ``:memory:``."""
+    if not url.startswith("sqlite:///") or url.startswith("sqlite:///:memory:"):
+        return None
+    return Path(url.removeprefix("sqlite:///").partition("?")[0]).expanduser().absolute()

@@ -431,3 +431,23 @@ def test_doctor_checks_every_node_of_a_redis_cluster(engine, tmp_path, monkeypat
         result = CliRunner().invoke(app, ["doctor", "--redis", cluster.url, "--json"])
     check = {c["check"]: c for c in json.loads(result.stdout)}[f"redis persistence {cluster.url}"]
     assert check["status"] == "fail" and f":{cluster.nodes[1].port}" in check["detail"], check
+
+
+@pytest.mark.parametrize("command", [["sessions", "list"], ["sessions", "show", "s1"], ["sessions", "export", "s1",
+                                     "--out", "never.json"], ["sessions", "delete", "s1"], ["compact", "--session", "s1"]])
+def test_a_command_that_only_reads_never_creates_a_store(command, tmp_path, monkeypatch):
+    """A mistyped --store path is an error naming the path (absolute, also for a relative URL), and
+    neither the database nor its folders appear; the default store not made yet holds nothing."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("AGENTMEM_STORE", raising=False)
+    runner = CliRunner()
+    for url, path in ((f"sqlite:///{tmp_path}/missing/dir/x.db", tmp_path / "missing"),
+                      ("sqlite:///relative.db", tmp_path / "relative.db")):
+        result = runner.invoke(app, [*command, "--store", url])
+        assert result.exit_code == 1 and result.stderr.startswith("error: no store at ")
+        assert str(tmp_path / url.removeprefix("sqlite:///").removeprefix(f"{tmp_path}/")) in result.stderr
+        assert not path.exists()
+    default = runner.invoke(app, command)  # the default store, never made: nothing in it, nothing created
+    assert "nothing stored yet" in default.stderr and not (tmp_path / "home").exists()
+    assert default.exit_code == (0 if command == ["sessions", "list"] else 1)
