@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from agentmem.errors import CorruptSessionError, InvalidInput
+from agentmem.errors import CorruptSessionError, InvalidInput, brief
 from agentmem.host_memory import wait_for_copies
 
 CACHE_FORMAT_VERSION = 2  # 2: the raw tail exported in blocks of TAIL_BLOCK tokens across layers; 1 still read
@@ -587,7 +587,7 @@ class SessionCache:
         except (CorruptSessionError, torch.OutOfMemoryError):  # no room on the device is not damage
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
-            raise CorruptSessionError(f"cache tensors do not match their layout: {exc!r}") from exc
+            raise CorruptSessionError(f"cache tensors do not match their layout: {brief(exc)}") from exc
         finally:
             wait_for_copies(device)  # the sources may be freed once we return
 
@@ -622,7 +622,7 @@ class SessionCache:
                     segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]),
                                                      refresh_cursor=seg_meta.get("refresh_cursor", 0), **parts))
                 except InvalidInput as exc:
-                    raise CorruptSessionError(f"layer {i} segment {j}: {exc}") from exc
+                    raise CorruptSessionError(f"layer {i} segment {j}: {brief(exc)}") from exc
             tail_k, tail_v = _stored_tail(tensors, meta, i)  # converted and moved by LayerCache's copy
             expected = (heads, int(layer_meta["tail_length"]), head_dim)
             for keys, values in zip(tail_k, tail_v):

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
-from agentmem.errors import AgentMemError, CompactionUnreachable, InvalidInput, SessionNotFound
+from agentmem.errors import (
+    AgentMemError,
+    CompactionUnreachable,
+    CorruptSessionError,
+    InvalidInput,
+    SessionNotFound,
+    brief,
+)
 from agentmem.home import DEFAULT_TENANT
 
 if TYPE_CHECKING:
@@ -61,10 +68,19 @@ def clean_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except AgentMemError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            typer.echo(f"error: {one_line(str(exc))}", err=True)
             raise typer.Exit(1) from exc
 
     return run
+
+
+ERROR_CHARS = 600
+
+
+def one_line(message: str) -> str:
+    """An error as one line of bounded length, whatever a library put into it."""
+    text = " ".join(message.split())
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 1] + "…"
 
 
 def emit(data: dict[str, Any] | list[dict[str, Any]], as_json: bool) -> None:
@@ -180,6 +196,9 @@ def chat(
     max_new_tokens: int = typer.Option(256, help="tokens generated per reply at most"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     system: Optional[str] = typer.Option(None, help="system prompt for a new session"),
+    rebuild: bool = typer.Option(False, "--rebuild",
+                                 help="if the stored cache is damaged, resume from the stored transcript "
+                                      "(re-read at your next turn)"),
 ) -> None:
     """Talk to a session: it resumes if stored and is saved when you leave after a turn.
 
@@ -197,9 +216,12 @@ def chat(
     engine = _load_engine(model, _engine_options(device, dtype))
     with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
         began = time.perf_counter()
-        live = manager.session(session, tenant=tenant)
+        live = manager.session(session, tenant=tenant, rebuild=rebuild)
         where = f"{tenant}/{session} in {_shown_url(store)}"
-        if live.cache.logical_length:
+        if live.messages and not live.cache.logical_length:
+            typer.echo(f"rebuilding {where} from its transcript: its stored cache is damaged, so its "
+                       f"{len(live.messages)} messages are re-read at your next turn")
+        elif live.cache.logical_length:
             typer.echo(f"resumed {where}: {live.cache.logical_length} tokens, {len(live.messages)} messages, "
                        f"{live.cache.physical_length} live rows, in {(time.perf_counter() - began) * 1e3:.0f} ms "
                        "(nothing re-read)")
@@ -329,12 +351,13 @@ def sessions_list(
         return
     try:
         tenants = backend.tenants() if all_tenants else [tenant]
-        rows = [row for name in tenants for row in _stored_sessions(backend, name, with_tenant=all_tenants)]
+        rows = [{**row, "stored_bytes": _bytes(row["stored_bytes"], as_json)}
+                for name in tenants for row in _stored_sessions(backend, name, with_tenant=all_tenants)]
     finally:
         backend.close()
     scope = "all tenants" if all_tenants else f"tenant {tenant!r}"
     hint = "" if rows or all_tenants else " (--tenant NAME for another tenant, --all-tenants for every one)"
-    typer.echo(f"{len(rows)} sessions of {scope} in {_shown_url(store)}{hint}", err=True)
+    typer.echo(f"{_count(len(rows), 'session')} of {scope} in {_shown_url(store)}{hint}", err=True)
     emit(rows, as_json)
 
 
@@ -355,19 +378,51 @@ def _stored_sessions(backend: CacheStore, tenant: str, *, with_tenant: bool) -> 
 @clean_errors
 def sessions_show(session_id: str, tenant: str = TenantOpt, store: Optional[str] = StoreOpt,
                   as_json: bool = JsonOpt) -> None:
-    """One stored session: version, size, layout, model, messages."""
-    from agentmem.storage import read_header
+    """One stored session: version, size, layout (rows, compacted segments), model, messages.
 
+    A session whose cache is damaged is still shown, with what is damaged: its transcript
+    stays readable (``sessions export``) and rebuildable (``chat --rebuild``).
+    """
     record = _get_record(store, tenant, session_id)
-    header = read_header(record.blob)
     info = {
         "tenant": record.tenant, "session_id": record.session_id, "version": record.version,
-        "logical_tokens": record.logical_length, "stored_bytes": len(record.blob),
-        "storage_dtype": header.get("storage_dtype"), "model_fingerprint": record.model_fingerprint,
+        "logical_tokens": record.logical_length, "stored_bytes": _bytes(len(record.blob), as_json),
+        **_layout(record.blob), "model_fingerprint": record.model_fingerprint,
         "policy": record.policy, "messages": len(record.messages), "created": _when(record.created_at),
         "updated": _when(record.updated_at), "expires": _when(record.expires_at),
     }
     emit(info, as_json)
+
+
+def _layout(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """What a stored cache holds, read from its header alone: rows per KV head, the compacted
+    segments and the raw tail; ``cache: damaged (…)`` when the header cannot be read."""
+    from agentmem.storage import read_header
+
+    try:
+        header = read_header(blob)
+        layers = header["layout"]["layers"]
+        compacted = [sum(seg["head_rows"]) / len(seg["head_rows"]) for layer in layers for seg in layer["segments"]]
+        segments = layers[0]["segments"]
+        return {"storage_dtype": header.get("storage_dtype"),
+                "rows_per_kv_head": round(sum(compacted) / len(layers) + layers[0]["tail_length"], 1),
+                "compacted_segments": len(segments),
+                "compacted_tokens": sum(seg["span"][1] - seg["span"][0] for seg in segments),
+                "raw_tail_tokens": layers[0]["tail_length"], "cache": "intact header"}
+    except CorruptSessionError as exc:
+        return {"cache": f"damaged ({exc})"}
+    except (KeyError, TypeError, IndexError, ZeroDivisionError) as exc:
+        return {"cache": f"damaged (layout: {brief(exc)})"}
+
+
+def _bytes(nbytes: int, as_json: bool) -> int | str:
+    """A byte count as JSON keeps it (exact), or as a person reads it in a table."""
+    if as_json:
+        return nbytes
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 @sessions_app.command("export")
@@ -379,15 +434,31 @@ def sessions_export(
     tenant: str = TenantOpt,
     store: Optional[str] = StoreOpt,
 ) -> None:
-    """Write a session's transcript, token log and metadata as JSON (and optionally its cache as safetensors)."""
-    from agentmem.storage import decode_cache
+    """Write a session's transcript, token log and metadata as JSON (and optionally its cache as safetensors).
+
+    The transcript is written even when the cache is damaged (``token_ids`` is then null and
+    ``cache_damaged`` says why); ``--blob`` of a damaged cache is refused.
+    """
+    from agentmem.storage import verified_token_ids
 
     record = _get_record(store, tenant, session_id)
-    payload = {**record.model_dump(exclude={"blob"}), "token_ids": decode_cache(record.blob).token_ids}  # checked
+    try:
+        token_ids, damage = verified_token_ids(record.blob), None  # every checksum checked, no torch imported
+    except CorruptSessionError as exc:
+        token_ids, damage = None, str(exc)
+    payload = {**record.model_dump(exclude={"blob"}), "token_ids": token_ids,
+               **({"cache_damaged": damage} if damage else {})}
     _write_atomically(out, json.dumps(payload, indent=2).encode())
+    if damage is None:
+        if blob is not None:
+            _write_atomically(blob, record.blob)
+        typer.echo(f"wrote {out}" + (f" and {blob}" if blob else ""))
+        return
+    typer.echo(f"wrote {out}: the transcript ({len(record.messages)} messages) without the token log, since the "
+               f"cache is damaged ({damage}); rebuild the session from it with `agentmem chat --session "
+               f"{session_id} --rebuild`", err=True)
     if blob is not None:
-        _write_atomically(blob, record.blob)
-    typer.echo(f"wrote {out}" + (f" and {blob}" if blob else ""))
+        raise CorruptSessionError(f"--blob {blob} not written: the cache of {tenant}/{session_id} is damaged")
 
 
 @sessions_app.command("delete")
@@ -413,8 +484,9 @@ def sessions_delete(
     try:
         if all_sessions:
             if not yes and not typer.confirm(f"delete every session of tenant {tenant!r}?"):
-                raise typer.Exit(1)
-            typer.echo(f"deleted {backend.delete_tenant(tenant)} sessions of {tenant}")
+                typer.echo("nothing deleted")
+                return
+            typer.echo(f"deleted {_count(backend.delete_tenant(tenant), 'session')} of {tenant}")
         elif backend.delete(tenant, session_id):
             typer.echo(f"deleted {tenant}/{session_id}")
         else:
@@ -434,6 +506,11 @@ def _get_record(store: str | None, tenant: str, session_id: str):
         return backend.get(tenant, session_id)
     finally:
         backend.close()
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 session``, ``2 sessions``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _when(timestamp: float | None) -> str | None:

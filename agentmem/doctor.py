@@ -76,7 +76,7 @@ def _store(given: str | None) -> str:
         began = time.perf_counter()
         usage = store.usage("default")
         return (f"{redact(url)}: answers in {(time.perf_counter() - began) * 1e3:.1f} ms; "
-                f"tenant 'default' has {usage.sessions} sessions, {usage.bytes} bytes")
+                f"tenant 'default' has {usage.sessions} session{'' if usage.sessions == 1 else 's'}, {usage.bytes} bytes")
     finally:
         store.close()
 

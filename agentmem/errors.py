@@ -96,3 +96,18 @@ class BudgetExceeded(AgentMemError):
 
 class SessionBusy(AgentMemError):
     """Another process holds the session's lease (it is live there)."""
+
+
+BRIEF_CHARS = 160
+
+
+def brief(exc: BaseException) -> str:
+    """A foreign exception in one short line, for our own messages.
+
+    Parsers of damaged data put the data in their messages (a whole header JSON is tens of
+    kilobytes), so an error built on ``repr(exc)`` could be one line of 78,000 characters.
+    """
+    text = " ".join(str(exc).split())
+    if len(text) > BRIEF_CHARS:
+        text = text[: BRIEF_CHARS - 1] + "…"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

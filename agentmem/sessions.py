@@ -113,15 +113,20 @@ class SessionManager:
 
     # ------------------------------------------------------------------------ sessions
 
-    def session(self, session_id: str, *, tenant: str = "default", create: bool = True) -> Session:
+    def session(self, session_id: str, *, tenant: str = "default", create: bool = True,
+                rebuild: bool = False) -> Session:
         """The live session, else the stored one (resumed without re-reading), else a new one.
+
+        A stored session whose cache is damaged raises :class:`CorruptSessionError`; with
+        ``rebuild=True`` it is resumed from its stored messages instead, and its next turn
+        re-reads the conversation (reported as read tokens, none reused).
 
         Loading takes the session's lease, reads the store and decodes without any manager-wide
         lock: only threads asking for the same session wait for it (its one loader); turns on
         other sessions go on.
         """
         key = check_key(tenant, session_id)
-        session, loaded = self._registry.live_or_load(key, lambda: self._worker.load(key, create))
+        session, loaded = self._registry.live_or_load(key, lambda: self._worker.load(key, create, rebuild))
         if loaded:
             self._worker.enforce(keep=session)
         return session

@@ -21,6 +21,7 @@ from agentmem.engine import Engine
 from agentmem.errors import (
     AgentMemError,
     BudgetExceeded,
+    CorruptSessionError,
     InvalidInput,
     SessionNotFound,
     StoreUnavailable,
@@ -63,8 +64,14 @@ class SpillWorker:
 
     # ------------------------------------------------------------------------ bringing sessions live
 
-    def load(self, key: Key, create: bool) -> Session:
-        """Resume ``key`` from the host tier or the store, or start it empty; the caller is its one loader."""
+    def load(self, key: Key, create: bool, rebuild: bool = False) -> Session:
+        """Resume ``key`` from the host tier or the store, or start it empty; the caller is its one loader.
+
+        A stored cache that is damaged is :class:`CorruptSessionError` naming the session and
+        the ways out; with ``rebuild`` the session comes back with its stored messages and an
+        empty cache instead, so its next turn re-reads the conversation (counted as read, not
+        reused) and its next spill replaces the damaged version.
+        """
         tenant, session_id = key
         self.spiller.wait(key)  # a write behind of this session lands (and gives its lease up) first
         self.leases.take(tenant, session_id, self.lease_wait)
@@ -78,13 +85,11 @@ class SpillWorker:
         except BaseException:
             self.leases.release(tenant, session_id)
             raise
-        engine = self.engine
         try:
             # Room is reserved before the cache is decoded onto the device, so loaders that
             # wait for room hold no memory the budget does not count.
-            with self.room(decoded_nbytes(read_header(record.blob), engine.dtype), key):
-                cache = decode_cache(record.blob, fingerprint=engine.fingerprint, device=engine.device,
-                                     dtype=engine.dtype)
+            with self.room(self._decoded_nbytes(record, rebuild), key):
+                cache = self._decode(record, rebuild)
                 session = self.registry.spilled(key) or self._new_session(tenant, session_id, cache, [], 0,
                                                                           record.created_at)
                 session.cache, session._messages, session.version = cache, list(record.messages), record.version
@@ -95,6 +100,35 @@ class SpillWorker:
             raise
         self.metrics.add("resumes")
         return session
+
+    def _decoded_nbytes(self, record: SessionRecord, rebuild: bool) -> int:
+        try:
+            return decoded_nbytes(read_header(record.blob), self.engine.dtype)
+        except CorruptSessionError:
+            if rebuild:
+                return 0
+            raise self._damaged(record) from None  # the full reason is raised by _decode
+
+    def _decode(self, record: SessionRecord, rebuild: bool) -> SessionCache:
+        """The record's cache on the engine's device; an empty one when it is damaged and ``rebuild``."""
+        engine = self.engine
+        try:
+            return decode_cache(record.blob, fingerprint=engine.fingerprint, device=engine.device, dtype=engine.dtype)
+        except CorruptSessionError as exc:
+            if not rebuild:
+                raise self._damaged(record, exc) from exc
+            log.warning("session %s/%s: its stored cache is damaged (%s); rebuilding it from its %d stored messages, "
+                        "re-read at its next turn", record.tenant, record.session_id, exc, len(record.messages))
+            return engine.new_cache()
+
+    @staticmethod
+    def _damaged(record: SessionRecord, exc: CorruptSessionError | None = None) -> CorruptSessionError:
+        """The error for a record whose cache cannot be decoded: which session, why, and what to do."""
+        reason = "" if exc is None else f" ({exc})"
+        return CorruptSessionError(
+            f"session {record.tenant}/{record.session_id}: its stored cache is damaged{reason}; its transcript "
+            f"({len(record.messages)} messages) is intact: resume it with rebuild=True (agentmem chat --rebuild) "
+            f"to re-read the conversation, or delete it (agentmem sessions delete {record.session_id})")
 
     def adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]],
               *, leased: bool = False) -> Session:

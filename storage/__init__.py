@@ -21,20 +21,15 @@ from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSumma
 from agentmem.storage.redis_client import is_redis_url
 
 if TYPE_CHECKING:
-    from agentmem.storage.codec import (
-        STORAGE_CHOICES,
-        STORAGE_DTYPES,
-        data_offset,
-        decode_cache,
-        decoded_nbytes,
-        encode_cache,
-        read_header,
-    )
+    from agentmem.storage.codec import STORAGE_CHOICES, STORAGE_DTYPES, decode_cache, decoded_nbytes, encode_cache
+    from agentmem.storage.header import data_offset, read_header, verified_token_ids
 
-# The codec's names are imported on first use: opening a store to list sessions needs no torch.
-__getattr__ = lazy_attributes(__name__, dict.fromkeys(
-    ("STORAGE_CHOICES", "STORAGE_DTYPES", "data_offset", "decode_cache", "decoded_nbytes", "encode_cache", "read_header"),
-    "agentmem.storage.codec"))
+# Imported on first use: opening a store, reading a header or a token log needs no torch (the codec does).
+__getattr__ = lazy_attributes(__name__, {
+    **dict.fromkeys(("STORAGE_CHOICES", "STORAGE_DTYPES", "decode_cache", "decoded_nbytes", "encode_cache"),
+                    "agentmem.storage.codec"),
+    **dict.fromkeys(("data_offset", "read_header", "verified_token_ids"), "agentmem.storage.header"),
+})
 
 __all__ = [
     "STORAGE_CHOICES",
@@ -52,6 +47,8 @@ __all__ = [
     "open_existing_store",
     "open_store",
     "read_header",
+    "sqlite_path",
+    "verified_token_ids",
 ]
 
 

@@ -33,7 +33,6 @@ rows' token positions) are stored as they are.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import struct
@@ -46,16 +45,20 @@ import torch
 import xxhash
 
 from agentmem.cache import SessionCache, TensorExport, buffer_nbytes
-from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
+from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch, brief
 from agentmem.host_memory import wait_for_copies
 from agentmem.record import Allocate
-from agentmem.storage.chunks import chunk_bounds, digests
+from agentmem.storage.header import (
+    CHECKSUM_CHUNK,
+    HEADER_SUM_KEY,
+    META_KEY,
+    canonical,
+    chunk_sums,
+    data_intact,
+    read_header,
+)
 
-_META_KEY = "agentmem"
-_HEADER_SUM_KEY = "agentmem_header_xxh3"
 FORMAT_VERSION = 3  # 3: data laid out for stable offsets (padding tensors, header room); 1 and 2 still read
-_READABLE_FORMATS = (1, 2, 3)
-CHECKSUM_CHUNK = 16 * 2**20
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp16": torch.float16,
@@ -63,7 +66,6 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
 }
 STORAGE_CHOICES = ("auto", *STORAGE_DTYPES)  # auto: the cache's own dtype
-_HEADER_LIMIT = 64 * 2**20
 # The safetensors format's dtype names, for the ones a stored cache can hold.
 _TENSOR_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -115,7 +117,7 @@ def encode_cache(cache: SessionCache, *, dtype: str = "auto", into: Allocate = b
             if end > start:
                 fill(region[start:end].view(stored_dtype).view(shape))
         wait_for_copies(cache.device)  # before the checksums read the blob
-    header["checksum"]["chunks"] = _chunk_sums(memoryview(blob)[data_start:])
+    header["checksum"]["chunks"] = chunk_sums(memoryview(blob)[data_start:])
     head = _serialised_header(entries, header).ljust(data_start - 8)  # safetensors allows trailing spaces
     blob[:data_start] = struct.pack("<Q", len(head)) + head
     return blob
@@ -185,9 +187,9 @@ def _stored_tensors(exports: dict[str, TensorExport], dtype: str, device: torch.
 
 def _serialised_header(entries: dict[str, Any], header: dict[str, Any]) -> bytes:
     """The safetensors header: the tensor table plus our header and its checksum, padded to 8 bytes."""
-    st_header = {**entries, "__metadata__": {_META_KEY: json.dumps(header, separators=(",", ":"))}}
-    st_header["__metadata__"][_HEADER_SUM_KEY] = xxhash.xxh3_64_hexdigest(_canonical(st_header))
-    head = _canonical(st_header)
+    st_header = {**entries, "__metadata__": {META_KEY: json.dumps(header, separators=(",", ":"))}}
+    st_header["__metadata__"][HEADER_SUM_KEY] = xxhash.xxh3_64_hexdigest(canonical(st_header))
+    head = canonical(st_header)
     return head + b" " * (-len(head) % 8)  # safetensors keeps the data region 8-byte aligned
 
 
@@ -196,48 +198,6 @@ def _storage_name(dtype: torch.dtype) -> str:
         if candidate == dtype:
             return name
     raise InvalidInput(f"a {dtype} cache has no storage dtype of its own; choose one of {', '.join(STORAGE_DTYPES)}")
-
-
-def _canonical(st_header: dict[str, Any]) -> bytes:
-    """The safetensors header as serialised (and checksummed) by :func:`encode_cache`."""
-    return json.dumps(st_header, separators=(",", ":")).encode()
-
-
-def _chunk_sums(data: memoryview) -> list[str]:
-    """XXH3-64 of every ``CHECKSUM_CHUNK`` bytes, hashed on several cores."""
-    return digests(data, chunk_bounds(len(data), CHECKSUM_CHUNK), xxhash.xxh3_64_hexdigest)
-
-
-def data_offset(blob: bytes | bytearray | memoryview) -> int:
-    """Where the data region of an encoded blob starts: the bytes before it change on every spill."""
-    return 8 + struct.unpack("<Q", bytes(blob[:8]))[0]
-
-
-def read_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """The blob's agentmem header, checked for shape (not yet against the data)."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise CorruptSessionError(f"session blob must be bytes, not {type(blob).__name__}")
-    if len(blob) < 8:
-        raise CorruptSessionError("session blob is truncated (shorter than its length prefix)")
-    (length,) = struct.unpack("<Q", bytes(blob[:8]))
-    if length > _HEADER_LIMIT or 8 + length > len(blob):
-        raise CorruptSessionError(f"session blob header claims {length} bytes; the blob is truncated or damaged")
-    try:
-        st_header = json.loads(bytes(blob[8 : 8 + length]))
-        header = json.loads(st_header["__metadata__"][_META_KEY])
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CorruptSessionError(f"not an agentmem session blob (no valid header): {exc!r}") from exc
-    if not isinstance(header, dict):
-        raise CorruptSessionError("session blob header is not a JSON object")
-    if header.get("format_version") not in _READABLE_FORMATS:
-        raise CorruptSessionError(f"unsupported session blob format {header.get('format_version')!r}")
-    if header["format_version"] >= 2:
-        stored_sum = st_header["__metadata__"].pop(_HEADER_SUM_KEY, None)
-        if stored_sum != xxhash.xxh3_64_hexdigest(_canonical(st_header)):
-            raise CorruptSessionError("session blob header checksum mismatch: the header is damaged")
-    header["_data_start"] = 8 + length
-    header["_tensors"] = {name: entry for name, entry in st_header.items() if name != "__metadata__"}
-    return header
 
 
 def decoded_nbytes(header: dict[str, Any], dtype: torch.dtype) -> int:
@@ -254,7 +214,7 @@ def decoded_nbytes(header: dict[str, Any], dtype: torch.dtype) -> int:
                           queries=sum(int(seg.get("queries", 0)) for seg in layer["segments"]))
             for layer in layout["layers"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptSessionError(f"session blob layout is damaged: {exc!r}") from exc
+        raise CorruptSessionError(f"session blob layout is damaged: {brief(exc)}") from exc
 
 
 def decode_cache(
@@ -284,7 +244,7 @@ def decode_cache(
         # The checksum is verified on other cores while the tensors are parsed and copied into
         # place; the cache is returned only once it has matched.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            intact = pool.submit(_data_intact, header, data)
+            intact = pool.submit(data_intact, header, data)
             try:
                 cache = _build(header, blob, device, dtype)
             except Exception as exc:
@@ -297,16 +257,7 @@ def decode_cache(
     except AgentMemError:
         raise
     except Exception as exc:  # any parser failure on damaged bytes becomes our typed error
-        raise CorruptSessionError(f"session blob could not be decoded: {exc!r}") from exc
-
-
-def _data_intact(header: dict[str, Any], data: memoryview) -> bool:
-    if header["format_version"] == 1:
-        return hashlib.sha256(data).hexdigest() == header.get("data_sha256")
-    checksum = header.get("checksum")
-    if not isinstance(checksum, dict) or checksum.get("algorithm") != "xxh3_64" or checksum.get("chunk_bytes") != CHECKSUM_CHUNK:
-        raise CorruptSessionError(f"session blob names an unknown checksum {checksum!r}")
-    return _chunk_sums(data) == checksum.get("chunks")
+        raise CorruptSessionError(f"session blob could not be decoded: {brief(exc)}") from exc
 
 
 def _build(header: dict[str, Any], blob: bytes | bytearray | memoryview, device,

@@ -62,7 +62,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agentmem.errors import CorruptSessionError, StoreUnavailable, VersionConflict
+from agentmem.errors import CorruptSessionError, StoreUnavailable, VersionConflict, brief
 from agentmem.record import (
     Allocate,
     Lease,
@@ -235,7 +235,7 @@ class RedisStore:
                 keys = _keys_of(tenant, session_id, _owners(_layout_of(meta)))
                 nbytes, version, metadata = int(meta[b"nbytes"]), int(meta[b"version"]), meta[b"record"]
             except (KeyError, ValueError, TypeError) as exc:
-                raise CorruptSessionError(f"session {tenant}/{session_id}: its meta hash is damaged ({exc!r})") from None
+                raise CorruptSessionError(f"session {tenant}/{session_id}: its meta hash is damaged ({brief(exc)})") from None
             if not alive:
                 raise not_found(tenant, session_id)
             try:
@@ -258,7 +258,7 @@ class RedisStore:
         try:
             alive, stamp = _alive({b"expires_at": expires_at}, time.time()), (int(version), float(updated_at))
         except (TypeError, ValueError) as exc:
-            raise CorruptSessionError(f"session {tenant}/{session_id}: its meta hash is damaged ({exc!r})") from None
+            raise CorruptSessionError(f"session {tenant}/{session_id}: its meta hash is damaged ({brief(exc)})") from None
         if not alive:
             raise not_found(tenant, session_id)
         return stamp

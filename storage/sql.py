@@ -64,10 +64,10 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from agentmem.errors import StoreUnavailable, VersionConflict
+from agentmem.errors import CorruptStoreError, StoreUnavailable, VersionConflict, brief
 from agentmem.record import (
     Allocate,
     Lease,
@@ -223,7 +223,7 @@ class SqlStore:
                 " (PostgreSQL: pip install 'agentmem[postgres]')"
             ) from exc
         except SQLAlchemyError as exc:
-            raise StoreUnavailable(f"cannot open SQL store {_redact(url)}: {exc.__class__.__name__}: {exc}") from exc
+            raise _store_error(url, exc, f"cannot open SQL store {_redact(url)}") from exc
 
     @staticmethod
     def _make_engine(url: str) -> Engine:
@@ -549,16 +549,31 @@ class _Guard:
             self._ctx = self._opener()
             return self._ctx.__enter__()
         except SQLAlchemyError as exc:
-            raise StoreUnavailable(f"SQL store {_redact(self._url)} unavailable: {exc.__class__.__name__}: {exc}") from exc
+            raise _store_error(self._url, exc, f"SQL store {_redact(self._url)} unavailable") from exc
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
             self._ctx.__exit__(exc_type, exc, tb)
         except SQLAlchemyError as failure:
-            raise StoreUnavailable(f"SQL store {_redact(self._url)} write failed: {failure}") from failure
+            raise _store_error(self._url, failure, f"SQL store {_redact(self._url)} write failed") from failure
         if isinstance(exc, SQLAlchemyError) and not isinstance(exc, IntegrityError):
-            raise StoreUnavailable(f"SQL store {_redact(self._url)} unavailable: {exc}") from exc
+            raise _store_error(self._url, exc, f"SQL store {_redact(self._url)} unavailable") from exc
         return False
+
+
+# SQLite's result codes for a damaged file: retrying cannot help, unlike a lock or a full disk.
+_DAMAGED_SQLITE = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+
+
+def _store_error(url: str, exc: SQLAlchemyError, what: str) -> StoreUnavailable | CorruptStoreError:
+    """One line for a driver failure: the driver's own message, without SQLAlchemy's statement,
+    parameters and help link; a damaged SQLite file is :class:`CorruptStoreError` with what to do."""
+    driver = getattr(exc, "orig", None) or exc
+    if getattr(driver, "sqlite_errorname", "").startswith(_DAMAGED_SQLITE):
+        path = make_url(url).database
+        return CorruptStoreError(f"SQL store file {path} is damaged ({brief(driver)}): restore it from a backup, or "
+                                 f"salvage it with `sqlite3 {path} .recover`; retrying will not help")
+    return StoreUnavailable(f"{what}: {brief(driver)}")
 
 
 def engine_url(url: str) -> str:
@@ -637,8 +652,6 @@ def _alive(now: float):
 
 def _redact(url: str) -> str:
     """The URL without a password, for error messages."""
-    from sqlalchemy.engine import make_url
-
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:

@@ -76,7 +76,7 @@ def test_sessions_list_show_export_delete_stay_within_the_tenant(engine, tmp_pat
     assert cache.logical_length == tokens and exported_json["token_ids"] == cache.token_ids
 
     deleted = runner.invoke(app, ["sessions", "delete", "--all", "--tenant", "acme", "--yes", "--store", store])
-    assert "deleted 1 sessions of acme" in deleted.output
+    assert "deleted 1 session of acme" in deleted.output
     remaining = runner.invoke(app, ["sessions", "list", "--tenant", "other", "--store", store, "--json"])
     assert [r["session_id"] for r in json.loads(remaining.stdout)] == ["t-2"]
 
@@ -225,22 +225,34 @@ def test_bench_dispatches_to_the_benchmark_script():
     assert result.exit_code == 0
 
 
-def test_help_and_store_commands_do_not_import_torch(tmp_path):
-    """``--help`` and listing a store answer without the seconds torch takes to import."""
+def test_help_and_store_commands_do_not_import_torch(engine, tmp_path):
+    """``--help`` and the store commands answer without the seconds torch takes to import; export's
+    token log is the one the cache holds, its checksums verified."""
     import subprocess
     import sys
 
+    store = f"sqlite:///{tmp_path}/s.db"
+    _store_one_session(engine, store, "default", "s1")
     probe = (
         "import sys\n"
         "from typer.testing import CliRunner\n"
         "from agentmem.cli import app\n"
-        f"for args in (['--help'], ['sessions', 'list', '--store', 'sqlite:///{tmp_path}/s.db']):\n"
+        f"for args in (['--help'], ['sessions', 'list', '--store', '{store}'], ['sessions', 'show', 's1', '--store', "
+        f"'{store}'], ['sessions', 'export', 's1', '--out', '{tmp_path}/t.json', '--store', '{store}']):\n"
         "    result = CliRunner().invoke(app, args)\n"
         "    assert result.exit_code == 0, result.output\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+    from agentmem.storage import decode_cache, open_store
+
+    backend = open_store(store)
+    try:
+        held = decode_cache(backend.get("default", "s1").blob).token_ids
+    finally:
+        backend.close()
+    assert json.loads((tmp_path / "t.json").read_text())["token_ids"] == held
 
 
 def test_version_prints_the_package_version():
@@ -266,7 +278,7 @@ def test_sessions_list_names_its_store_and_tenant_and_lists_all_tenants_only_whe
     runner = CliRunner()
     own = runner.invoke(app, ["sessions", "list", "--json"])
     assert [r["session_id"] for r in json.loads(own.stdout)] == ["mine"]
-    assert f"1 sessions of tenant 'default' in {store}" in own.stderr
+    assert f"1 session of tenant 'default' in {store}" in own.stderr
     none = runner.invoke(app, ["sessions", "list", "--tenant", "nobody"])
     assert "(none)" in none.stdout and "tenant 'nobody'" in none.stderr and "--all-tenants" in none.stderr
     every = runner.invoke(app, ["sessions", "list", "--all-tenants", "--json"])
@@ -451,3 +463,68 @@ def test_a_command_that_only_reads_never_creates_a_store(command, tmp_path, monk
     default = runner.invoke(app, command)  # the default store, never made: nothing in it, nothing created
     assert "nothing stored yet" in default.stderr and not (tmp_path / "home").exists()
     assert default.exit_code == (0 if command == ["sessions", "list"] else 1)
+
+
+def _damage(store: str, tenant: str, session_id: str, where: str) -> None:
+    """Flip one byte of a stored session's cache: in its ``header`` (a 4 KiB JSON) or its tensor ``data``."""
+    from agentmem.storage import data_offset, open_store
+
+    backend = open_store(store)
+    try:
+        stored = backend.get(tenant, session_id)
+        blob = bytearray(stored.blob)
+        blob[data_offset(blob) + 100 if where == "data" else 200] ^= 0x55
+        backend.put(tenant, session_id, stored.model_copy(update={"blob": bytes(blob)}),
+                    expected_version=stored.version)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+def test_a_damaged_cache_is_one_line_and_its_transcript_stays_readable_and_rebuildable(engine, tmp_path,
+                                                                                      monkeypatch, where):
+    from agentmem.storage import decode_cache, open_store
+
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    store = f"sqlite:///{tmp_path / 'd.db'}"
+    _store_one_session(engine, store, "acme", "hurt")
+    _damage(store, "acme", "hurt", where)
+    runner = CliRunner()
+    common = ["--tenant", "acme", "--store", store]
+
+    refused = runner.invoke(app, ["chat", "--session", "hurt", *common], input="Hello\n")
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 1 and len(refused.stderr) < 700
+    assert all(part in refused.stderr for part in ("acme/hurt", "damaged", "--rebuild", "sessions delete hurt"))
+
+    shown = runner.invoke(app, ["sessions", "show", "hurt", *common, "--json"])
+    info = json.loads(shown.stdout)
+    assert shown.exit_code == 0 and info["messages"] == 2 and "stored_bytes" in info
+    assert info["cache"].startswith("damaged") if where == "header" else info["cache"] == "intact header"
+
+    exported = runner.invoke(app, ["sessions", "export", "hurt", *common, "--out", str(tmp_path / "t.json")])
+    payload = json.loads((tmp_path / "t.json").read_text())
+    assert exported.exit_code == 0 and "--rebuild" in exported.stderr
+    assert payload["token_ids"] is None and payload["cache_damaged"]
+    assert payload["messages"][0]["content"] == "My order 4417 went to Lisbon."
+    blob = runner.invoke(app, ["sessions", "export", "hurt", *common, "--out", str(tmp_path / "u.json"),
+                               "--blob", str(tmp_path / "c.safetensors")])
+    assert blob.exit_code == 1 and not (tmp_path / "c.safetensors").exists()
+
+    rebuilt = runner.invoke(app, ["chat", "--session", "hurt", *common, "--rebuild", "--max-new-tokens", "4"],
+                            input="Where is it?\n")
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert "rebuilding acme/hurt" in rebuilt.stdout and "reused 0" in rebuilt.stderr
+    backend = open_store(store)
+    try:
+        record = backend.get("acme", "hurt")
+        assert len(record.messages) == 4 and decode_cache(record.blob).logical_length == record.logical_length
+    finally:
+        backend.close()
+
+
+def test_an_error_is_one_bounded_line_whatever_a_library_put_in_it():
+    from agentmem.cli import ERROR_CHARS, one_line
+
+    assert one_line("a\n  b\tc") == "a b c"
+    long = one_line("{" + "x" * 80_000 + "}")
+    assert len(long) == ERROR_CHARS and long.endswith("…")

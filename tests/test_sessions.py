@@ -761,3 +761,33 @@ def test_incremental_compaction_keeps_its_queries_across_a_spill_and_reads_only_
     prompt = len(tiny.tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"])
     assert windows and windows[-1][-1] == prompt + 40
     assert max(max(w) for w in windows) <= max(after - compacted_at, 40) + 16 < after - policy.keep_recent
+
+
+def test_a_damaged_cache_is_refused_or_rebuilt_from_its_transcript_exactly(tiny, tmp_path):
+    """rebuild=True resumes the stored messages with an empty cache: the next turn re-reads the whole
+    conversation (none of it counted as reused) and ends exactly where a fresh reading of it ends."""
+    from agentmem.errors import CorruptSessionError
+    from agentmem.storage import data_offset
+
+    db = f"sqlite:///{tmp_path / 'sessions.db'}"
+    with SessionManager(tiny, db) as manager:
+        manager.session("hurt", tenant="acme").chat(FACT, max_new_tokens=6)
+    with SessionManager(tiny, db) as manager:
+        stored = manager.store.get("acme", "hurt")
+        blob = bytearray(stored.blob)
+        blob[data_offset(blob) + 64] ^= 0x55
+        manager.store.put("acme", "hurt", stored.model_copy(update={"blob": bytes(blob)}),
+                          expected_version=stored.version)
+        with pytest.raises(CorruptSessionError, match="acme/hurt: its stored cache is damaged.*2 messages"):
+            manager.session("hurt", tenant="acme")
+        rebuilt = manager.session("hurt", tenant="acme", rebuild=True)
+        assert rebuilt.messages == stored.messages and rebuilt.cache.logical_length == 0
+        reply = rebuilt.chat(QUESTION, max_new_tokens=6)
+        assert reply.usage.reused_tokens == 0 and reply.usage.prefilled_tokens == rebuilt.cache.logical_length - 6
+        fresh = manager.session("fresh", tenant="acme")
+        again = fresh.chat(stored.messages + [{"role": "user", "content": QUESTION}], max_new_tokens=6)
+        read = fresh.cache.token_ids
+        assert again.text == reply.text and read == rebuilt.cache.token_ids
+        manager.spill("acme", "hurt")
+    with SessionManager(tiny, db) as manager:  # the damaged version was replaced by an intact one
+        assert manager.session("hurt", tenant="acme").cache.token_ids == read

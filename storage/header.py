@@ -1,0 +1,99 @@
+"""Reading a stored cache's header, checksums and token log without torch.
+
+The blob format is described in :mod:`agentmem.storage.codec`. What a person asks of a stored
+session — its layout, whether its bytes are intact, its transcript's tokens — needs only the
+safetensors header (JSON) and the data region's checksums, so commands that only read a store
+(``sessions show``, ``sessions export``) answer in well under a second instead of first
+importing torch for seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+from array import array
+from typing import Any
+
+import xxhash
+
+from agentmem.errors import CorruptSessionError, brief
+from agentmem.storage.chunks import chunk_bounds, digests
+
+META_KEY = "agentmem"
+HEADER_SUM_KEY = "agentmem_header_xxh3"
+READABLE_FORMATS = (1, 2, 3)
+CHECKSUM_CHUNK = 16 * 2**20
+HEADER_LIMIT = 64 * 2**20
+
+
+def data_offset(blob: bytes | bytearray | memoryview) -> int:
+    """Where the data region of an encoded blob starts: the bytes before it change on every spill."""
+    return 8 + struct.unpack("<Q", bytes(blob[:8]))[0]
+
+
+def read_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The blob's agentmem header, checked for shape (not yet against the data)."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise CorruptSessionError(f"session blob must be bytes, not {type(blob).__name__}")
+    if len(blob) < 8:
+        raise CorruptSessionError("session blob is truncated (shorter than its length prefix)")
+    (length,) = struct.unpack("<Q", bytes(blob[:8]))
+    if length > HEADER_LIMIT or 8 + length > len(blob):
+        raise CorruptSessionError(f"session blob header claims {length} bytes; the blob is truncated or damaged")
+    try:
+        st_header = json.loads(bytes(blob[8 : 8 + length]))
+        header = json.loads(st_header["__metadata__"][META_KEY])
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CorruptSessionError(f"not an agentmem session blob (no valid header): {brief(exc)}") from exc
+    if not isinstance(header, dict):
+        raise CorruptSessionError("session blob header is not a JSON object")
+    if header.get("format_version") not in READABLE_FORMATS:
+        raise CorruptSessionError(f"unsupported session blob format {repr(header.get('format_version'))[:40]}")
+    if header["format_version"] >= 2:
+        stored_sum = st_header["__metadata__"].pop(HEADER_SUM_KEY, None)
+        if stored_sum != xxhash.xxh3_64_hexdigest(canonical(st_header)):
+            raise CorruptSessionError("session blob header checksum mismatch: the header is damaged")
+    header["_data_start"] = 8 + length
+    header["_tensors"] = {name: entry for name, entry in st_header.items() if name != "__metadata__"}
+    return header
+
+
+def data_intact(header: dict[str, Any], data: memoryview) -> bool:
+    """Whether the data region matches the checksums its header recorded."""
+    if header["format_version"] == 1:
+        return hashlib.sha256(data).hexdigest() == header.get("data_sha256")
+    checksum = header.get("checksum")
+    if not isinstance(checksum, dict) or checksum.get("algorithm") != "xxh3_64" or checksum.get("chunk_bytes") != CHECKSUM_CHUNK:
+        raise CorruptSessionError("session blob names an unknown checksum")
+    return chunk_sums(data) == checksum.get("chunks")
+
+
+def verified_token_ids(blob: bytes | bytearray | memoryview) -> list[int]:
+    """The stored token log, after checking the header and every data checksum (no torch needed)."""
+    header = read_header(blob)
+    data = memoryview(blob)[header["_data_start"] :]
+    if len(data) != header.get("data_bytes") or not data_intact(header, data):
+        raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged")
+    entry = header["_tensors"].get("token_ids")
+    try:
+        start, end = (int(offset) for offset in entry["data_offsets"])
+        if entry["dtype"] != "I64" or not 0 <= start <= end <= len(data) or (end - start) % 8:
+            raise ValueError(entry)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptSessionError(f"session token log is damaged: {brief(exc)}") from exc
+    ids = array("q", bytes(data[start:end]))  # safetensors stores little-endian
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def canonical(st_header: dict[str, Any]) -> bytes:
+    """The safetensors header as serialised (and checksummed) by the encoder."""
+    return json.dumps(st_header, separators=(",", ":")).encode()
+
+
+def chunk_sums(data: memoryview) -> list[str]:
+    """XXH3-64 of every ``CHECKSUM_CHUNK`` bytes, hashed on several cores."""
+    return digests(data, chunk_bounds(len(data), CHECKSUM_CHUNK), xxhash.xxh3_64_hexdigest)
