@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import shlex
@@ -10,8 +11,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+from agentmem.models import EMBEDDED, EMBEDDED_DIR_NAME
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -23,6 +31,7 @@ SHAPES = {
     "wide-cpu": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=49152, rope_theta=500000.0),
 }
+SHAPE_NAMES = {"llama-8b": "Llama-3.1-8B shape", "wide-cpu": "Llama-3.1-8B attention, 2 narrow layers"}
 
 
 def random_shape_engine(shape: str, device: torch.device, dtype: torch.dtype, max_positions: int):
@@ -102,3 +111,39 @@ def write_results(name: str, title: str, rows: Sequence[dict[str, object]], extr
     (RESULTS / f"{name}.md").write_text(md)
     (RESULTS / f"{name}.json").write_text(json.dumps({"rows": list(rows), **extra}, indent=2, default=str))
     return md
+
+
+def model_label(name: str) -> str:
+    """A model as a plot names it: the embedded model by its real name, a :data:`SHAPES` entry (bare or as
+    ``random <shape>``, an engine's name) as random weights, so no one reads its timings as a real model's."""
+    shape = name.removeprefix("random ")
+    if shape in SHAPES:
+        return f"random weights, {SHAPE_NAMES[shape]}"
+    return f"{EMBEDDED_DIR_NAME} (embedded)" if name == EMBEDDED else name
+
+
+def recorded_args(parser: argparse.ArgumentParser, command: str) -> argparse.Namespace:
+    """The arguments of the run that wrote a result file, parsed from its recorded ``command``: a redraw
+    titles the plot as that run was set up, from what the file already holds."""
+    return parser.parse_args(shlex.split(command)[2:])
+
+
+def pyplot() -> ModuleType:
+    """matplotlib's pyplot on the file-only backend, with fonts that stay legible when a figure of at
+    most 16 inches (1,600 pixels at :func:`save_figure`'s 100 dpi) is shown at page width."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "xtick.labelsize": 10,
+                         "ytick.labelsize": 10, "legend.fontsize": 10, "figure.titlesize": 13})
+    return plt
+
+
+def save_figure(fig: Figure, name: str) -> None:
+    """Write ``results/<name>.png`` at 100 dpi (pixels = inches × 100) and free the figure."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(RESULTS / f"{name}.png", dpi=100)
+    plt.close(fig)

@@ -38,7 +38,8 @@ import torch
 
 from agentmem import Engine, attention
 from agentmem.compaction import compact
-from common import RESULTS, SHAPES, command_line, machine, markdown_table, random_shape_engine, stdlib_text, write_results
+from common import (RESULTS, SHAPES, command_line, machine, markdown_table, model_label, pyplot, random_shape_engine,
+                    recorded_args, save_figure, stdlib_text, write_results)
 
 METHODS = ("window", "top-attention", "global-eviction", "am-fast", "am")
 GIB = 2**30
@@ -148,7 +149,7 @@ def engine_decode_ms(engine: Engine, cache, steps: int, device: torch.device) ->
     return ms
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None)
     parser.add_argument("--model", help="a local Hugging Face model folder instead of a random shape")
@@ -161,13 +162,23 @@ def main() -> None:
                         help="seconds after the model is built: stages not started by then are recorded as not run")
     parser.add_argument("--plot-only", choices=("gpu", "gpu-cpu"),
                         help="redraw results/NAME.png from results/NAME.json and exit")
-    args = parser.parse_args()
+    return parser
+
+
+def with_defaults(args: argparse.Namespace, on_gpu: bool) -> argparse.Namespace:
+    """Fill in the shape and lengths a run takes by default on its device."""
+    args.shape = args.shape or ("llama-8b" if on_gpu else "wide-cpu")
+    args.lengths = args.lengths or ([8192, 32768, 131072] if on_gpu else [8192, 16384])
+    return args
+
+
+def main() -> None:
+    args = argument_parser().parse_args()
     if args.plot_only:
         return replot(args.plot_only)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
-    args.shape = args.shape or ("llama-8b" if on_gpu else "wide-cpu")
-    args.lengths = args.lengths or ([8192, 32768, 131072] if on_gpu else [8192, 16384])
+    args = with_defaults(args, on_gpu)
     dtype = torch.bfloat16 if on_gpu else torch.float32
 
     engine = build_engine(args, device, dtype)
@@ -232,7 +243,7 @@ def save(rows: list[dict], args: argparse.Namespace, dtype: torch.dtype, on_gpu:
     (RESULTS / f"{name}.md").write_text(md)
     (RESULTS / f"{name}.json").write_text(json.dumps({"prefill and decode": prefill, "compaction": compaction, **extra},
                                                      indent=2, default=str))
-    plot(name, compaction, title)
+    plot(name, compaction, args, title)
 
 
 def _commit() -> str:
@@ -248,41 +259,55 @@ def _commit() -> str:
         return "unknown"
 
 
-def plot(name: str, compaction: list[dict], title: str) -> None:
-    """Seconds and added peak memory per method, one group of bars per context length (measured values written)."""
-    import matplotlib
+def plot(name: str, compaction: list[dict], args: argparse.Namespace, title: str) -> None:
+    """Seconds and added peak memory per method, one group of bars per context length the run asked for
+    (measured values written on the bars). A length and method without a number says so in its slot:
+    what the run recorded ("out of memory", "not run (deadline)"), or "not measured" where it stopped
+    before it, so a group of one bar does not read as the only method that fits."""
+    from matplotlib.patches import Patch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    measured = [r for r in compaction if isinstance(r.get("compact s"), float)]
-    lengths = sorted({r["tokens"] for r in measured})
-    methods = list(dict.fromkeys(r["method"] for r in measured))
+    plt = pyplot()
+    lengths = sorted({*args.lengths, *(r["tokens"] for r in compaction)})
+    methods = list(dict.fromkeys([*args.methods, *(r["method"] for r in compaction)]))
+    results = {(r["tokens"], r["method"]): r for r in compaction}
+    missing = [(n, m) for n in lengths for m in methods if not isinstance(results.get((n, m), {}).get("compact s"), float)]
     width = 0.8 / len(methods)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "compact s", "compact() seconds"),
-                           (axes[1], "added / cache", "peak memory added / cache bytes")):
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6), layout="constrained")
+    for ax, key, label, fmt in ((axes[0], "compact s", "compact() seconds", "%.3g"),
+                                (axes[1], "added / cache", "peak memory added / cache bytes", "%.2f")):
         for i, method in enumerate(methods):
-            points = [(j, r[key]) for j, n in enumerate(lengths) for r in measured
-                      if (r["tokens"], r["method"]) == (n, method)]
-            bars = ax.bar([j - 0.4 + (i + 0.5) * width for j, _ in points], [v for _, v in points], width, label=method)
-            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+            for j, n in enumerate(lengths):
+                x = j - 0.4 + (i + 0.5) * width
+                if (n, method) in missing:
+                    why = results.get((n, method), {}).get("compact s", "not measured")
+                    ax.text(x, 0, f" {why}", rotation=90, ha="center", va="bottom", color="0.45", fontsize=9)
+                else:
+                    ax.bar_label(ax.bar(x, results[n, method][key], width, color=f"C{i}"), fmt=fmt, fontsize=9)
         ax.set_xticks(range(len(lengths)), [f"{n:,} tokens" for n in lengths])
+        ax.set_xlim(-0.5, len(lengths) - 0.5)
         ax.set_xlabel("context length")
         ax.set_ylabel(label)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.1 * max((results[n, m][key] for n in lengths for m in methods if (n, m) not in missing),
+                                 default=1))
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=110)
+    fig.legend(handles=[Patch(color=f"C{i}", label=m) for i, m in enumerate(methods)],
+               loc="outside lower center", ncols=len(methods))
+    lines = [title]
+    if not args.model:
+        lines.append(f"{args.shape}: {model_label(args.shape)} (timing and memory only, not quality)")
+    for n in sorted({n for n, _ in missing}):
+        lines.append(f"{n:,} tokens not measured: " + ", ".join(m for k, m in missing if k == n))
+    fig.suptitle("\n".join(lines))
+    save_figure(fig, name)
 
 
 def replot(name: str) -> None:
-    """Redraw ``results/<name>.png`` from ``results/<name>.json``; the title is the first line of ``<name>.md``."""
+    """Redraw ``results/<name>.png`` from ``results/<name>.json``: the run's settings from its recorded
+    command, the title from the first line of ``<name>.md``."""
     saved = json.loads((RESULTS / f"{name}.json").read_text())
     title = (RESULTS / f"{name}.md").read_text().splitlines()[0].removeprefix("# ")
-    plot(name, saved["compaction"], title)
+    args = with_defaults(recorded_args(argument_parser(), saved["command"]), on_gpu=name == "gpu")
+    plot(name, saved["compaction"], args, title)
 
 
 if __name__ == "__main__":

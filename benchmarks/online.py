@@ -35,6 +35,7 @@ Writes ``benchmarks/results/online.{md,json,png}``. Run: ``python benchmarks/onl
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sysconfig
 import time
@@ -48,7 +49,8 @@ from agentmem import BudgetPolicy, Engine
 from agentmem.compaction import compact
 from agentmem.compaction.methods import REREAD
 from agentmem.models import EMBEDDED
-from common import RESULTS, command_line, commands_after, machine, stdlib_text, write_results
+from common import (RESULTS, command_line, commands_after, machine, model_label, pyplot, save_figure, stdlib_text,
+                    write_results)
 
 TURN = 128
 PASSAGE, CUE, PASSAGES = 64, 16, 2
@@ -279,53 +281,90 @@ def main() -> None:
     print(md)
 
 
+REREAD_STYLES = {  # what a run's compactions re-read, as its bars are filled: outline, hatched, solid
+    "reread=new": {"fill": False},
+    "reread=new + refresh": {"fill": False, "hatch": "///"},
+    "reread=all": {"fill": True},
+}
+
+
+def reread_style(row: dict) -> str:
+    """A run's :data:`REREAD_STYLES` key; its refresh count goes under its scenario, not into the legend."""
+    if row["reread"] == "all":
+        return "reread=all"
+    return "reread=new + refresh" if row.get("refresh") else "reread=new"
+
+
+def scenario_label(scenario: Scenario, group: list[dict]) -> str:
+    """A scenario's settings two to a line, then what its runs did: refresh, compactions, final rows and
+    ratio, in lines short enough for eight groups side by side."""
+    parts = scenario.name.replace(" (", ", (").split(", ")
+    lines = [" · ".join(parts[i:i + 2]) for i in range(0, len(parts), 2)]
+    refresh = sorted({r["refresh"] for r in group if r.get("refresh")})
+    if refresh:
+        lines.append("refresh " + "/".join(map(str, refresh)))
+    rows = group[0]["final rows"]
+    lines += ["/".join(map(str, sorted({r["compactions"] for r in group}))) + " compactions",
+              f"→ {rows} rows ({scenario.tokens / rows:.1f}x)"]
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict]) -> None:
-    """One panel per document; per scenario, one bar per (method, reread, queries, refresh) run that was measured
-    (online / one-shot), with a mark at online / same point.
+    """One panel per document, one group of bars per scenario it was read in, one bar per run measured
+    there (online / one-shot) with a mark at online / same point.
 
-    Scenarios differ in budget, ratio and ``keep_recent``, not only in compaction count, so they are
-    categories side by side, not points on one line.
+    Colour is the method and fill what its compactions re-read, so the legend names a few styles rather
+    than every run; a group holds only the runs measured in it. The documents the defaults were chosen
+    on get a row each, the held-out ones (read in few scenarios) share the last. Scenarios differ in
+    budget, ratio and ``keep_recent``, not only in compaction count, so they are categories side by
+    side, not points on one line.
     """
-    import matplotlib
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     docs = [d for d in documents(held_out=True) if any(r["doc"] == d for r in rows)]
-    scenarios_of = {doc: [s.name for s in SCENARIOS if any((r["scenario"], r["doc"]) == (s.name, doc) for r in rows)]
-                    for doc in docs}  # a held-out document was read in a few scenarios only
-    series_of = lambda r: (r["method"], r["reread"], r.get("queries", "repeat"), r.get("refresh", 0))  # noqa: E731
-    series = list(dict.fromkeys(map(series_of, rows)))
-    width = 0.8 / len(series)
-    ratios = [max(2, len(scenarios_of[doc])) for doc in docs]
-    fig, axes = plt.subplots(1, len(docs), figsize=(max(6.5, 1.3 * sum(ratios)), 6), sharey=True, squeeze=False,
-                             gridspec_kw={"width_ratios": ratios})
-    for ax, doc in zip(axes[0], docs):
-        scenarios = scenarios_of[doc]
-        for i, (method, reread, queries, refresh) in enumerate(series):
-            measured = [(j, r) for j, name in enumerate(scenarios) for r in rows
-                        if (r["scenario"], r["doc"], *series_of(r)) == (name, doc, method, reread, queries, refresh)]
-            x = [j - 0.4 + (i + 0.5) * width for j, _ in measured]
-            colour = f"C{METHODS.index(method)}"
-            ax.bar(x, [r["online / one-shot"] for _, r in measured], width, color=colour,
-                   hatch=("xx" if refresh else "//") if reread == "new" else None, edgecolor="white",
-                   label=f"{method}, reread={reread}" + (f", refresh {refresh}" if refresh else "")
-                   + ("" if queries == "repeat" else f", queries={queries}"))
-            ax.plot(x, [r["online / same point"] for _, r in measured], "k_", markersize=10, markeredgewidth=2,
-                    label="online / one compaction at the same point" if i == 0 else None)
-        ax.axhline(0.9, color="k", linestyle=":", label="target 0.9")
-        compactions = {r["scenario"]: r["compactions"] for r in rows if r["doc"] == doc}
-        ax.set_xticks(range(len(scenarios)),
-                      [f"{name.replace(', ', chr(10)).replace(' (', chr(10) + '(')}\n({compactions.get(name, '?')} compactions)"
-                       for name in scenarios], fontsize=8)
-        ax.set_ylim(0, 1.25)
-        ax.set_title(doc)
+    chosen_on = [d for d in documents() if d in docs]
+    held_out = [d for d in docs if d not in chosen_on]
+    layout = [[d, d] for d in chosen_on]  # a row each
+    layout += [[a, b or a] for a, b in itertools.zip_longest(held_out[::2], held_out[1::2])]  # two to a row
+    fig, axes = plt.subplot_mosaic(layout, figsize=(16, 1.2 + 4.3 * len(layout)), sharey=True, layout="constrained")
+    groups = {(s, doc): sorted((r for r in rows if (r["scenario"], r["doc"]) == (s.name, doc)),
+                               key=lambda r: (METHODS.index(r["method"]), list(REREAD_STYLES).index(reread_style(r))))
+              for s in SCENARIOS for doc in docs}
+    width = 0.8 / max(map(len, groups.values()))
+    for doc in docs:
+        ax = axes[doc]
+        scenarios = [s for s in SCENARIOS if groups[s, doc]]
+        for j, scenario in enumerate(scenarios):
+            group = groups[scenario, doc]
+            x = [j + (i - (len(group) - 1) / 2) * width for i in range(len(group))]
+            for xi, r in zip(x, group):
+                colour = f"C{METHODS.index(r['method'])}"
+                ax.bar(xi, r["online / one-shot"], width * 0.9, color=colour, edgecolor=colour, linewidth=1.5,
+                       **REREAD_STYLES[reread_style(r)])
+            ax.plot(x, [r["online / same point"] for r in group], "k_", markersize=12, markeredgewidth=2)
+        ax.axhline(0.9, color="k", linestyle=":")
+        ax.set_xticks(range(len(scenarios)), [scenario_label(s, groups[s, doc]) for s in scenarios], fontsize=9)
+        ax.set_xlim(-0.5, len(scenarios) - 0.5)
+        ax.set_ylim(0, 1.2)
+        ax.set_title(doc + (" (held out: chose no default)" if doc in held_out else ""))
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("online retention / one-shot retention")
-    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=4)
-    fig.suptitle("Online compaction vs one compaction to the same size (1 = as good as one-shot)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(RESULTS / "online.png", dpi=120)
+    for row in layout:
+        axes[row[0]].set_ylabel("online / one-shot retention")
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    handles = [Patch(color=f"C{METHODS.index(m)}", label=m) for m in methods]
+    handles += [Patch(edgecolor="0.3", facecolor="0.3", linewidth=1.5, label=name, **style)
+                for name, style in REREAD_STYLES.items()]
+    handles += [Line2D([], [], color="k", marker="_", markersize=12, markeredgewidth=2, linestyle="none",
+                       label="online / one compaction at the same point"),
+                Line2D([], [], color="k", linestyle=":", label="target 0.9")]
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles))
+    queries = ", ".join(sorted({r.get("queries", "repeat") for r in rows}))
+    fig.suptitle(f"Online compaction vs one compaction to the same size: {model_label(EMBEDDED)}, documents read "
+                 f"in {TURN}-token turns, reference queries {queries}\nbar: the online session's retention over the "
+                 "one-shot compaction's (1 = as good as one-shot); a group shows the runs measured in that scenario")
+    save_figure(fig, "online")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from agentmem.compaction.budgets import global_top
 from agentmem.compaction.methods import SINKS, Job
 from agentmem.compaction.span import assemble, plan_span
 from agentmem.models import EMBEDDED
-from common import RESULTS, command_line, commands_after, machine, write_results
+from common import RESULTS, command_line, commands_after, machine, model_label, pyplot, save_figure, write_results
 from online import SCENARIOS, documents, make_probes, probe_nll, read_online, retention
 
 STRETCH = 1024  # tokens per stretch in the per-compaction table
@@ -128,7 +128,8 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true", help="redraw online_loss.png from online_loss.json and exit")
     args = parser.parse_args()
     if args.plot_only:
-        return plot(json.loads((RESULTS / "online_loss.json").read_text())["timelines"])
+        saved = json.loads((RESULTS / "online_loss.json").read_text())
+        return plot(saved["timelines"], saved["method"])
     engine = Engine.load(EMBEDDED)
     tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rows, timelines = [], {}
@@ -189,7 +190,7 @@ def main() -> None:
     md = write_results("online_loss", "Where an online session's recall goes (embedded model; unfitted rows "
                                       "but for the session's own line; retention, 1 = the full cache)", rows, extra)
     (RESULTS / "online_loss.json").write_text(json.dumps({"rows": rows, **extra, "timelines": timelines}, indent=2))
-    plot(timelines)
+    plot(timelines, extra["method"])
     print(md)
 
 
@@ -207,23 +208,23 @@ def merge_saved(rows: list[dict], timelines: dict[str, dict]) -> tuple[list[dict
     return merged_rows, {name: merged[name] for name in order}
 
 
-def plot(timelines: dict[str, dict]) -> None:
-    """Per document, rows held per 1,024-token stretch after each compaction: session (solid) and
-    ``evicted for good`` (dashed), one colour per stretch."""
-    import matplotlib
+def plot(timelines: dict[str, dict], method: str) -> None:
+    """Per session, rows held per 1,024-token stretch after each compaction: session (solid) and
+    ``evicted for good`` (dashed), one colour per stretch; one legend for all panels."""
+    from matplotlib.lines import Line2D
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     columns = 2
     grid = -(-len(timelines) // columns)
-    fig, axes = plt.subplots(grid, columns, figsize=(6.5 * columns, 4.8 * grid), squeeze=False)
-    for ax, (doc, line) in zip(axes.flat, timelines.items()):
+    fig, axes = plt.subplots(grid, columns, figsize=(14, 1.6 + 4.2 * grid), sharey="row", squeeze=False,
+                             layout="constrained")
+    for ax, (session, line) in zip(axes.flat, timelines.items()):
         x = line["tokens read"]
         for k in range(len(line["session"][0])):
-            ax.plot(x, [t[k] for t in line["session"]], color=f"C{k}", label=f"tokens {k * STRETCH}–{(k + 1) * STRETCH}")
+            ax.plot(x, [t[k] for t in line["session"]], color=f"C{k}")
             ax.plot(x, [t[k] for t in line["evicted for good"]], color=f"C{k}", linestyle="--")
-        ax.set_title(f"{doc}\nsession (solid); one compaction's scores, evicted for good (dashed)", fontsize=8)
+        scenario, doc = session.rsplit("; ", 1)
+        ax.set_title(f"{doc}\n{scenario}", fontsize=11)
         ax.set_xlabel("tokens read at the compaction")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
@@ -231,9 +232,16 @@ def plot(timelines: dict[str, dict]) -> None:
         ax.set_ylabel("rows held (all layers and KV heads)")
     for ax in axes.flat[len(timelines):]:
         ax.set_visible(False)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "online_loss.png", dpi=120)
+    stretches = max(len(line["session"][0]) for line in timelines.values())
+    handles = [Line2D([], [], color=f"C{k}", linewidth=4, label=f"tokens {k * STRETCH:,}–{(k + 1) * STRETCH:,}")
+               for k in range(stretches)]
+    handles += [Line2D([], [], color="k", label="the online session"),
+                Line2D([], [], color="k", linestyle="--",
+                       label="its schedule ranked by one compaction's scores, evicted for good")]
+    fig.legend(handles=handles, loc="outside lower center", ncols=4)
+    fig.suptitle(f"Rows held per {STRETCH:,}-token stretch of the text after each compaction: "
+                 f"{model_label(EMBEDDED)}\nmethod: {method}")
+    save_figure(fig, "online_loss")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import json
 from agentmem import Engine
 from agentmem.compaction import compact
 from agentmem.models import EMBEDDED
-from common import RESULTS, command_line, machine, write_results
+from common import RESULTS, command_line, machine, model_label, pyplot, save_figure, write_results
 from fidelity import CONTEXT, RATIOS, documents
 
 
@@ -40,7 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--plot-only", action="store_true", help="redraw padding.png from padding.json and exit")
     if parser.parse_args().plot_only:
-        return plot(json.loads((RESULTS / "padding.json").read_text())["summary"])
+        saved = json.loads((RESULTS / "padding.json").read_text())
+        return plot(saved["summary"], saved["rows"])
     engine = Engine.load(EMBEDDED)
     texts = {doc: engine.tokenizer(text, add_special_tokens=False)["input_ids"] for doc, text in documents().items()}
     per_doc = [{"doc": doc, "ratio": ratio, **measure(engine, ids, ratio)} for ratio in RATIOS for doc, ids in texts.items()]
@@ -56,29 +57,32 @@ def main() -> None:
                                   f"{len(texts)} documents)", summary,
                        {"machine": machine(), "command": command_line()})
     (RESULTS / "padding.json").write_text(json.dumps({"summary": summary, "rows": per_doc, "machine": machine()}, indent=2))
-    plot(summary)
+    plot(summary, per_doc)
     print(md)
 
 
-def plot(summary: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ratios = [str(r["ratio"]) + "x" for r in summary]
+def plot(summary: list[dict], per_doc: list[dict]) -> None:
+    """Rows kept vs bytes allocated per ratio, each allocated bar labelled with its slots per row, under a
+    title naming what was compacted: model, context length, documents, method."""
+    plt = pyplot()
+    ratios = [f"{r['ratio']}x" for r in summary]
     x = range(len(ratios))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([i - 0.2 for i in x], [r["row MiB"] for r in summary], width=0.4, label="rows kept (packed)")
-    ax.bar([i + 0.2 for i in x], [r["allocated MiB"] for r in summary], width=0.4, label="allocated (padded buffers)")
+    fig, ax = plt.subplots(figsize=(10, 5.5), layout="constrained")
+    ax.bar([i - 0.2 for i in x], [r["row MiB"] for r in summary], width=0.4, label="rows kept (packed, as spilled)")
+    allocated = ax.bar([i + 0.2 for i in x], [r["allocated MiB"] for r in summary], width=0.4,
+                       label="allocated (padded layer buffers)")
+    ax.bar_label(allocated, [f"{r['slots per row (mean)']:.2f} slots/row" for r in summary], padding=3)
     ax.set_xticks(list(x), ratios)
     ax.set_xlabel("compaction ratio")
-    ax.set_ylabel("MiB")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Compacted cache: rows vs allocated bytes")
+    ax.set_ylabel("MiB (mean over documents)")
+    ax.set_ylim(0, 1.15 * max(r["allocated MiB"] for r in summary))
+    ax.grid(axis="y", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "padding.png", dpi=120)
+    documents = len({r["doc"] for r in per_doc})
+    full = summary[0]["full cache allocated MiB"]
+    fig.suptitle(f"Compacted cache, rows kept vs bytes allocated: {model_label(EMBEDDED)}\n{documents} documents, "
+                 f"{CONTEXT - 1:,}-token contexts ({full:.1f} MiB allocated uncompacted), compacted by global-eviction")
+    save_figure(fig, "padding")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ from agentmem.storage import STORAGE_CHOICES, data_offset, decode_cache, encode_
 from agentmem.storage.local_postgres import LocalPostgres
 from agentmem.storage.local_redis import LocalRedis
 from agentmem.storage.redis import _LAYOUT_FIELDS, _keys_of, _meta_key, _owners
-from common import RESULTS, SHAPES, command_line, machine, median_seconds, random_shape_engine, stdlib_text, write_results
+from common import (RESULTS, SHAPES, command_line, machine, median_seconds, model_label, pyplot, random_shape_engine,
+                    save_figure, stdlib_text, write_results)
 
 NEW_MESSAGE = "\nQuestion: what does the text above say about exceptions?"
 TURN_TOKENS = 128  # a turn's new tokens between two spills of a session
@@ -270,13 +271,14 @@ def save(name: str, rows: list[dict], model: str, stored_dtype: str) -> None:
 
 
 def plot(name: str, rows: list[dict], model: str) -> None:
-    """Time to first token after resume from each tier, against transformers re-reading the transcript."""
-    import matplotlib
+    """Time to first token after resume from each tier, against transformers re-reading the transcript.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Both axes are logarithmic, with ticks at the measured lengths and at 1-2-5 steps of seconds, so
+    every tick is labelled in plain numbers; one legend serves both panels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6), sharey=True, layout="constrained")
     lengths = sorted({r["tokens"] for r in rows})
     reprefill = [next(r["first token s (re-prefill)"] for r in rows if r["tokens"] == n) for n in lengths]
     styles = {"host": "-D", "sqlite": "-s", "redis": "--^", "postgres": ":o"}
@@ -287,15 +289,22 @@ def plot(name: str, rows: list[dict], model: str) -> None:
                       if (r["tokens"], r["cache"], r["tier"]) == (n, cache, tier)]
             if points:
                 ax.plot(*zip(*points), style, label=f"resume from {tier}")
-        ax.set_xscale("log", base=2)
+        ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("session length (tokens)")
-        ax.set_title(f"{cache} cache", fontsize=10)
-        ax.legend(fontsize=8)
-    axes[0].set_ylabel("seconds to the first token (log)")
-    fig.suptitle(f"Resume vs re-prefill: {model}", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=120)
+        ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda seconds, _: f"{seconds:g}"))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("session length (tokens, log scale)")
+        ax.set_title("full cache" if cache == "full" else f"{cache} (am-fast, last 64 tokens raw)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("seconds to the first token (log scale)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=len(styles) + 1)
+    engine, _, device = model.rpartition(" on ")
+    fig.suptitle(f"Time to first token, resumed from a stored session vs re-reading the transcript\n"
+                 f"{model_label(engine)} on {device}; sessions of {lengths[0]:,}–{lengths[-1]:,} tokens of Python docs")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

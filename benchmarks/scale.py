@@ -25,7 +25,6 @@ import random
 import signal
 import statistics
 import tempfile
-import textwrap
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -234,7 +233,7 @@ def _verify(url: str, acknowledged: dict[str, list[tuple[int, int]]], turns: int
     return doubled
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded", help="'embedded', a local folder, or 'tiny'")
     parser.add_argument("--sessions", type=int, default=100)
@@ -243,7 +242,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--lease-seconds", type=float, default=5.0)
     parser.add_argument("--plot-only", action="store_true", help="redraw scale.png from scale.json and exit")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = argument_parser().parse_args()
     if args.plot_only:
         return replot()
 
@@ -279,51 +282,48 @@ def main() -> None:
         "command": command_line(),
     }
     print(write_results("scale", "Scale-out across worker processes on Redis", rows, extra))
-    plot(rows, extra["setup"])
+    plot(rows, args)
 
 
-def plot(rows: list[dict[str, Any]], setup: str) -> None:
-    """Throughput per run from the result rows; y from 0, whole numbers of workers."""
-    import matplotlib
+RUN_KINDS = {  # a run's label prefix: its colour and what it did
+    "live": ("C2", "sessions kept live, no resume or spill"),
+    "random": ("C0", "each turn on a random worker"),
+    "kill": ("C3", "random worker, one killed halfway"),
+    "cluster": ("C1", "random worker, 3-node Redis Cluster"),
+}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    from common import RESULTS
+def plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Throughput per run, one labelled horizontal bar each: runs at the same worker count sit on their
+    own lines instead of on one x position, so neither their markers nor their numbers overlap."""
+    from common import model_label, pyplot, save_figure
 
-    scaling = [r for r in rows if r["run"].startswith("random-")]
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    ax.plot([r["workers"] for r in scaling], [r["turns/s"] for r in scaling], "-o", color="C0",
-            label="Redis, every turn on a random worker")
-    styles = {"live": ("C2", "D", "no spills, sessions kept live (baseline)"),
-              "kill": ("C3", "X", "one worker killed halfway"), "cluster": ("C1", "s", "3-node Redis Cluster")}
-    for r in rows:
-        if not r["run"].startswith("random-"):
-            colour, marker, what = styles[r["run"].split("-")[0]]
-            ax.scatter([r["workers"]], [r["turns/s"]], color=colour, marker=marker, s=60, zorder=3,
-                       label=f"{r['run']}: {what}")
-    for r in scaling:
-        ax.annotate(f"{r['turns/s']:.2f}", (r["workers"], r["turns/s"]), xytext=(0, -15), textcoords="offset points",
-                    ha="center", fontsize=8)
-    ax.set_xticks(sorted({r["workers"] for r in rows}))
-    ax.set_ylim(0, 1.15 * max(r["turns/s"] for r in rows))
-    ax.set_xlabel("worker processes")
-    ax.set_ylabel("turns / s")
-    ax.set_title("Throughput vs worker processes\n" + textwrap.fill(setup, 70), fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "scale.png", dpi=120)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(11, 1.8 + 0.6 * len(rows)), layout="constrained")
+    y = range(len(rows))[::-1]  # the first run on top
+    kinds = [RUN_KINDS[r["run"].split("-")[0]] for r in rows]
+    bars = ax.barh(y, [r["turns/s"] for r in rows], color=[colour for colour, _ in kinds])
+    ax.bar_label(bars, fmt="%.2f turns/s", padding=4)
+    ax.set_yticks(y, [f"{r['workers']} worker{'s' if r['workers'] > 1 else ''}: {what}"
+                      for r, (_, what) in zip(rows, kinds)])
+    ax.set_xlim(0, 1.2 * max(r["turns/s"] for r in rows))
+    ax.set_xlabel("turns / s (higher is better)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"Scale-out across worker processes on Redis: {model_label(args.model)}\n{args.sessions} sessions "
+                 f"× {args.turns} turns, {args.max_new_tokens} new tokens per turn; a turn resumes its session "
+                 "from the store and spills it after")
+    save_figure(fig, "scale")
 
 
 def replot() -> None:
-    """Redraw ``results/scale.png`` from ``results/scale.json`` (no workers, no model)."""
+    """Redraw ``results/scale.png`` from ``results/scale.json`` (no workers, no model), set up as the
+    run that wrote it by its recorded command."""
     import json
 
-    from common import RESULTS
+    from common import RESULTS, recorded_args
 
     saved = json.loads((RESULTS / "scale.json").read_text())
-    plot(saved["rows"], saved["setup"])
+    plot(saved["rows"], recorded_args(argument_parser(), saved["command"]))
 
 
 if __name__ == "__main__":
