@@ -126,8 +126,8 @@ def main(
     """agentmem command line."""
     # Logs carry sizes, timings and names, never message text (a prompt can hold anything).
     logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")  # no-op if configured
-    if verbose:  # else warnings and errors only, as the root logger has it
-        logging.getLogger("agentmem").setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
+    # Without -v: warnings and errors only, as the root logger has it (NOTSET defers to it).
+    logging.getLogger("agentmem").setLevel({0: logging.NOTSET, 1: logging.INFO}.get(verbose, logging.DEBUG))
 
 
 def _engine_options(device: str | None, dtype: str) -> dict[str, Any]:
@@ -214,9 +214,10 @@ def chat(
         raise InvalidInput("--max-new-tokens must be at least 1 and --temperature at least 0")
     loaded, default = _load_policies(policies)
     engine = _load_engine(model, _engine_options(device, dtype))
-    with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
+    with _log_to_file(), SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
         began = time.perf_counter()
         live = manager.session(session, tenant=tenant, rebuild=rebuild)
+        stored_messages = len(live.messages)
         where = f"{tenant}/{session} in {_shown_url(store)}"
         if live.messages and not live.cache.logical_length:
             typer.echo(f"rebuilding {where} from its transcript: its stored cache is damaged, so its "
@@ -242,7 +243,44 @@ def chat(
             if _chat_turn(live, message, max_new_tokens=max_new_tokens, temperature=temperature):
                 pending_system = None
                 turns += 1
-        _leave(manager, live, turns, where)
+        _leave(manager, live, turns, where, stored_messages)
+
+
+class _CountingFileHandler(logging.FileHandler):
+    """A log file that counts what it was given, so the chat can say that something was logged."""
+
+    emitted = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.emitted += 1
+        super().emit(record)
+
+
+@contextmanager
+def _log_to_file() -> Iterator[None]:
+    """During a chat, agentmem's warnings go to ``$AGENTMEM_HOME/agentmem.log``, not into the streamed
+    reply (a lease renewal failing in the background would print mid-sentence); ``-v`` keeps them
+    on stderr. Leaving, the chat says how many were written there."""
+    from agentmem.home import agentmem_home
+
+    logger = logging.getLogger("agentmem")
+    if logger.level != logging.NOTSET:  # -v or -vv: the user asked to see the log here
+        yield
+        return
+    path = agentmem_home() / "agentmem.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = _CountingFileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+        handler.close()
+        if handler.emitted:
+            typer.echo(f"({_count(handler.emitted, 'warning')} written to {path}; -v shows them here)", err=True)
 
 
 def _chat_turn(live: Session, message: str | list[dict[str, str]], **generation: Any) -> bool:
@@ -292,15 +330,69 @@ def _discard_turn(live: Session, before: int) -> None:
                    "next turn re-reads the conversation]", err=True)
 
 
-def _leave(manager: SessionManager, live: Session, turns: int, where: str) -> None:
-    """Store the session if a turn changed it; otherwise leave the store as it was."""
+STORE_RETRY_SECONDS = 5.0
+
+
+def _leave(manager: SessionManager, live: Session, turns: int, where: str, stored_messages: int) -> None:
+    """Store the session if a turn changed it; otherwise leave the store as it was.
+
+    The live copy is the only copy of this chat's turns until the store has them, so a store
+    that fails now is not the end of them: the user is told which turns are unsaved and may
+    retry, wait for the store to come back, or discard them knowingly.
+    """
     if not turns:
         manager.release(live.tenant, live.session_id)
         typer.echo(f"no turn taken: {where} left as it was (nothing stored)")
         return
-    version = manager.spill(live.tenant, live.session_id)
-    typer.echo(f"saved {where} as version {version}: {len(live.messages)} messages, "
-               f"{live.stored_bytes / 2**20:.1f} MiB stored")
+    from agentmem.errors import StoreUnavailable
+
+    while True:
+        try:
+            version = manager.spill(live.tenant, live.session_id)
+        except StoreUnavailable as exc:
+            typer.echo(f"not stored yet: this chat's {_count(turns, 'turn')} (messages {stored_messages + 1}-"
+                       f"{len(live.messages)} "
+                       f"of {where}) are only in memory; the store failed: {exc}", err=True)
+            choice = _ask("[r]etry, [w]ait for the store (retries every "
+                          f"{STORE_RETRY_SECONDS:g} s; Ctrl-C stops waiting), [d]iscard them and leave? ")
+            if choice == "r" or choice == "w" and _store_back(manager, live):
+                continue
+            if choice == "w":
+                continue  # waiting was stopped: ask again
+            manager.release(live.tenant, live.session_id)
+            raise AgentMemError(f"discarded this chat's {_count(turns, 'turn')}: {where} stays as it was stored "
+                                "before it") from exc
+        typer.echo(f"saved {where} as version {version}: {len(live.messages)} messages, "
+                   f"{live.stored_bytes / 2**20:.1f} MiB stored")
+        return
+
+
+def _ask(prompt: str) -> str:
+    """The first letter of the answer; end of input or Ctrl-C is ``d`` (nobody is there to ask)."""
+    try:
+        return (input(prompt).strip().lower() or "?")[0]
+    except (EOFError, KeyboardInterrupt):
+        typer.echo("")
+        return "d"
+
+
+def _store_back(manager: SessionManager, live: Session) -> bool:
+    """Wait until the store answers again (True), or until Ctrl-C (False)."""
+    from agentmem.errors import SessionNotFound, StoreUnavailable
+
+    try:
+        while True:
+            time.sleep(STORE_RETRY_SECONDS)
+            try:
+                manager.store.version(live.tenant, live.session_id)
+                return True
+            except SessionNotFound:
+                return True  # it answers: this session was simply never stored before
+            except StoreUnavailable:
+                typer.echo("  [store still unreachable]", err=True)
+    except KeyboardInterrupt:
+        typer.echo("")
+        return False
 
 
 def _lines() -> Iterator[str]:

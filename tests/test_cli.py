@@ -528,3 +528,56 @@ def test_an_error_is_one_bounded_line_whatever_a_library_put_in_it():
     assert one_line("a\n  b\tc") == "a b c"
     long = one_line("{" + "x" * 80_000 + "}")
     assert len(long) == ERROR_CHARS and long.endswith("…")
+
+
+@pytest.mark.parametrize("answers, saved", [("r\n", True), ("w\n", True), ("d\n", False), ("", False)])
+def test_a_store_failing_at_the_end_of_a_chat_keeps_the_turns_until_the_user_decides(
+        engine, tmp_path, monkeypatch, answers, saved):
+    """The chat names the unsaved turns and offers retry / wait / discard (end of input discards);
+    background warnings go to $AGENTMEM_HOME/agentmem.log, not into the reply."""
+    import logging as logging_module
+
+    from agentmem import cli
+    from agentmem.errors import StoreUnavailable
+    from agentmem.storage import open_store
+    from agentmem.storage.sql import SqlStore
+
+    monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
+    monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(cli, "STORE_RETRY_SECONDS", 0.01)
+    real_put, real_version, failures = SqlStore.put, SqlStore.version, {"put": 1, "version": 2}
+
+    def failing(name, real):
+        def call(self, *args, **kwargs):
+            if failures[name]:
+                failures[name] -= 1
+                raise StoreUnavailable("SQL store unavailable: disk I/O error")
+            return real(self, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(SqlStore, "put", failing("put", real_put))
+    monkeypatch.setattr(SqlStore, "version", failing("version", real_version))
+    real_turn = cli._chat_turn
+
+    def turn_with_a_background_warning(*args, **kwargs):
+        logging_module.getLogger("agentmem.leases").warning("renewing the lease failed")
+        return real_turn(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "_chat_turn", turn_with_a_background_warning)
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    result = CliRunner().invoke(app, ["chat", "--session", "c-9", "--store", store, "--max-new-tokens", "4"],
+                                input="Hello\n/exit\n" + answers)
+    assert "this chat's 1 turn (messages 1-2 of default/c-9" in result.stderr and "disk I/O error" in result.stderr
+    assert "renewing the lease failed" not in result.output
+    assert "renewing the lease failed" in (tmp_path / "home" / "agentmem.log").read_text()
+    assert "1 warning written to" in result.stderr
+    backend = open_store(store)
+    try:
+        if saved:
+            assert result.exit_code == 0 and re.search(r"saved default/c-9 in \S+ as version 1", result.stdout)
+            assert len(backend.get("default", "c-9").messages) == 2
+        else:
+            assert result.exit_code == 1 and "error: discarded this chat's 1 turn" in result.stderr
+            assert backend.list("default").items == []
+    finally:
+        backend.close()
