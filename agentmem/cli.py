@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 # Calibration text: standard-library sources the fidelity benchmark does not use.
 CALIBRATION_SOURCES = ("argparse.py", "fractions.py", "shlex.py", "calendar.py")
-BENCHMARKS = ("engine", "fidelity", "resume", "sessions", "scale")
+BENCHMARKS = ("engine", "fidelity", "online", "online_loss", "session_speed", "resume", "sessions", "scale", "padding",
+              "gpu")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="agentmem: resumable KV memory for agents")
@@ -51,12 +52,18 @@ app.add_typer(bench_app, name="bench")
 DTYPES = {"auto": None, "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 log = logging.getLogger("agentmem.cli")
 
+def flag(*names: str, **options: Any) -> Any:
+    """An on/off option, shown in help without a value type (Typer's rich help would print ``<bool>``)."""
+    return typer.Option(False, *names, metavar="", **options)
+
+
 ModelOpt = typer.Option("embedded", "--model", help="'embedded' or a local Hugging Face model folder")
 DeviceOpt = typer.Option(None, "--device", help="cpu, cuda, cuda:1, mps … (default: CUDA when available, else CPU)")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on a GPU), fp32, fp16 or bf16")
 StoreOpt = typer.Option(None, "--store", help="store URL (default $AGENTMEM_STORE, else SQLite under $AGENTMEM_HOME)")
 TenantOpt = typer.Option(DEFAULT_TENANT, "--tenant", help="tenant the session belongs to")
-JsonOpt = typer.Option(False, "--json", help="print JSON instead of a table")
+JsonOpt = flag("--json", help="print JSON instead of a table")
+PolicyTenantOpt = typer.Option(DEFAULT_TENANT, "--tenant", help="tenant whose policy this is")
 PoliciesOpt = typer.Option(None, "--policies", help="policy file (default $AGENTMEM_HOME/policies.yaml)")
 
 
@@ -118,9 +125,9 @@ def _print_version(asked: bool) -> None:
 
 @app.callback()
 def main(
-    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+    version: bool = flag("--version", "-V", callback=_print_version, is_eager=True,
                                  help="print the version and exit"),
-    verbose: int = typer.Option(0, "--verbose", "-v", count=True,
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, metavar="", show_default=False,
                                 help="log what agentmem does to stderr (-v: steps and timings; -vv: debug)"),
 ) -> None:
     """agentmem command line."""
@@ -196,7 +203,7 @@ def chat(
     max_new_tokens: int = typer.Option(256, help="tokens generated per reply at most"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     system: Optional[str] = typer.Option(None, help="system prompt for a new session"),
-    rebuild: bool = typer.Option(False, "--rebuild",
+    rebuild: bool = flag("--rebuild",
                                  help="if the stored cache is damaged, resume from the stored transcript "
                                       "(re-read at your next turn)"),
 ) -> None:
@@ -421,7 +428,7 @@ def _shown_url(store: str | None) -> str:
 def sessions_list(
     tenant: Optional[str] = typer.Option(None, "--tenant",
                                          help=f"tenant whose sessions to list (default {DEFAULT_TENANT!r})"),
-    all_tenants: bool = typer.Option(False, "--all-tenants",
+    all_tenants: bool = flag("--all-tenants",
                                      help="list every tenant's sessions (an administrator's view)"),
     store: Optional[str] = StoreOpt,
     as_json: bool = JsonOpt,
@@ -558,8 +565,8 @@ def sessions_export(
 def sessions_delete(
     session_id: Optional[str] = typer.Argument(None, help="the session to delete"),
     tenant: Optional[str] = typer.Option(None, "--tenant", help="tenant (required with --all)"),
-    all_sessions: bool = typer.Option(False, "--all", help="delete every session of --tenant"),
-    yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation with --all"),
+    all_sessions: bool = flag("--all", help="delete every session of --tenant"),
+    yes: bool = flag("--yes", help="do not ask for confirmation with --all"),
     store: Optional[str] = StoreOpt,
 ) -> None:
     """Delete one session, or with --all every session of one named tenant."""
@@ -637,14 +644,29 @@ def _load_policies(path: Path | None):
 
 @policy_app.command("show")
 @clean_errors
-def policy_show(tenant: str = TenantOpt, policies: Optional[Path] = PoliciesOpt, as_json: bool = JsonOpt) -> None:
+def policy_show(tenant: str = PolicyTenantOpt, policies: Optional[Path] = PoliciesOpt,
+                as_json: bool = JsonOpt) -> None:
     """The policy a tenant gets: its entry in the file, else the file's 'default', else AGENTMEM_* variables.
 
     Each field is shown with what it means (e.g. keep_recent: the most recent tokens no
-    compaction touches).
+    compaction touches). Where the policy comes from is said on stderr, with the file's
+    closest tenant name when the tenant has no entry (a misspelled key is otherwise silent).
     """
+    import difflib
+
+    from agentmem.record import check_tenant
+
+    check_tenant(tenant)
     loaded, default = _load_policies(policies)
     policy = loaded.get(tenant, default)
+    file = _policies_path(policies)
+    if tenant in loaded:
+        typer.echo(f"tenant {tenant!r}: its entry in {file}", err=True)
+    else:
+        close = difflib.get_close_matches(tenant, [name for name in loaded if name != "default"], n=1)
+        source = f"the 'default' entry of {file}" if "default" in loaded else "the AGENTMEM_* variables and defaults"
+        typer.echo(f"tenant {tenant!r} has no entry in {file}: it gets {source}"
+                   + (f" (did you mean {close[0]!r}?)" if close else ""), err=True)
     if as_json:
         emit(policy.model_dump(), as_json)
         return
@@ -656,7 +678,7 @@ def policy_show(tenant: str = TenantOpt, policies: Optional[Path] = PoliciesOpt,
 @clean_errors
 def policy_set(
     assignments: list[str] = typer.Argument(..., help="field=value pairs, e.g. max_live_tokens=4096 method=am"),
-    tenant: str = TenantOpt,
+    tenant: str = PolicyTenantOpt,
     policies: Optional[Path] = PoliciesOpt,
 ) -> None:
     """Set fields of a tenant's policy in the policy file (validated before it is written)."""
@@ -697,6 +719,10 @@ def policy_set(
 # ------------------------------------------------------------------------------ compact
 
 
+COMPACT_OPTIONS = {"target_ratio": "ratio", "target_tokens": "target_tokens", "method": "method",
+                   "keep_recent": "keep_recent"}  # policy field -> compact's option
+
+
 @app.command()
 @clean_errors
 def compact(
@@ -726,10 +752,16 @@ def compact(
     from agentmem.sessions import SessionManager
     from agentmem.storage import open_existing_store
 
-    overrides = {k: v for k, v in {"target_ratio": ratio, "target_tokens": target_tokens, "method": method,
-                                   "keep_recent": keep_recent}.items() if v is not None}
+    given = {"ratio": ratio, "target_tokens": target_tokens, "method": method, "keep_recent": keep_recent}
+    overrides = {field: given[option] for field, option in COMPACT_OPTIONS.items() if given[option] is not None}
     loaded, default = _load_policies(policies)
-    policy = loaded.get(check_tenant(tenant), default).with_overrides(**overrides)  # bad values fail here, not later
+    try:
+        policy = loaded.get(check_tenant(tenant), default).with_overrides(**overrides)  # bad values fail before loading
+    except InvalidInput as exc:
+        message = str(exc)
+        for field, option in COMPACT_OPTIONS.items():  # name the flags the user typed, not the policy fields
+            message = message.replace(f"{field}:", f"--{option.replace('_', '-')}:")
+        raise InvalidInput(message) from exc
     backend = open_existing_store(store)
     if backend is None:
         raise SessionNotFound(f"no session {session!r} for tenant {tenant!r}: nothing stored yet in "
@@ -775,7 +807,8 @@ def _spinner(description: str) -> Iterator[None]:
 
 def _bench_command(name: str) -> None:
     @bench_app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-                       help=f"Run benchmarks/{name}.py (extra arguments are passed on; see --help there).")
+                       add_help_option=False,  # --help reaches the script, which knows its arguments
+                       help=f"Run benchmarks/{name}.py (arguments, --help too, are passed on to it).")
     def run(ctx: typer.Context) -> None:
         folder = Path(__file__).resolve().parents[1] / "benchmarks"
         script = folder / f"{name}.py"

@@ -6,6 +6,7 @@ A :class:`BudgetPolicy` is validated on construction, and loads from YAML/JSON f
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -173,8 +174,14 @@ class BudgetPolicy(BaseModel):
             raise InvalidInput(f"{path} must map tenant names to policy fields")
         from agentmem.record import check_tenant
 
-        return {check_tenant(tenant) if isinstance(tenant, str) else _not_a_tenant(path, tenant):
-                cls.create(**{"name": tenant, **fields}) for tenant, fields in data.items()}
+        policies = {}
+        for tenant, fields in data.items():
+            name = check_tenant(tenant) if isinstance(tenant, str) else _not_a_tenant(path, tenant)
+            try:
+                policies[name] = cls.create(**{"name": tenant, **fields})
+            except InvalidInput as exc:
+                raise InvalidInput(f"{path}, tenant {tenant!r}: {exc}") from exc
+        return policies
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> BudgetPolicy:
@@ -223,6 +230,10 @@ def _explain(exc: ValidationError, variables: dict[str, str] | None = None) -> s
         field = ".".join(str(p) for p in err["loc"])
         if field in variables:
             problems.append(f"{variables[field]}={err['input']!r}: {err['msg']}")
+        elif err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(field, BudgetPolicy.model_fields, n=1)
+            problems.append(f"{field}: no such field" + (f" (did you mean {close[0]}?)" if close else
+                                                         f" (fields: {', '.join(BudgetPolicy.model_fields)})"))
         else:
             problems.append(f"{field or 'policy'}: {err['msg']}")
     source = f" (from {', '.join(sorted(variables.values()))})" if variables else ""

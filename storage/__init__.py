@@ -18,7 +18,7 @@ from agentmem.errors import InvalidInput, StoreNotFound, StoreUnavailable
 from agentmem.home import default_store_url as default_url
 from agentmem.lazy import lazy_attributes
 from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
-from agentmem.storage.redis_client import is_redis_url
+from agentmem.storage.redis_client import is_redis_url, redact
 
 if TYPE_CHECKING:
     from agentmem.storage.codec import STORAGE_CHOICES, STORAGE_DTYPES, decode_cache, decoded_nbytes, encode_cache
@@ -64,6 +64,10 @@ def open_store(url: str | None = None, *, create: bool = True) -> CacheStore:
     if not isinstance(url, str) or "://" not in url and not url.startswith("sqlite:"):
         raise InvalidInput(f"store URL {url!r}{source} is not a URL; try sqlite:///path/sessions.db or "
                            "redis://host:6379/0")
+    if not (is_redis_url(url) or _is_sql_url(url)):
+        raise InvalidInput(f"store URL {redact(url)}{source}: unknown scheme {url.partition(':')[0]!r}; supported: "
+                           "sqlite:///path.db, postgresql://…, any SQLAlchemy URL whose dialect is installed, "
+                           "redis://, rediss://, unix://, redis+cluster://")
     if is_redis_url(url):
         from agentmem.storage.redis import RedisStore
 
@@ -96,6 +100,20 @@ def open_existing_store(url: str | None = None) -> CacheStore | None:
         if url is not None or os.environ.get("AGENTMEM_STORE"):
             raise
         return None
+
+
+def _is_sql_url(url: str) -> bool:
+    """Whether SQLAlchemy has a dialect for ``url``'s scheme (``postgresql+psycopg``, ``mysql`` …)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(url).get_dialect()
+    except (ArgumentError, NoSuchModuleError):
+        return False
+    except ImportError:  # the dialect exists; its driver is missing, which opening the store reports
+        return True
+    return True
 
 
 def sqlite_path(url: str) -> Path | None:
