@@ -610,5 +610,5 @@ def test_input_errors_name_what_the_user_typed(tmp_path, monkeypatch):
     assert scheme.exit_code == 1 and "unknown scheme 'foo'" in scheme.stderr and "redis://" in scheme.stderr
     assert runner.invoke(app, ["-V"]).stdout.startswith("agentmem ")
     helped = runner.invoke(app, ["sessions", "delete", "--help"], env={"COLUMNS": "120"})
-    flags = [line for line in helped.stdout.splitlines() if "--yes" in line or "--all " in line]
+    flags = [line for line in helped.stdout.splitlines() if line.lstrip("│ ").startswith(("--yes", "--all "))]
     assert len(flags) == 2 and not any("<bool>" in line for line in flags)
