@@ -213,14 +213,16 @@ def chat(
     that turn (the session goes back to how it was before your message).
     """
     from agentmem.record import check_session_id, check_tenant
-    from agentmem.sessions import SessionManager
 
     check_tenant(tenant)
     check_session_id(session)
     if max_new_tokens < 1 or temperature < 0:
         raise InvalidInput("--max-new-tokens must be at least 1 and --temperature at least 0")
     loaded, default = _load_policies(policies)
-    engine = _load_engine(model, _engine_options(device, dtype))
+    options = _engine_options(device, dtype)  # every argument is checked before torch and the model load
+    from agentmem.sessions import SessionManager
+
+    engine = _load_engine(model, options)
     with _log_to_file(), SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
         began = time.perf_counter()
         live = manager.session(session, tenant=tenant, rebuild=rebuild)
@@ -749,9 +751,16 @@ def compact(
     says why, exits 1 and stores nothing.
     """
     from agentmem.record import check_session_id, check_tenant
-    from agentmem.sessions import SessionManager
     from agentmem.storage import open_existing_store
 
+    backend = open_existing_store(store)
+    if backend is None:
+        raise SessionNotFound(f"no session {session!r} for tenant {tenant!r}: nothing stored yet in "
+                              f"{_shown_url(store)}")
+    try:
+        backend.version(check_tenant(tenant), check_session_id(session))  # before torch and the model load
+    finally:
+        backend.close()
     given = {"ratio": ratio, "target_tokens": target_tokens, "method": method, "keep_recent": keep_recent}
     overrides = {field: given[option] for field, option in COMPACT_OPTIONS.items() if given[option] is not None}
     loaded, default = _load_policies(policies)
@@ -762,15 +771,10 @@ def compact(
         for field, option in COMPACT_OPTIONS.items():  # name the flags the user typed, not the policy fields
             message = message.replace(f"{field}:", f"--{option.replace('_', '-')}:")
         raise InvalidInput(message) from exc
-    backend = open_existing_store(store)
-    if backend is None:
-        raise SessionNotFound(f"no session {session!r} for tenant {tenant!r}: nothing stored yet in "
-                              f"{_shown_url(store)}")
-    try:
-        backend.version(tenant, check_session_id(session))  # SessionNotFound before the model loads
-    finally:
-        backend.close()
-    engine = _load_engine(model, _engine_options(device, dtype))
+    options = _engine_options(device, dtype)
+    from agentmem.sessions import SessionManager
+
+    engine = _load_engine(model, options)
     with SessionManager(engine, store, policies=loaded, default_policy=default) as manager:
         live = manager.session(session, tenant=tenant, create=False)
         stored_before = live.stored_bytes

@@ -247,6 +247,10 @@ def test_help_and_store_commands_do_not_import_torch(engine, tmp_path):
         f"'{store}'], ['sessions', 'export', 's1', '--out', '{tmp_path}/t.json', '--store', '{store}']):\n"
         "    result = CliRunner().invoke(app, args)\n"
         "    assert result.exit_code == 0, result.output\n"
+        f"for args in (['chat', '--session', 's', '--dtype', 'fp8'], ['compact', '--session', 'nope', '--store', "
+        f"'{store}']):\n"  # argument errors come before any heavy import
+        "    result = CliRunner().invoke(app, args)\n"
+        "    assert result.exit_code == 1 and result.stderr.startswith('error: '), result.output\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
@@ -589,7 +593,7 @@ def test_a_store_failing_at_the_end_of_a_chat_keeps_the_turns_until_the_user_dec
         backend.close()
 
 
-def test_input_errors_name_what_the_user_typed(tmp_path, monkeypatch):
+def test_input_errors_name_what_the_user_typed(engine, tmp_path, monkeypatch):
     """A policy-file typo names the file, tenant and the right key; a tenant with no entry hears of the
     closest one; --ratio 0 names the flag; an unknown store scheme lists the supported ones; -V works and
     flags show no value type."""
@@ -604,6 +608,7 @@ def test_input_errors_name_what_the_user_typed(tmp_path, monkeypatch):
     missing = runner.invoke(app, ["policy", "show", "--tenant", "acmee", "--policies", str(policies)])
     assert missing.exit_code == 0 and "tenant 'acmee' has no entry" in missing.stderr and "'acme'?" in missing.stderr
     assert runner.invoke(app, ["policy", "show", "--tenant", "a b"]).exit_code == 1
+    _store_one_session(engine, f"sqlite:///{tmp_path}/s.db", "default", "s")
     ratio = runner.invoke(app, ["compact", "--session", "s", "--ratio", "0", "--store", f"sqlite:///{tmp_path}/s.db"])
     assert ratio.exit_code == 1 and "--ratio:" in ratio.stderr and "target_ratio:" not in ratio.stderr
     scheme = runner.invoke(app, ["sessions", "list", "--store", "foo://host/db"])
