@@ -15,10 +15,13 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from agentmem.errors import ModelNotAvailable, UnsupportedModel
 from agentmem.home import agentmem_home
@@ -100,11 +103,24 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     path = resolve_model_dir(model)
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        with _no_progress_bar():  # a sub-second load of local files: the bar was noise on every command
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelNotAvailable(f"could not load the model in {path}: {exc}") from exc
     return hf_model.to(device).eval(), tokenizer
+
+
+@contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """transformers' progress bars off for one call, then as the caller had them (a process-wide setting)."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def check_supported(config) -> None:

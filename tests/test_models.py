@@ -71,3 +71,11 @@ def test_unsupported_architectures_are_refused():
         models.check_supported(GPT2Config())
     with pytest.raises(UnsupportedModel, match="sliding-window"):
         models.check_supported(MistralConfig(**TINY, sliding_window=128))
+
+
+def test_loading_prints_no_progress_bar_and_leaves_the_setting_as_it_was(capfd):
+    from transformers.utils import logging as hf_logging
+
+    models.load_model("embedded", device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
