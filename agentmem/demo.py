@@ -56,7 +56,8 @@ def run_demo(*, model: str, max_new_tokens: int, repeats: int = 5, engine_option
                        f"compacted), compact everything but the last {POLICY.keep_recent} tokens to one row per "
                        f"{POLICY.target_ratio:g} tokens", 100, subsequent_indent="        "))
     with SessionManager(engine, store, default_policy=POLICY) as manager:
-        manager.delete(DEFAULT_TENANT, SESSION)
+        if manager.delete(DEFAULT_TENANT, SESSION):
+            echo(f"(deleted the session {SESSION} a previous run of the demo stored: the demo starts it afresh)")
         session = manager.session(SESSION, tenant=DEFAULT_TENANT)
         first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FACT}]
         for turn, message in enumerate([first, *TURNS], start=1):
@@ -101,7 +102,8 @@ def run_demo(*, model: str, max_new_tokens: int, repeats: int = 5, engine_option
                                          f"{full.physical_length})"),
         ("tokens re-read on resume", f"0, plus the {reply.usage.prefilled_tokens} of the new message"),
         ("bytes live: compacted / uncompacted", f"{compacted.allocated_nbytes / 2**20:.1f} MiB / "
-                                                f"{full.allocated_nbytes / 2**20:.1f} MiB"),
+                                                f"{full.allocated_nbytes / 2**20:.1f} MiB (buffers)"),
+        ("  of which rows in use", f"{compacted.nbytes / 2**20:.1f} MiB / {full.nbytes / 2**20:.1f} MiB"),
         (f"bytes stored ({stored_dtype})", f"{stored_bytes / 2**20:.1f} MiB"),
         (f"resume from the store vs re-reading (median of {repeats})",
          f"{resume_s * 1e3:.0f} ms vs {reread_s * 1e3:.0f} ms ({reread_s / resume_s:.0f}x faster)"),
@@ -116,6 +118,10 @@ def run_demo(*, model: str, max_new_tokens: int, repeats: int = 5, engine_option
     echo(textwrap.fill(f"p(answer) is the probability the model gives the answer {ANSWER.strip()!r} to {QUESTION!r}, "
                        "read from its own output distribution (teacher-forced), compared with a session that was "
                        "never told the city: above 1x, the session still holds the fact.", 100))
+    echo(textwrap.fill("Bytes fall less than rows: each KV head keeps its own number of compacted rows, so a "
+                       "layer's buffer is as long as its longest head and keeps spare room for the next turn; "
+                       "compacted rows also carry their bias (beta), scores, positions and a sample of reference "
+                       "queries for the next compaction.", 100))
     echo(f"The session stays in the store: agentmem sessions list (tenant {DEFAULT_TENANT!r}).")
 
 

@@ -18,8 +18,14 @@ def test_demo_compacts_resumes_reading_only_the_new_message_and_measures_recall(
     monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path))
     monkeypatch.delenv("AGENTMEM_STORE", raising=False)
     monkeypatch.setattr("agentmem.demo.Engine.load", lambda *a, **k: engine)
+    from agentmem.demo import SESSION
+    from agentmem.home import default_store_url
+
+    _store_one_session(engine, default_store_url(), "default", SESSION)  # what a previous run leaves
     result = CliRunner().invoke(app, ["demo", "--max-new-tokens", "32", "--repeats", "2"])
     assert result.exit_code == 0, result.output
+    assert f"deleted the session {SESSION} a previous run of the demo stored" in result.output
+    assert re.search(r"of which rows in use\s+[\d.]+ MiB / [\d.]+ MiB", result.output)
     assert int(re.search(r"compactions\s+(\d+)", result.output).group(1)) >= 1
     assert re.search(r"tokens re-read on resume\s+0, plus the \d+ of the new message", result.output)
     assert "median of 2" in result.output and "live rows" not in result.output
