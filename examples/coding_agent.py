@@ -17,6 +17,10 @@ from pathlib import Path
 
 from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.home import DEFAULT_TENANT
+from agentmem.storage import default_url
+from agentmem.storage.redis_client import redact
+
+SESSION = "coding-example"
 
 # Answers that are in the files and hard to guess without reading them.
 QUESTIONS = {
@@ -42,8 +46,10 @@ def main(argv: list[str] | None = None) -> dict:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     results = {}
     with SessionManager(engine, args.store, default_policy=policy) as manager:
-        manager.delete(DEFAULT_TENANT, "coding-example")
-        session = manager.session("coding-example", tenant=DEFAULT_TENANT)
+        print(f"session {DEFAULT_TENANT}/{SESSION} in {redact(args.store or default_url())}")
+        if manager.delete(DEFAULT_TENANT, SESSION):
+            print(f"(deleted the session {SESSION} a previous run stored: it starts afresh)")
+        session = manager.session(SESSION, tenant=DEFAULT_TENANT)
         session.chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Let's review some code."}],
                      max_new_tokens=args.max_new_tokens)
         for name in args.files:

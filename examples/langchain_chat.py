@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     model = ChatAgentMem(model="embedded", store=args.store, max_tokens=args.max_tokens)  # the default tenant
     config = {"configurable": {"session_id": "langchain-example"}}
-    model.manager.delete(model.tenant, "langchain-example")  # start the story from scratch
+    if model.manager.delete(model.tenant, "langchain-example"):  # start the story from scratch
+        print("(deleted the session langchain-example a previous run stored: the story starts afresh)")
     history = [SystemMessage("You are a concise assistant.")]
     usages = []
     for prompt in PROMPTS:

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> dict:
     policy = BudgetPolicy(name="support", max_live_tokens=512, keep_recent=128, target_ratio=4, method="am-fast")
     summary = {"shifts": []}
     with SessionManager(engine, args.store, default_policy=policy) as manager:
-        manager.delete(DEFAULT_TENANT, SESSION)  # start the story from scratch
+        if manager.delete(DEFAULT_TENANT, SESSION):  # start the story from scratch
+            print(f"(deleted the session {SESSION} a previous run stored: the story starts afresh)")
     for shift in range(args.shifts):
         began = time.perf_counter()
         with SessionManager(engine, args.store, default_policy=policy) as manager:  # a fresh process
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{resumed_tokens} tokens held in {session.cache.physical_length} rows, none re-read")
             else:
                 print(f"shift {shift + 1}: a new session {DEFAULT_TENANT}/{SESSION}")
-            read = compactions = 0
+            read = compactions = turns = 0
             for turn in range(args.turns):
                 index = shift * args.turns + turn
                 if index >= len(CUSTOMER):
@@ -69,10 +70,16 @@ def main(argv: list[str] | None = None) -> dict:
                 message = message if isinstance(message, str) else message[-1]["content"]
                 read += reply.usage.prefilled_tokens
                 compactions += reply.usage.compactions
+                turns += 1
                 print(f"  customer: {message}\n  agent:    {' '.join(reply.text.split())}")
-            print(f"  this shift read {read} new tokens (the customer's messages, never the transcript) and "
-                  f"compacted {compactions} times; {session.cache.logical_length} tokens held in "
-                  f"{session.cache.physical_length} rows, {session.cache.nbytes / 2**20:.1f} MiB; stored at shift end")
+            if not turns:  # nothing happened: the store keeps what it had (nothing, for a new session)
+                manager.release(DEFAULT_TENANT, SESSION)
+                print("  no turn this shift: nothing stored")
+            else:
+                print(f"  this shift read {read} new tokens (the customer's messages, never the transcript); "
+                      f"compactions: {compactions}; {session.cache.logical_length} tokens held in "
+                      f"{session.cache.physical_length} rows, {session.cache.nbytes / 2**20:.1f} MiB; stored at "
+                      "shift end")
             summary["shifts"].append({"resumed_tokens": resumed_tokens, "tokens_held": session.cache.logical_length,
                                       "read": read,
                                       "compactions": compactions, "resume_ms": resumed_ms})

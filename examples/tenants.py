@@ -1,8 +1,10 @@
 """Two tenants on one manager and one store, each under its own budget policy.
 
 ``acme`` keeps long raw tails and compacts with Attention Matching; ``budget-co`` is held to a
-small budget and compacts by the recent window. The same session ID in both tenants names two
-different sessions, and neither tenant can list, read or delete the other's.
+small budget and compacts by the recent window. A policy set for either tenant with ``agentmem
+policy set`` (``$AGENTMEM_HOME/policies.yaml``) replaces the example's. The same session ID in
+both tenants names two different sessions, and neither tenant can list, read or delete the
+other's.
 
     python examples/tenants.py
 """
@@ -13,6 +15,7 @@ import argparse
 
 from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.errors import SessionNotFound
+from agentmem.policy import configured_policies
 
 POLICIES = {
     "acme": BudgetPolicy(name="acme", max_live_tokens=1024, keep_recent=256, target_ratio=4, method="am-fast"),
@@ -32,17 +35,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     engine = Engine.load("embedded")
+    configured, _ = configured_policies()  # what `agentmem policy set` wrote, as every entry point reads it
+    policies = {tenant: configured.get(tenant, policy) for tenant, policy in POLICIES.items()}
     result = {}
-    with SessionManager(engine, args.store, policies=POLICIES) as manager:
-        for tenant in POLICIES:
-            manager.delete(tenant, "support-1")
+    with SessionManager(engine, args.store, policies=policies) as manager:
+        for tenant, policy in policies.items():
+            source = "from the policy file" if tenant in configured else "the example's"
+            print(f"{tenant}: policy {source}: method {policy.method}, budget {policy.max_live_tokens} live rows")
+            if manager.delete(tenant, "support-1"):
+                print(f"  (deleted {tenant}'s session support-1 a previous run stored)")
             session = manager.session("support-1", tenant=tenant)
             compactions = sum(session.chat(m, max_new_tokens=args.max_new_tokens).usage.compactions for m in MESSAGES)
             result[tenant] = {"live_rows": session.cache.physical_length, "tokens": session.cache.logical_length,
                               "compactions": compactions}
-            print(f"{tenant:10} policy {POLICIES[tenant].method:8} budget {POLICIES[tenant].max_live_tokens:5}: "
-                  f"{session.cache.logical_length} tokens read, {session.cache.physical_length} rows live, "
-                  f"{compactions} compactions")
+            print(f"  {session.cache.logical_length} tokens read, {session.cache.physical_length} rows live, "
+                  f"compactions: {compactions}")
         manager.spill_all()
         for tenant in POLICIES:
             own = manager.store.get(tenant, "support-1")

@@ -21,6 +21,7 @@ def run_example(engine, tmp_path, monkeypatch):
     monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
     shared.use_engine("embedded", engine)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGENTMEM_HOME", str(tmp_path / "home"))  # no developer's policies.yaml applies
 
     def run(name: str, *argv: str):
         return runpy.run_path(str(EXAMPLES / f"{name}.py"))["main"](["--store", f"sqlite:///{tmp_path / 'x.db'}",
@@ -76,3 +77,25 @@ def test_tenants_get_their_own_policies_and_never_each_others_sessions(run_examp
     assert result["acme"]["compactions"] == 0 and result["budget-co"]["compactions"] >= 1
     assert result["budget-co"]["live_rows"] <= 160 + 24
     assert result["forged_read"] == "SessionNotFound"
+
+
+def test_tenants_obey_a_policy_set_with_the_cli(run_example, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "policies.yaml").write_text("budget-co:\n  max_live_tokens: 4096\n  method: window\n")
+    result = run_example("tenants", "--max-new-tokens", "24")  # the example's own policy compacts here (above)
+    assert result["budget-co"]["compactions"] == 0
+    assert result["budget-co"]["live_rows"] == result["budget-co"]["tokens"] > 160  # past the example's budget
+
+
+def test_a_shift_without_turns_stores_nothing_and_a_rerun_says_it_deletes(run_example, tmp_path, capsys):
+    run_example("support_agent", "--shifts", "1", "--turns", "0")
+    assert "no turn this shift: nothing stored" in capsys.readouterr().out
+    backend = open_store(f"sqlite:///{tmp_path / 'x.db'}")
+    try:
+        assert backend.list("default").items == []
+    finally:
+        backend.close()
+    run_example("support_agent", "--shifts", "1", "--turns", "1", "--max-new-tokens", "4")
+    run_example("support_agent", "--shifts", "1", "--turns", "1", "--max-new-tokens", "4")
+    assert "deleted the session support-example a previous run stored" in capsys.readouterr().out
