@@ -835,7 +835,13 @@ def calibrate(
     ratio: float = typer.Option(10.0, help="compaction ratio the profile is measured at"),
     out: Optional[Path] = typer.Option(None, help="where to write the JSON (default: print it)"),
 ) -> None:
-    """Measure per-head budget proportions for a model on standard-library text (JSON)."""
+    """Measure per-head budget proportions for a model on standard-library text (JSON; minutes on a CPU).
+
+    The profile splits a compaction's row budget across layers and KV heads without scoring
+    them per context: pass its file to ``compact(engine, cache, head_budgets=PATH)`` in Python.
+    The embedded model's profile ships with agentmem (``head_budgets="calibrated"``); the
+    default methods spend budgets globally from per-context scores and need no profile.
+    """
     import math
     import sysconfig
 
@@ -848,12 +854,18 @@ def calibrate(
     engine = _load_engine(model, _engine_options(device, dtype))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [(stdlib / name).read_text() for name in CALIBRATION_SOURCES]
-    proportions = calibration.calibrate(engine, texts, ratio=ratio)
+    began = time.perf_counter()
+
+    def progress(i: int, n: int) -> None:
+        typer.echo(f"reading {CALIBRATION_SOURCES[i]} ({i + 1}/{n}; {time.perf_counter() - began:.0f} s so far)",
+                   err=True)
+
+    proportions = calibration.calibrate(engine, texts, ratio=ratio, on_text=progress)
     if out is None:
         typer.echo(json.dumps({"fingerprint": engine.fingerprint, "proportions": proportions.tolist()}))
     else:
         calibration.save(out, engine, proportions)
-        typer.echo(f"wrote {out}")
+        typer.echo(f"wrote {out}; use it with compact(engine, cache, head_budgets={str(out)!r})")
 
 
 # ------------------------------------------------------------------------------ doctor

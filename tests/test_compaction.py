@@ -757,7 +757,10 @@ def test_reference_windows_past_the_model_context_are_not_read(llama):
 def test_calibration_profile_sums_to_one_and_drives_budgets(llama):
     from agentmem.compaction import calibrate
 
-    profile = calibrate.calibrate(llama, [topics["compound"], topics["debugger"]], ratio=5, context=200)
+    seen = []
+    profile = calibrate.calibrate(llama, [topics["compound"], topics["debugger"]], ratio=5, context=200,
+                                  on_text=lambda i, n: seen.append((i, n)))
+    assert seen == [(0, 2), (1, 2)]  # progress, text by text
     assert profile.shape == (llama.num_layers, llama.num_kv_heads)
     assert math.isclose(float(profile.sum()), 1.0, rel_tol=1e-5)
     cache = llama.prefill(doc_ids(llama, 220))

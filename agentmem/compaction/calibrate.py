@@ -9,6 +9,7 @@ needs no per-context scoring across layers. The embedded model's profile ships i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,11 +22,17 @@ from agentmem.errors import InvalidInput
 SHIPPED = Path(__file__).resolve().parent.parent / "budgets"
 
 
-def calibrate(engine, texts: list[str], *, ratio: float = 10.0, context: int = 1024) -> torch.Tensor:
-    """Budget proportions ``(layers, kv_heads)`` summing to 1, averaged over ``texts``."""
+def calibrate(engine, texts: list[str], *, ratio: float = 10.0, context: int = 1024,
+              on_text: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """Budget proportions ``(layers, kv_heads)`` summing to 1, averaged over ``texts``.
+
+    ``on_text(i, n)`` is called before text ``i`` of ``n`` is read (each takes minutes on a CPU).
+    """
     shares = torch.zeros(engine.num_layers, engine.num_kv_heads, device="cpu")
     used = 0
-    for text in texts:
+    for i, text in enumerate(texts):
+        if on_text is not None:
+            on_text(i, len(texts))
         ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"][:context]
         if len(ids) < 64:
             continue
