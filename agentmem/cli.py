@@ -475,6 +475,43 @@ def _stored_sessions(backend: CacheStore, tenant: str, *, with_tenant: bool) -> 
         cursor = page.next_cursor
 
 
+@app.command()
+@clean_errors
+def stats(
+    tenant: Optional[str] = typer.Option(None, "--tenant", help=f"one tenant (default: {DEFAULT_TENANT!r})"),
+    all_tenants: bool = flag("--all-tenants", help="every tenant, one row each (an administrator's view)"),
+    store: Optional[str] = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """What a store holds per tenant: sessions, tokens they have read, bytes stored (no model needed).
+
+    A running process's own counters (turns, compactions, spills, live bytes) are
+    ``SessionManager.stats()`` and ``.prometheus()``.
+    """
+    from agentmem.storage import open_existing_store
+
+    if all_tenants and tenant is not None:
+        raise InvalidInput("give --tenant or --all-tenants, not both")
+    backend = open_existing_store(store)
+    if backend is None:
+        typer.echo(f"nothing stored yet ({_shown_url(store)} does not exist)", err=True)
+        emit([], as_json)
+        return
+    try:
+        tenants = backend.tenants() if all_tenants else [tenant or DEFAULT_TENANT]
+        rows = []
+        for name in tenants:
+            sessions = list(_stored_sessions(backend, name, with_tenant=False))
+            rows.append({"tenant": name, "sessions": len(sessions),
+                         "tokens": sum(row["tokens"] for row in sessions),
+                         "stored_bytes": _bytes(sum(row["stored_bytes"] for row in sessions), as_json),
+                         "last_update": max((row["updated"] for row in sessions), default=None)})
+    finally:
+        backend.close()
+    typer.echo(f"store {_shown_url(store)}", err=True)
+    emit(rows, as_json)
+
+
 @sessions_app.command("show")
 @clean_errors
 def sessions_show(session_id: str, tenant: str = TenantOpt, store: Optional[str] = StoreOpt,

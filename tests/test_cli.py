@@ -623,3 +623,17 @@ def test_input_errors_name_what_the_user_typed(engine, tmp_path, monkeypatch):
     helped = runner.invoke(app, ["sessions", "delete", "--help"], env={"COLUMNS": "120"})
     flags = [line for line in helped.stdout.splitlines() if line.lstrip("│ ").startswith(("--yes", "--all "))]
     assert len(flags) == 2 and not any("<bool>" in line for line in flags)
+
+
+def test_stats_sums_what_the_store_holds_per_tenant(engine, tmp_path):
+    store = f"sqlite:///{tmp_path / 's.db'}"
+    tokens = [_store_one_session(engine, store, "acme", name) for name in ("a", "b")]
+    _store_one_session(engine, store, "other", "c")
+    runner = CliRunner()
+    acme = json.loads(runner.invoke(app, ["stats", "--tenant", "acme", "--store", store, "--json"]).stdout)
+    assert [(r["tenant"], r["sessions"], r["tokens"]) for r in acme] == [("acme", 2, sum(tokens))]
+    every = json.loads(runner.invoke(app, ["stats", "--all-tenants", "--store", store, "--json"]).stdout)
+    assert [(r["tenant"], r["sessions"]) for r in every] == [("acme", 2), ("other", 1)]
+    assert all(r["stored_bytes"] > 0 for r in every)
+    table = runner.invoke(app, ["stats", "--all-tenants", "--store", store])
+    assert table.exit_code == 0 and " MiB" in table.stdout
