@@ -430,8 +430,7 @@ def _shown_url(store: str | None) -> str:
 def sessions_list(
     tenant: Optional[str] = typer.Option(None, "--tenant",
                                          help=f"tenant whose sessions to list (default {DEFAULT_TENANT!r})"),
-    all_tenants: bool = flag("--all-tenants",
-                                     help="list every tenant's sessions (an administrator's view)"),
+    all_tenants: bool = flag("--all-tenants", help="list every tenant's sessions (an administrator's view)"),
     store: Optional[str] = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -439,37 +438,44 @@ def sessions_list(
 
     The store and tenant read are named on stderr, so an empty list says where it looked.
     """
-
-    from agentmem.storage import open_existing_store
-
-    if all_tenants and tenant is not None:
-        raise InvalidInput("give --tenant or --all-tenants, not both")
-    tenant = tenant or DEFAULT_TENANT
-    backend = open_existing_store(store)
-    if backend is None:
+    by_tenant = _stored_by_tenant(store, tenant, all_tenants)
+    if by_tenant is None:
         typer.echo(f"0 sessions: nothing stored yet ({_shown_url(store)} does not exist)", err=True)
         emit([], as_json)
         return
-    try:
-        tenants = backend.tenants() if all_tenants else [tenant]
-        rows = [{**row, "stored_bytes": _bytes(row["stored_bytes"], as_json)}
-                for name in tenants for row in _stored_sessions(backend, name, with_tenant=all_tenants)]
-    finally:
-        backend.close()
-    scope = "all tenants" if all_tenants else f"tenant {tenant!r}"
+    rows = [{**({"tenant": name} if all_tenants else {}), **row, "stored_bytes": _bytes(row["stored_bytes"], as_json)}
+            for name, sessions in by_tenant.items() for row in sessions]
+    scope = "all tenants" if all_tenants else f"tenant {tenant or DEFAULT_TENANT!r}"
     hint = "" if rows or all_tenants else " (--tenant NAME for another tenant, --all-tenants for every one)"
     typer.echo(f"{_count(len(rows), 'session')} of {scope} in {_shown_url(store)}{hint}", err=True)
     emit(rows, as_json)
 
 
-def _stored_sessions(backend: CacheStore, tenant: str, *, with_tenant: bool) -> Iterator[dict[str, Any]]:
+def _stored_by_tenant(store: str | None, tenant: str | None, all_tenants: bool) -> dict[str, list[dict[str, Any]]] | None:
+    """A listing row per stored session, for ``tenant`` (default tenant if None) or every tenant;
+    None when the default store was never made (nothing is created to answer)."""
+    from agentmem.storage import open_existing_store
+
+    if all_tenants and tenant is not None:
+        raise InvalidInput("give --tenant or --all-tenants, not both")
+    backend = open_existing_store(store)
+    if backend is None:
+        return None
+    try:
+        return {name: list(_stored_sessions(backend, name))
+                for name in (backend.tenants() if all_tenants else [tenant or DEFAULT_TENANT])}
+    finally:
+        backend.close()
+
+
+def _stored_sessions(backend: CacheStore, tenant: str) -> Iterator[dict[str, Any]]:
     """One listing row per stored session of ``tenant``, page by page."""
     cursor = None
     while True:
         page = backend.list(tenant, limit=500, cursor=cursor)
         for s in page.items:
-            yield {**({"tenant": tenant} if with_tenant else {}), "session_id": s.session_id, "version": s.version,
-                   "tokens": s.logical_length, "stored_bytes": s.nbytes, "updated": _when(s.updated_at)}
+            yield {"session_id": s.session_id, "version": s.version, "tokens": s.logical_length,
+                   "stored_bytes": s.nbytes, "updated": _when(s.updated_at)}
         if page.next_cursor is None:
             return
         cursor = page.next_cursor
@@ -488,28 +494,16 @@ def stats(
     A running process's own counters (turns, compactions, spills, live bytes) are
     ``SessionManager.stats()`` and ``.prometheus()``.
     """
-    from agentmem.storage import open_existing_store
-
-    if all_tenants and tenant is not None:
-        raise InvalidInput("give --tenant or --all-tenants, not both")
-    backend = open_existing_store(store)
-    if backend is None:
+    by_tenant = _stored_by_tenant(store, tenant, all_tenants)
+    if by_tenant is None:
         typer.echo(f"nothing stored yet ({_shown_url(store)} does not exist)", err=True)
         emit([], as_json)
         return
-    try:
-        tenants = backend.tenants() if all_tenants else [tenant or DEFAULT_TENANT]
-        rows = []
-        for name in tenants:
-            sessions = list(_stored_sessions(backend, name, with_tenant=False))
-            rows.append({"tenant": name, "sessions": len(sessions),
-                         "tokens": sum(row["tokens"] for row in sessions),
-                         "stored_bytes": _bytes(sum(row["stored_bytes"] for row in sessions), as_json),
-                         "last_update": max((row["updated"] for row in sessions), default=None)})
-    finally:
-        backend.close()
     typer.echo(f"store {_shown_url(store)}", err=True)
-    emit(rows, as_json)
+    emit([{"tenant": name, "sessions": len(sessions), "tokens": sum(row["tokens"] for row in sessions),
+           "stored_bytes": _bytes(sum(row["stored_bytes"] for row in sessions), as_json),
+           "last_update": max((row["updated"] for row in sessions if row["updated"]), default=None)}
+          for name, sessions in by_tenant.items()], as_json)
 
 
 @sessions_app.command("show")

@@ -104,10 +104,10 @@ class SpillWorker:
     def _decoded_nbytes(self, record: SessionRecord, rebuild: bool) -> int:
         try:
             return decoded_nbytes(read_header(record.blob), self.engine.dtype)
-        except CorruptSessionError:
+        except CorruptSessionError as exc:
             if rebuild:
-                return 0
-            raise self._damaged(record) from None  # the full reason is raised by _decode
+                return 0  # _decode finds the damage again and rebuilds
+            raise self._damaged(record, exc) from exc
 
     def _decode(self, record: SessionRecord, rebuild: bool) -> SessionCache:
         """The record's cache on the engine's device; an empty one when it is damaged and ``rebuild``."""
@@ -122,11 +122,10 @@ class SpillWorker:
             return engine.new_cache()
 
     @staticmethod
-    def _damaged(record: SessionRecord, exc: CorruptSessionError | None = None) -> CorruptSessionError:
+    def _damaged(record: SessionRecord, exc: CorruptSessionError) -> CorruptSessionError:
         """The error for a record whose cache cannot be decoded: which session, why, and what to do."""
-        reason = "" if exc is None else f" ({exc})"
         return CorruptSessionError(
-            f"session {record.tenant}/{record.session_id}: its stored cache is damaged{reason}; its transcript "
+            f"session {record.tenant}/{record.session_id}: its stored cache is damaged ({exc}); its transcript "
             f"({len(record.messages)} messages) is intact: resume it with rebuild=True (agentmem chat --rebuild) "
             f"to re-read the conversation, or delete it (agentmem sessions delete {record.session_id})")
 

@@ -94,7 +94,7 @@ def test_policy_set_validates_and_show_reads_it_back(tmp_path):
                              "max_live_tokens=2048", "keep_recent=64", "method=am"])
     assert ok.exit_code == 0, ok.output
     shown = json.loads(runner.invoke(app, ["policy", "show", "--tenant", "acme", "--policies", str(file),
-                                           "--json"]).output)
+                                           "--json"]).stdout)
     assert (shown["max_live_tokens"], shown["keep_recent"], shown["method"]) == (2048, 64, "am")
     switched = runner.invoke(app, ["policy", "set", "--tenant", "acme", "--policies", str(file), "target_tokens=100"])
     assert switched.exit_code == 0, switched.output  # replaces target_ratio instead of clashing with it
