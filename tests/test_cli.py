@@ -353,8 +353,8 @@ def test_python_compact_refuses_a_session_it_cannot_shrink(engine, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["compact", "--session", "missing", "--ratio", "4"], "missing"),
-    (["compact", "--session", "x", "--ratio", "0.5"], "target_ratio"),
-    (["compact", "--session", "x", "--keep-recent", "0"], "keep_recent"),
+    (["compact", "--session", "x", "--ratio", "0.5"], "--ratio:"),
+    (["compact", "--session", "x", "--keep-recent", "0"], "--keep-recent:"),
     (["compact", "--session", "x", "--tenant", "bad tenant!"], "invalid tenant"),
     (["chat", "--session", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["chat", "--session", "bad id!"], "invalid session id"),
@@ -363,7 +363,10 @@ def test_python_compact_refuses_a_session_it_cannot_shrink(engine, tmp_path):
     (["chat", "--session", "x", "--device", "gpu"], "--device"),
     (["chat", "--session", "x", "--device", "cuda:7"], "CUDA devices"),
 ])
-def test_commands_check_their_arguments_before_loading_the_model(tmp_path, monkeypatch, args, message):
+def test_commands_check_their_arguments_before_loading_the_model(engine, tmp_path, monkeypatch, args, message):
+    if args[0] == "compact":  # a stored session, so that what is refused is the argument
+        _store_one_session(engine, f"sqlite:///{tmp_path / 's.db'}", "default", "x")
+
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
