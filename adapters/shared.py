@@ -122,4 +122,4 @@ def close_shared() -> None:
 _before_thread_shutdown = getattr(threading, "_register_atexit", None)
 if _before_thread_shutdown is not None:
     _before_thread_shutdown(close_shared)
-atexit.register(close_shared)  # a no-op after the hook above; the only one where threading lacks the hook
+atexit.register(close_shared)  # managers made after the hook ran (by threads still working), or no hook at all

@@ -25,7 +25,9 @@ from agentmem.errors import (
     CorruptSessionError,
     InvalidInput,
     SessionNotFound,
+    StoreUnavailable,
     brief,
+    one_line,
 )
 from agentmem.home import DEFAULT_TENANT
 
@@ -75,19 +77,13 @@ def clean_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except AgentMemError as exc:
-            typer.echo(f"error: {one_line(str(exc))}", err=True)
+            typer.echo(f"error: {one_line(str(exc), ERROR_CHARS)}", err=True)
             raise typer.Exit(1) from exc
 
     return run
 
 
 ERROR_CHARS = 600
-
-
-def one_line(message: str) -> str:
-    """An error as one line of bounded length, whatever a library put into it."""
-    text = " ".join(message.split())
-    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 1] + "…"
 
 
 def emit(data: dict[str, Any] | list[dict[str, Any]], as_json: bool) -> None:
@@ -353,8 +349,6 @@ def _leave(manager: SessionManager, live: Session, turns: int, where: str, store
         manager.release(live.tenant, live.session_id)
         typer.echo(f"no turn taken: {where} left as it was (nothing stored)")
         return
-    from agentmem.errors import StoreUnavailable
-
     while True:
         try:
             version = manager.spill(live.tenant, live.session_id)
@@ -366,8 +360,8 @@ def _leave(manager: SessionManager, live: Session, turns: int, where: str, store
                           f"{STORE_RETRY_SECONDS:g} s; Ctrl-C stops waiting), [d]iscard them and leave? ")
             if choice == "r" or choice == "w" and _store_back(manager, live):
                 continue
-            if choice == "w":
-                continue  # waiting was stopped: ask again
+            if choice != "d":
+                continue  # waiting was stopped, or an answer that is none of the three: ask again
             manager.release(live.tenant, live.session_id)
             raise AgentMemError(f"discarded this chat's {_count(turns, 'turn')}: {where} stays as it was stored "
                                 "before it") from exc
@@ -377,18 +371,21 @@ def _leave(manager: SessionManager, live: Session, turns: int, where: str, store
 
 
 def _ask(prompt: str) -> str:
-    """The first letter of the answer; end of input or Ctrl-C is ``d`` (nobody is there to ask)."""
-    try:
-        return (input(prompt).strip().lower() or "?")[0]
-    except (EOFError, KeyboardInterrupt):
-        typer.echo("")
-        return "d"
+    """``r``, ``w`` or ``d``, asked until one is given; end of input or Ctrl-C is ``d`` (nobody is
+    there to ask). Only an explicit ``d`` discards: Enter or a typo asks again."""
+    while True:
+        try:
+            answer = input(prompt).strip().lower()
+        except (EOFError, KeyboardInterrupt):
+            typer.echo("")
+            return "d"
+        if answer[:1] in ("r", "w", "d"):
+            return answer[0]
+        typer.echo("  answer r, w or d", err=True)
 
 
 def _store_back(manager: SessionManager, live: Session) -> bool:
     """Wait until the store answers again (True), or until Ctrl-C (False)."""
-    from agentmem.errors import SessionNotFound, StoreUnavailable
-
     try:
         while True:
             time.sleep(STORE_RETRY_SECONDS)
@@ -456,8 +453,12 @@ def _stored_by_tenant(store: str | None, tenant: str | None, all_tenants: bool) 
     None when the default store was never made (nothing is created to answer)."""
     from agentmem.storage import open_existing_store
 
+    from agentmem.record import check_tenant
+
     if all_tenants and tenant is not None:
         raise InvalidInput("give --tenant or --all-tenants, not both")
+    if tenant is not None:
+        check_tenant(tenant)
     backend = open_existing_store(store)
     if backend is None:
         return None
@@ -529,10 +530,12 @@ def sessions_show(session_id: str, tenant: str = TenantOpt, store: Optional[str]
 def _layout(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
     """What a stored cache holds, read from its header alone: rows per KV head, the compacted
     segments and the raw tail; ``cache: damaged (…)`` when the header cannot be read."""
-    from agentmem.storage import read_header
+    from agentmem.storage.header import data_intact, read_header
 
     try:
         header = read_header(blob)
+        data = memoryview(blob)[header["_data_start"]:]
+        intact = len(data) == header.get("data_bytes") and data_intact(header, data)
         layers = header["layout"]["layers"]
         compacted = [sum(seg["head_rows"]) / len(seg["head_rows"]) for layer in layers for seg in layer["segments"]]
         segments = layers[0]["segments"]
@@ -540,7 +543,8 @@ def _layout(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
                 "rows_per_kv_head": round(sum(compacted) / len(layers) + layers[0]["tail_length"], 1),
                 "compacted_segments": len(segments),
                 "compacted_tokens": sum(seg["span"][1] - seg["span"][0] for seg in segments),
-                "raw_tail_tokens": layers[0]["tail_length"], "cache": "intact header"}
+                "raw_tail_tokens": layers[0]["tail_length"],
+                "cache": "intact (checksums match)" if intact else "damaged (data checksum mismatch)"}
     except CorruptSessionError as exc:
         return {"cache": f"damaged ({exc})"}
     except (KeyError, TypeError, IndexError, ZeroDivisionError) as exc:
@@ -588,7 +592,7 @@ def sessions_export(
         return
     typer.echo(f"wrote {out}: the transcript ({len(record.messages)} messages) without the token log, since the "
                f"cache is damaged ({damage}); rebuild the session from it with `agentmem chat --session "
-               f"{session_id} --rebuild`", err=True)
+               f"{session_id} --tenant {tenant} --store {_shown_url(store)} --rebuild`", err=True)
     if blob is not None:
         raise CorruptSessionError(f"--blob {blob} not written: the cache of {tenant}/{session_id} is damaged")
 
@@ -698,7 +702,8 @@ def policy_show(tenant: str = PolicyTenantOpt, policies: Optional[Path] = Polici
     else:
         close = difflib.get_close_matches(tenant, [name for name in loaded if name != "default"], n=1)
         source = f"the 'default' entry of {file}" if "default" in loaded else "the AGENTMEM_* variables and defaults"
-        typer.echo(f"tenant {tenant!r} has no entry in {file}: it gets {source}"
+        where = f"no entry in {file}" if file.is_file() else f"no entry (no policy file at {file})"
+        typer.echo(f"tenant {tenant!r} has {where}: it gets {source}"
                    + (f" (did you mean {close[0]!r}?)" if close else ""), err=True)
     if as_json:
         emit(policy.model_dump(), as_json)
@@ -784,22 +789,28 @@ def compact(
     from agentmem.record import check_session_id, check_tenant
     from agentmem.storage import open_existing_store
 
+    check_tenant(tenant)
+    check_session_id(session)
+    # The session is looked for before the policy is checked: checking it imports torch (its
+    # method registry), and a session that is not there needs no torch to say so.
     backend = open_existing_store(store)
     if backend is None:
         raise SessionNotFound(f"no session {session!r} for tenant {tenant!r}: nothing stored yet in "
                               f"{_shown_url(store)}")
     try:
-        backend.version(check_tenant(tenant), check_session_id(session))  # before torch and the model load
+        backend.version(tenant, session)
     finally:
         backend.close()
     given = {"ratio": ratio, "target_tokens": target_tokens, "method": method, "keep_recent": keep_recent}
     overrides = {field: given[option] for field, option in COMPACT_OPTIONS.items() if given[option] is not None}
     loaded, default = _load_policies(policies)
     try:
-        policy = loaded.get(check_tenant(tenant), default).with_overrides(**overrides)  # bad values fail before loading
+        policy = loaded.get(tenant, default).with_overrides(**overrides)  # bad values fail before loading
     except InvalidInput as exc:
         message = str(exc)
         for field, option in COMPACT_OPTIONS.items():  # name the flags the user typed, not the policy fields
+            if field not in overrides:
+                continue
             message = message.replace(f"{field}:", f"--{option.replace('_', '-')}:")
         raise InvalidInput(message) from exc
     options = _engine_options(device, dtype)

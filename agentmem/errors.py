@@ -71,9 +71,14 @@ class StoreNotFound(InvalidInput):
     """
 
 
-class CorruptStoreError(AgentMemError):
+class CorruptStoreError(StoreUnavailable):
     """The store's own files are damaged (a SQLite page, not one session's cache): restore it
-    from a backup or salvage it (``sqlite3 FILE .recover``); retrying will not help."""
+    from a backup or salvage it (``sqlite3 FILE .recover``); retrying will not help.
+
+    A kind of :class:`StoreUnavailable`, so every path that keeps live sessions serving while
+    the store cannot be used (lease renewals, clean-ups, the chat's retry or discard) keeps them
+    through damage too; its message says it is damage, not an outage.
+    """
 
 
 class CompactionUnreachable(AgentMemError):
@@ -101,13 +106,17 @@ class SessionBusy(AgentMemError):
 BRIEF_CHARS = 160
 
 
+def one_line(text: str, limit: int = BRIEF_CHARS) -> str:
+    """``text`` on one line of at most ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def brief(exc: BaseException) -> str:
     """A foreign exception in one short line, for our own messages.
 
     Parsers of damaged data put the data in their messages (a whole header JSON is tens of
     kilobytes), so an error built on ``repr(exc)`` could be one line of 78,000 characters.
     """
-    text = " ".join(str(exc).split())
-    if len(text) > BRIEF_CHARS:
-        text = text[: BRIEF_CHARS - 1] + "…"
+    text = one_line(str(exc))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -126,8 +126,9 @@ class SpillWorker:
         """The error for a record whose cache cannot be decoded: which session, why, and what to do."""
         return CorruptSessionError(
             f"session {record.tenant}/{record.session_id}: its stored cache is damaged ({exc}); its transcript "
-            f"({len(record.messages)} messages) is intact: resume it with rebuild=True (agentmem chat --rebuild) "
-            f"to re-read the conversation, or delete it (agentmem sessions delete {record.session_id})")
+            f"({len(record.messages)} messages) is intact: resume it with rebuild=True (agentmem chat --session "
+            f"{record.session_id} --rebuild --tenant {record.tenant}) to re-read the conversation, or delete it "
+            f"(agentmem sessions delete {record.session_id} --tenant {record.tenant})")
 
     def adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]],
               *, leased: bool = False) -> Session:

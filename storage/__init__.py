@@ -84,7 +84,7 @@ def open_store(url: str | None = None, *, create: bool = True) -> CacheStore:
             raise StoreUnavailable(f"cannot open SQL store {url}: cannot create {folder}: {exc}") from exc
     from agentmem.storage.sql import SqlStore
 
-    return SqlStore(url)
+    return SqlStore(url, create=create)
 
 
 def open_existing_store(url: str | None = None) -> CacheStore | None:

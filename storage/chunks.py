@@ -45,9 +45,16 @@ def digests(data: bytes | bytearray | memoryview, bounds: list[tuple[int, int]],
     xxhash releases the GIL, so the chunks hash in parallel at memory speed (tens of GB/s).
     """
     view = memoryview(data)
+
+    def one(bound: tuple[int, int]) -> str:
+        return hexdigest(view[bound[0] : bound[1]])
+
     if len(bounds) == 1:  # small blobs: no thread hand-off
-        return [hexdigest(view[bounds[0][0] : bounds[0][1]])]
-    return list(_hashers().map(lambda bound: hexdigest(view[bound[0] : bound[1]]), bounds))
+        return [one(bounds[0])]
+    try:
+        return list(_hashers().map(one, bounds))
+    except RuntimeError:  # the interpreter is shutting its pools down: a spill at exit still completes
+        return [one(bound) for bound in bounds]
 
 
 @functools.cache

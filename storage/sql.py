@@ -34,9 +34,11 @@ One code path serves every dialect; the few differences are kept small and local
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 import uuid
+from contextlib import closing
 from collections.abc import Callable
 
 from sqlalchemy import (
@@ -57,6 +59,7 @@ from sqlalchemy import (
     event,
     exists,
     func,
+    inspect,
     insert,
     null,
     or_,
@@ -67,7 +70,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from agentmem.errors import CorruptStoreError, StoreUnavailable, VersionConflict, brief
+from agentmem.errors import CorruptStoreError, StoreNotFound, StoreUnavailable, VersionConflict, brief
 from agentmem.record import (
     Allocate,
     Lease,
@@ -209,11 +212,16 @@ MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1, _add_leases_v2, _c
 class SqlStore:
     """A :class:`~agentmem.record.CacheStore` on any SQLAlchemy URL."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, create: bool = True) -> None:
+        """``create=False``: the database must hold an agentmem store already (else
+        :class:`StoreNotFound`, and nothing is written to it): a reading command pointed at
+        another application's database must not add tables to it."""
         self.url = url
         self.bytes_written = 0  # chunk bytes this store has staged (what shared chunks save shows here)
         self._counting = threading.Lock()
         try:
+            if not create:
+                _require_store(url)
             self._engine = self._make_engine(url)
             self._writer = self._engine.execution_options(**{_WRITE: True})
             self._migrate()
@@ -561,6 +569,29 @@ class _Guard:
         return False
 
 
+def _require_store(url: str) -> None:
+    """Raise :class:`StoreNotFound` unless the database at ``url`` holds an agentmem store, writing
+    nothing: SQLite is opened read-only here (our engine's connections switch the file to WAL)."""
+    database = make_url(url).database
+    if url.startswith("sqlite") and database and database != ":memory:":
+        try:
+            with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as conn:
+                found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                     (schema_table.name,)).fetchone()
+        except sqlite3.DatabaseError:
+            return  # damaged or not SQLite: opening it properly reports which (CorruptStoreError)
+    else:
+        engine = create_engine(engine_url(url))
+        try:
+            with engine.connect() as conn:
+                found = inspect(conn).has_table(schema_table.name)
+        finally:
+            engine.dispose()
+    if not found:
+        raise StoreNotFound(f"{_redact(url)} holds no agentmem store (no {schema_table.name} table); "
+                            "nothing was written to it")
+
+
 # SQLite's result codes for a damaged file: retrying cannot help, unlike a lock or a full disk.
 _DAMAGED_SQLITE = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 
@@ -569,7 +600,11 @@ def _store_error(url: str, exc: SQLAlchemyError, what: str) -> StoreUnavailable 
     """One line for a driver failure: the driver's own message, without SQLAlchemy's statement,
     parameters and help link; a damaged SQLite file is :class:`CorruptStoreError` with what to do."""
     driver = getattr(exc, "orig", None) or exc
-    if getattr(driver, "sqlite_errorname", "").startswith(_DAMAGED_SQLITE):
+    error_name = getattr(driver, "sqlite_errorname", "")
+    if error_name == "SQLITE_NOTADB":
+        return CorruptStoreError(f"{make_url(url).database} is not a SQLite database, or its header is destroyed "
+                                 f"({brief(driver)}): check the path, or restore the file from a backup")
+    if error_name.startswith(_DAMAGED_SQLITE):
         path = make_url(url).database
         return CorruptStoreError(f"SQL store file {path} is damaged ({brief(driver)}): restore it from a backup, or "
                                  f"salvage it with `sqlite3 {path} .recover`; retrying will not help")

@@ -6,6 +6,7 @@ import inspect
 import json
 import logging
 import re
+import sqlite3
 
 import pytest
 
@@ -479,6 +480,12 @@ def test_a_command_that_only_reads_never_creates_a_store(command, tmp_path, monk
         assert result.exit_code == 1 and result.stderr.startswith("error: no store at ")
         assert str(tmp_path / url.removeprefix("sqlite:///").removeprefix(f"{tmp_path}/")) in result.stderr
         assert not path.exists()
+    foreign = tmp_path / "foreign.db"  # another application's database: refused, and not written to
+    sqlite3.connect(foreign).execute("CREATE TABLE t (x)").connection.commit()
+    before = foreign.read_bytes()
+    result = runner.invoke(app, [*command, "--store", f"sqlite:///{foreign}"])
+    assert result.exit_code == 1 and "holds no agentmem store" in result.stderr
+    assert foreign.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["foreign.db"]
     default = runner.invoke(app, command)  # the default store, never made: nothing in it, nothing created
     assert "nothing stored yet" in default.stderr and not (tmp_path / "home").exists()
     assert default.exit_code == (0 if command == ["sessions", "list"] else 1)
@@ -513,16 +520,17 @@ def test_a_damaged_cache_is_one_line_and_its_transcript_stays_readable_and_rebui
 
     refused = runner.invoke(app, ["chat", "--session", "hurt", *common], input="Hello\n")
     assert refused.exit_code == 1 and refused.stderr.count("\n") == 1 and len(refused.stderr) < 700
-    assert all(part in refused.stderr for part in ("acme/hurt", "damaged", "--rebuild", "sessions delete hurt"))
+    assert all(part in refused.stderr for part in ("acme/hurt", "damaged", "--rebuild --tenant acme",
+                                                   "sessions delete hurt --tenant acme"))
 
     shown = runner.invoke(app, ["sessions", "show", "hurt", *common, "--json"])
     info = json.loads(shown.stdout)
     assert shown.exit_code == 0 and info["messages"] == 2 and "stored_bytes" in info
-    assert info["cache"].startswith("damaged") if where == "header" else info["cache"] == "intact header"
+    assert info["cache"].startswith("damaged")
 
     exported = runner.invoke(app, ["sessions", "export", "hurt", *common, "--out", str(tmp_path / "t.json")])
     payload = json.loads((tmp_path / "t.json").read_text())
-    assert exported.exit_code == 0 and "--rebuild" in exported.stderr
+    assert exported.exit_code == 0 and f"--tenant acme --store {store} --rebuild" in exported.stderr
     assert payload["token_ids"] is None and payload["cache_damaged"]
     assert payload["messages"][0]["content"] == "My order 4417 went to Lisbon."
     blob = runner.invoke(app, ["sessions", "export", "hurt", *common, "--out", str(tmp_path / "u.json"),
@@ -542,14 +550,16 @@ def test_a_damaged_cache_is_one_line_and_its_transcript_stays_readable_and_rebui
 
 
 def test_an_error_is_one_bounded_line_whatever_a_library_put_in_it():
-    from agentmem.cli import ERROR_CHARS, one_line
+    from agentmem.cli import ERROR_CHARS
+    from agentmem.errors import one_line
 
     assert one_line("a\n  b\tc") == "a b c"
-    long = one_line("{" + "x" * 80_000 + "}")
+    long = one_line("{" + "x" * 80_000 + "}", ERROR_CHARS)
     assert len(long) == ERROR_CHARS and long.endswith("…")
 
 
-@pytest.mark.parametrize("answers, saved", [("r\n", True), ("w\n", True), ("d\n", False), ("", False)])
+@pytest.mark.parametrize("answers, saved", [("r\n", True), ("w\n", True), ("d\n", False), ("", False),
+                                             ("\nyes\nr\n", True)])  # Enter or a typo asks again
 def test_a_store_failing_at_the_end_of_a_chat_keeps_the_turns_until_the_user_decides(
         engine, tmp_path, monkeypatch, answers, saved):
     """The chat names the unsaved turns and offers retry / wait / discard (end of input discards);
