@@ -69,6 +69,9 @@ PolicyTenantOpt = typer.Option(DEFAULT_TENANT, "--tenant", help="tenant whose po
 PoliciesOpt = typer.Option(None, "--policies", help="policy file (default $AGENTMEM_HOME/policies.yaml)")
 
 
+ERROR_CHARS = 600  # the longest error line the command line prints
+
+
 def clean_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     """Turn our typed errors into one ``error:`` line and exit code 1."""
 
@@ -81,9 +84,6 @@ def clean_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(1) from exc
 
     return run
-
-
-ERROR_CHARS = 600
 
 
 def emit(data: dict[str, Any] | list[dict[str, Any]], as_json: bool) -> None:
@@ -121,8 +121,7 @@ def _print_version(asked: bool) -> None:
 
 @app.callback()
 def main(
-    version: bool = flag("--version", "-V", callback=_print_version, is_eager=True,
-                                 help="print the version and exit"),
+    version: bool = flag("--version", "-V", callback=_print_version, is_eager=True, help="print the version and exit"),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, metavar="", show_default=False,
                                 help="log what agentmem does to stderr (-v: steps and timings; -vv: debug)"),
 ) -> None:
@@ -199,9 +198,8 @@ def chat(
     max_new_tokens: int = typer.Option(256, help="tokens generated per reply at most"),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     system: Optional[str] = typer.Option(None, help="system prompt for a new session"),
-    rebuild: bool = flag("--rebuild",
-                                 help="if the stored cache is damaged, resume from the stored transcript "
-                                      "(re-read at your next turn)"),
+    rebuild: bool = flag("--rebuild", help="if the stored cache is damaged, resume from the stored transcript "
+                                           "(re-read at your next turn)"),
 ) -> None:
     """Talk to a session: it resumes if stored and is saved when you leave after a turn.
 
@@ -354,8 +352,7 @@ def _leave(manager: SessionManager, live: Session, turns: int, where: str, store
             version = manager.spill(live.tenant, live.session_id)
         except StoreUnavailable as exc:
             typer.echo(f"not stored yet: this chat's {_count(turns, 'turn')} (messages {stored_messages + 1}-"
-                       f"{len(live.messages)} "
-                       f"of {where}) are only in memory; the store failed: {exc}", err=True)
+                       f"{len(live.messages)} of {where}) are only in memory; the store failed: {exc}", err=True)
             choice = _ask("[r]etry, [w]ait for the store (retries every "
                           f"{STORE_RETRY_SECONDS:g} s; Ctrl-C stops waiting), [d]iscard them and leave? ")
             if choice == "r" or choice == "w" and _store_back(manager, live):
@@ -451,9 +448,8 @@ def sessions_list(
 def _stored_by_tenant(store: str | None, tenant: str | None, all_tenants: bool) -> dict[str, list[dict[str, Any]]] | None:
     """A listing row per stored session, for ``tenant`` (default tenant if None) or every tenant;
     None when the default store was never made (nothing is created to answer)."""
-    from agentmem.storage import open_existing_store
-
     from agentmem.record import check_tenant
+    from agentmem.storage import open_existing_store
 
     if all_tenants and tenant is not None:
         raise InvalidInput("give --tenant or --all-tenants, not both")
@@ -530,12 +526,11 @@ def sessions_show(session_id: str, tenant: str = TenantOpt, store: Optional[str]
 def _layout(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
     """What a stored cache holds, read from its header alone: rows per KV head, the compacted
     segments and the raw tail; ``cache: damaged (…)`` when the header cannot be read."""
-    from agentmem.storage.header import data_intact, read_header
+    from agentmem.storage.header import data_region_intact, read_header
 
     try:
         header = read_header(blob)
-        data = memoryview(blob)[header["_data_start"]:]
-        intact = len(data) == header.get("data_bytes") and data_intact(header, data)
+        intact = data_region_intact(blob, header)
         layers = header["layout"]["layers"]
         compacted = [sum(seg["head_rows"]) / len(seg["head_rows"]) for layer in layers for seg in layer["segments"]]
         segments = layers[0]["segments"]
@@ -607,16 +602,12 @@ def sessions_delete(
     store: Optional[str] = StoreOpt,
 ) -> None:
     """Delete one session, or with --all every session of one named tenant."""
-    from agentmem.storage import open_existing_store
-
     if all_sessions == (session_id is not None):
         raise InvalidInput("give a session ID or --all, not both or neither")
     if all_sessions and tenant is None:
         raise InvalidInput("--all needs an explicit --tenant; bulk deletes across tenants are refused")
     tenant = tenant or DEFAULT_TENANT
-    backend = open_existing_store(store)
-    if backend is None:
-        raise SessionNotFound(f"nothing stored yet in {_shown_url(store)}: no session of tenant {tenant!r} to delete")
+    backend = _store_holding(store, tenant, session_id)
     try:
         if all_sessions:
             if not yes and not typer.confirm(f"delete every session of tenant {tenant!r}?"):
@@ -632,16 +623,23 @@ def sessions_delete(
 
 
 def _get_record(store: str | None, tenant: str, session_id: str):
-    from agentmem.storage import open_existing_store
-
-    backend = open_existing_store(store)
-    if backend is None:
-        raise SessionNotFound(f"no session {session_id!r} for tenant {tenant!r}: nothing stored yet in "
-                              f"{_shown_url(store)}")
+    backend = _store_holding(store, tenant, session_id)
     try:
         return backend.get(tenant, session_id)
     finally:
         backend.close()
+
+
+def _store_holding(store: str | None, tenant: str, session_id: str | None) -> CacheStore:
+    """The existing store a command on ``tenant``'s session (any, if None) reads; never created,
+    and the default store not made yet is :class:`SessionNotFound` (it holds no session)."""
+    from agentmem.storage import open_existing_store
+
+    backend = open_existing_store(store)
+    if backend is None:
+        which = f"session {session_id!r}" if session_id else "session"
+        raise SessionNotFound(f"no {which} for tenant {tenant!r}: nothing stored yet in {_shown_url(store)}")
+    return backend
 
 
 def _count(n: int, noun: str) -> str:
@@ -787,16 +785,12 @@ def compact(
     says why, exits 1 and stores nothing.
     """
     from agentmem.record import check_session_id, check_tenant
-    from agentmem.storage import open_existing_store
 
     check_tenant(tenant)
     check_session_id(session)
     # The session is looked for before the policy is checked: checking it imports torch (its
     # method registry), and a session that is not there needs no torch to say so.
-    backend = open_existing_store(store)
-    if backend is None:
-        raise SessionNotFound(f"no session {session!r} for tenant {tenant!r}: nothing stored yet in "
-                              f"{_shown_url(store)}")
+    backend = _store_holding(store, tenant, session)
     try:
         backend.version(tenant, session)
     finally:

@@ -60,6 +60,13 @@ def read_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
     return header
 
 
+def data_region_intact(blob: bytes | bytearray | memoryview, header: dict[str, Any]) -> bool:
+    """Whether ``blob``'s data region (after ``header``, from :func:`read_header`) is whole and
+    matches the checksums its header recorded."""
+    data = memoryview(blob)[header["_data_start"] :]
+    return len(data) == header.get("data_bytes") and data_intact(header, data)
+
+
 def data_intact(header: dict[str, Any], data: memoryview) -> bool:
     """Whether the data region matches the checksums its header recorded."""
     if header["format_version"] == 1:
@@ -73,9 +80,9 @@ def data_intact(header: dict[str, Any], data: memoryview) -> bool:
 def verified_token_ids(blob: bytes | bytearray | memoryview) -> list[int]:
     """The stored token log, after checking the header and every data checksum (no torch needed)."""
     header = read_header(blob)
-    data = memoryview(blob)[header["_data_start"] :]
-    if len(data) != header.get("data_bytes") or not data_intact(header, data):
+    if not data_region_intact(blob, header):
         raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged")
+    data = memoryview(blob)[header["_data_start"] :]
     entry = header["_tensors"].get("token_ids")
     try:
         start, end = (int(offset) for offset in entry["data_offsets"])
