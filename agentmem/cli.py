@@ -360,8 +360,8 @@ def _leave(manager: SessionManager, live: Session, turns: int, where: str, store
             if choice != "d":
                 continue  # waiting was stopped, or an answer that is none of the three: ask again
             manager.release(live.tenant, live.session_id)
-            raise AgentMemError(f"discarded this chat's {_count(turns, 'turn')}: {where} stays as it was stored "
-                                "before it") from exc
+            raise StoreUnavailable(f"discarded this chat's {_count(turns, 'turn')}: {where} stays as it was stored "
+                                   "before it") from exc
         typer.echo(f"saved {where} as version {version}: {len(live.messages)} messages, "
                    f"{live.stored_bytes / 2**20:.1f} MiB stored")
         return
