@@ -1,0 +1,239 @@
+"""What a piece of tensor code would cost on an accelerator, counted on any device at dispatch level.
+
+GPU machines are rare; their costs are not. Every tensor operation passes PyTorch's dispatcher,
+and what a GPU pays for is visible there on a CPU (or on fake tensors, which do no arithmetic):
+
+- **aten ops**: each operator that does work is about one kernel launch on a GPU (views,
+  aliases and metadata-only ops are counted apart: they launch nothing);
+- **host syncs**: operators whose result the host must read before it can go on (``.item()``,
+  ``int(t)``, ``bool(t)``, ``nonzero``, boolean indexing, ``unique``, ``tolist``, a 0-d tensor
+  as a slice bound, ...). On a GPU each one drains the launch queue. Each is recorded with the
+  first call site in the code under study, so a count that grows can be traced to its line;
+- **FLOPs by dtype** of matrix products and attention (PyTorch's own formulas, keyed by the
+  dtype the product runs in: a bf16 ``bmm`` runs on tensor cores, an fp32 one does not);
+- **peak live bytes**: tensors made inside the block, counted while any view of them lives
+  (on top of what was live before, which is not counted);
+- **host-to-device traffic**: tensors built from host data (``torch.tensor(...)``) and copies
+  between devices.
+
+:class:`CostCounter` is a context manager (a ``TorchDispatchMode``): the counts are
+deterministic for a given input, which is what lets tests bound them.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import traceback
+import weakref
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+# Operators that make the host wait for the device (each is a sync on CUDA).
+_SYNC_OPS = frozenset({
+    aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default,
+    aten.nonzero.default, aten.nonzero.out, aten.masked_select.default, aten.argwhere.default,
+    aten._unique.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor, aten.allclose.default,
+})
+# Work-free operators: they build views or move no data, so they launch nothing on a GPU.
+_FREE_OPS = frozenset({
+    aten.detach.default, aten.detach_.default, aten.lift_fresh.default, aten.resolve_conj.default,
+    aten.resolve_neg.default, aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+    aten.new_empty.default, aten.new_empty_strided.default, aten.set_.source_Storage_storage_offset,
+    aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
+    aten.is_same_size.default, aten.result_type.Scalar_Tensor, aten.result_type.Tensor,
+})
+# Attention kernels the flop registry does not know; (query, key, value) are their first inputs.
+# Under ``inference_mode`` composite operators (``matmul``, ``linear``, ``scaled_dot_product_attention``)
+# reach the mode whole, as one operator each: about one kernel, as on a GPU.
+_ATTENTION_OPS = {
+    op for op in (aten.scaled_dot_product_attention.default,
+                  getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+                  getattr(aten, "_scaled_dot_product_attention_math", None)) if op is not None}
+_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
+
+
+def _is_view(func) -> bool:
+    return func in _FREE_OPS or func.is_view or torch.Tag.inplace_view in func.tags
+
+
+@dataclass
+class Costs:
+    """Counts of one :class:`CostCounter` block; see the module doc for what each one means."""
+
+    aten_ops: int = 0  # operators that launch work
+    view_ops: int = 0  # views, aliases and metadata-only operators
+    ops: collections.Counter = field(default_factory=collections.Counter)  # working operators by name
+    syncs: collections.Counter = field(default_factory=collections.Counter)  # "file:line (op)" -> count
+    flops: collections.Counter = field(default_factory=collections.Counter)  # dtype name -> FLOPs
+    peak_bytes: int = 0
+    host_built_bytes: int = 0  # tensors made from host data (a host-to-device copy on a GPU)
+    host_built: int = 0
+    cross_device_bytes: int = 0
+
+    @property
+    def host_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops.values())
+
+    def flop_share(self, dtype: torch.dtype) -> float:
+        """Fraction of matmul and attention FLOPs that ran in ``dtype`` (1.0 when there were none)."""
+        total = self.total_flops
+        return 1.0 if total == 0 else self.flops[str(dtype).removeprefix("torch.")] / total
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "aten_ops": self.aten_ops, "view_ops": self.view_ops, "host_syncs": self.host_syncs,
+            "sync_sites": dict(self.syncs.most_common()), "flops": dict(self.flops), "total_flops": self.total_flops,
+            "peak_bytes": self.peak_bytes, "host_built": self.host_built, "host_built_bytes": self.host_built_bytes,
+            "cross_device_bytes": self.cross_device_bytes,
+        }
+
+
+class CostCounter(TorchDispatchMode):
+    """Count the costs of the tensor work done inside ``with CostCounter() as counter:`` (``counter.costs``).
+
+    ``sites_under`` is the directory whose frames name a sync's call site (default: this
+    repository); the innermost frame under it is recorded.
+    """
+
+    def __init__(self, sites_under: str = _PACKAGE_DIR) -> None:
+        super().__init__()
+        self.costs = Costs()
+        self._sites_under = sites_under
+        self._live = 0
+        self._refs: dict[int, int] = {}  # storage key -> live tensor objects viewing it (bytes counted once)
+        self._bytes: dict[int, int] = {}
+        self._known: set[int] = set()  # storages that were live before the block: never counted
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self):
+        # Host reads that never reach the dispatcher on a CPU tensor (on a GPU they are copies + syncs).
+        for name in ("tolist", "cpu", "numpy"):
+            original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._counting(original, name))
+            self._patched.append((torch.Tensor, name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+        self._patched.clear()
+        return super().__exit__(*exc)
+
+    def _counting(self, original, name: str):
+        counter = self
+
+        @functools.wraps(original)
+        def wrapper(tensor, *args, **kwargs):
+            if name != "cpu" or tensor.device.type != "cpu":
+                counter._record_sync(name)
+            return original(tensor, *args, **kwargs)
+        return wrapper
+
+    def _record_sync(self, op: str) -> None:
+        self.costs.syncs[f"{self._call_site()} ({op})"] += 1
+
+    def _call_site(self) -> str:
+        for frame in reversed(traceback.extract_stack()[:-3]):
+            if (frame.filename.startswith(self._sites_under) and frame.filename != __file__
+                    and "site-packages" not in frame.filename):
+                return f"{frame.filename[len(self._sites_under) + 1:]}:{frame.lineno}"
+        return "outside"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        for t in inputs:
+            self._know(t)
+        if func in _SYNC_OPS or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
+                                 and _has_bool_index(args)):
+            self._record_sync(func.__name__)
+        if _is_view(func):
+            self.costs.view_ops += 1
+        else:
+            self.costs.aten_ops += 1
+            self.costs.ops[func.__name__] += 1
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self._count_flops(func, args, kwargs, inputs, outputs)
+        if func is aten.lift_fresh.default:
+            self.costs.host_built += 1
+            self.costs.host_built_bytes += sum(t.nbytes for t in outputs)
+        elif func in (aten._to_copy.default, aten.copy_.default) and inputs and outputs and (
+                inputs[-1].device != outputs[0].device):
+            self.costs.cross_device_bytes += outputs[0].nbytes
+        for t in outputs:
+            self._track(t)
+        return out
+
+    def _count_flops(self, func, args, kwargs, inputs, outputs) -> None:
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, out_val=outputs[0] if len(outputs) == 1 else tuple(outputs), **kwargs)
+        elif func in (aten.matmul.default, aten.linear.default):  # multiply-adds per output element: the inner size
+            flops = 2 * outputs[0].numel() * inputs[0].shape[-1]
+        elif func in _ATTENTION_OPS:
+            q, k, v = inputs[:3]
+            batch_heads = q.numel() // (q.shape[-2] * q.shape[-1])
+            flops = 2 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+        else:
+            return
+        self.costs.flops[str(inputs[0].dtype).removeprefix("torch.")] += int(flops)
+
+    # ---- live bytes: a storage counts from its first tensor made in the block until its last view dies
+
+    def _key(self, t: torch.Tensor) -> int | None:
+        try:
+            return t.untyped_storage()._cdata  # the storage itself, whichever Python object wraps it
+        except (NotImplementedError, RuntimeError):  # e.g. sparse or nested tensors: not tracked
+            return None
+
+    def _know(self, t: torch.Tensor) -> None:
+        key = self._key(t)
+        if key is not None and key not in self._refs:
+            self._known.add(key)
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = self._key(t)
+        if key is None or key in self._known:
+            return
+        if key not in self._refs:
+            self._refs[key] = 0
+            self._bytes[key] = t.untyped_storage().nbytes()
+            self._live += self._bytes[key]
+            self.costs.peak_bytes = max(self.costs.peak_bytes, self._live)
+        self._refs[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self._live -= self._bytes.pop(key)
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+
+
+def count(fn, *args, **kwargs) -> tuple[Any, Costs]:
+    """Run ``fn(*args, **kwargs)`` under a :class:`CostCounter`; its result and its costs."""
+    with CostCounter() as counter:
+        result = fn(*args, **kwargs)
+    return result, counter.costs
+
+
