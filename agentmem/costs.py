@@ -106,7 +106,8 @@ class CostCounter(TorchDispatchMode):
     """Count the costs of the tensor work done inside ``with CostCounter() as counter:`` (``counter.costs``).
 
     ``sites_under`` is the directory whose frames name a sync's call site (default: this
-    repository); the innermost frame under it is recorded.
+    repository); the innermost frame under it is recorded, passing over installed packages and
+    the hooks of other torch modes.
     """
 
     def __init__(self, sites_under: str = _PACKAGE_DIR) -> None:
@@ -118,6 +119,7 @@ class CostCounter(TorchDispatchMode):
         self._bytes: dict[int, int] = {}
         self._known: set[int] = set()  # storages that were live before the block: never counted
         self._patched: list[tuple[Any, str, Any]] = []
+        self._reading = False
 
     def __enter__(self):
         # Host reads that never reach the dispatcher on a CPU tensor (on a GPU they are copies + syncs).
@@ -138,9 +140,15 @@ class CostCounter(TorchDispatchMode):
 
         @functools.wraps(original)
         def wrapper(tensor, *args, **kwargs):
+            if counter._reading:  # a torch function mode above us calls the method again: one read
+                return original(tensor, *args, **kwargs)
             if name != "cpu" or tensor.device.type != "cpu":
                 counter._record_sync(name)
-            return original(tensor, *args, **kwargs)
+            counter._reading = True
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                counter._reading = False
         return wrapper
 
     def _record_sync(self, op: str) -> None:
@@ -149,7 +157,7 @@ class CostCounter(TorchDispatchMode):
     def _call_site(self) -> str:
         for frame in reversed(traceback.extract_stack()[:-3]):
             if (frame.filename.startswith(self._sites_under) and frame.filename != __file__
-                    and "site-packages" not in frame.filename):
+                    and "site-packages" not in frame.filename and not frame.name.startswith("__torch_")):
                 return f"{frame.filename[len(self._sites_under) + 1:]}:{frame.lineno}"
         return "outside"
 

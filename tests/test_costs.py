@@ -1,0 +1,86 @@
+"""The dispatch-level cost counter: each count against work whose cost is known by hand."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from agentmem.costs import CostCounter, count
+
+MIB = 2**20
+
+
+def test_host_reads_are_syncs_named_by_their_line():
+    x = torch.arange(8.0)
+    with torch.inference_mode(), CostCounter() as counter:
+        int(x[3])
+        x.nonzero()
+        x[x > 2]
+        x.tolist()
+        bool((x > 1).any())
+        x[: torch.tensor(3)]  # a 0-d tensor as a slice bound reads the device too
+    sites = counter.costs.syncs
+    assert counter.costs.host_syncs == 6, sites
+    assert all(site.startswith("tests/test_costs.py:") for site in sites)
+    assert {site.split(" ")[1] for site in sites} >= {"(nonzero.default)", "(index.Tensor)", "(tolist)",
+                                                       "(is_nonzero.default)"}
+
+
+def test_work_on_the_device_alone_makes_no_sync():
+    x = torch.randn(16, 16)
+    with torch.inference_mode(), CostCounter() as counter:
+        y = (x @ x).softmax(-1)
+        y.topk(4).indices.sort()
+        torch.where(y > 0.5, y, 0.0).sum()
+    assert counter.costs.host_syncs == 0
+
+
+def test_flops_are_counted_by_the_dtype_the_product_runs_in():
+    a16 = torch.randn(64, 128, dtype=torch.bfloat16)
+    a32 = torch.randn(8, 32, 64)
+    q, k = torch.randn(1, 4, 16, 64), torch.randn(1, 4, 48, 64)
+    with torch.inference_mode(), CostCounter() as counter:
+        a16 @ a16.T  # (64 x 128) @ (128 x 64)
+        torch.bmm(a32, a32.transpose(1, 2))  # 8 x (32 x 64) @ (64 x 32)
+        F.scaled_dot_product_attention(q, k, k)  # q·kᵀ and p·v
+        F.linear(a16, a16)  # (64 x 128) @ (128 x 64)
+    assert counter.costs.flops["bfloat16"] == 2 * (2 * 64 * 128 * 64)
+    assert counter.costs.flops["float32"] == 2 * 8 * 32 * 64 * 32 + 2 * 4 * 16 * 48 * (64 + 64)
+    assert counter.costs.flop_share(torch.bfloat16) == counter.costs.flops["bfloat16"] / counter.costs.total_flops
+
+
+def test_views_launch_nothing():
+    x = torch.randn(4, 8)
+    with torch.inference_mode(), CostCounter() as counter:
+        x[1:3].transpose(0, 1).reshape(-1).unsqueeze(0)
+    assert counter.costs.aten_ops == 0 and counter.costs.view_ops >= 4
+
+
+def test_peak_counts_what_lives_at_once_and_not_what_was_there_before():
+    before = torch.zeros(4 * MIB, dtype=torch.uint8)
+
+    def work():
+        a = torch.ones(MIB, dtype=torch.uint8)
+        view = a[: MIB // 2]  # shares a's bytes
+        del a
+        b = torch.ones(2 * MIB, dtype=torch.uint8)  # view still holds a: 3 MiB live
+        del view, b
+        c = torch.ones(2 * MIB, dtype=torch.uint8)  # alone: 2 MiB
+        return before.add_(1), c
+
+    _, costs = count(work)
+    assert costs.peak_bytes == 3 * MIB
+
+
+def test_tensors_built_from_host_data_are_counted():
+    with torch.inference_mode(), CostCounter() as counter:
+        torch.tensor([1, 2, 3])
+        torch.arange(3)  # made on the device: no host data crosses
+    assert counter.costs.host_built == 1 and counter.costs.host_built_bytes == 3 * 8
+
+
+def test_patched_host_reads_are_restored():
+    original = torch.Tensor.tolist
+    with CostCounter():
+        assert torch.Tensor.tolist is not original
+    assert torch.Tensor.tolist is original
