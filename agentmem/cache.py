@@ -16,7 +16,9 @@ step never copies the cache (transformers' ``DynamicCache`` concatenates every s
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,8 +31,10 @@ from agentmem.host_memory import wait_for_copies
 
 CACHE_FORMAT_VERSION = 2  # 2: the raw tail exported in blocks of TAIL_BLOCK tokens across layers; 1 still read
 SEGMENT_PARTS = ("keys", "values", "beta", "scores", "positions")  # a segment's packed tensors, as exported
-# Parts with a dtype of their own; the others take the cache's.
-PART_DTYPES: dict[str, torch.dtype] = {"scores": torch.float32, "positions": torch.int32}
+# Parts with a dtype of their own; the others take the cache's. β is float32 whatever the cache's dtype:
+# in bf16 a fitted β would be rounded to steps of ~0.016 (its weight off by ~1.6%); it is one number
+# per row, so keeping it exact costs little. Caches exported with β in their own dtype still load.
+PART_DTYPES: dict[str, torch.dtype] = {"beta": torch.float32, "scores": torch.float32, "positions": torch.int32}
 UNKNOWN_POSITION = -1  # a row whose token position was not recorded (a cache from before positions were)
 # Tokens per exported block of the raw tail. A spill after a turn changes only the last block and
 # the ones after it, so a store rewrites those (LMCache stores 256-token chunks too).
@@ -181,18 +185,22 @@ class LayerCache:
         # Uninitialised: every slot attention reads is written below or by stage().
         self._keys = torch.empty(heads, capacity, head_dim, dtype=dtype, device=device)
         self._values = torch.empty_like(self._keys)
-        # Additive logit bias of the prefix slots: β for real rows, -inf for padding; the rows'
+        # Additive float32 logit bias of the prefix slots: β for real rows, -inf for padding; the rows'
         # recorded compaction scores (-inf on padding and unknowns) and token positions
         # (UNKNOWN_POSITION on padding and unknowns). All None without segments.
         self.bias: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # see _packed_slots
         if self.prefix_length:
-            self.bias = torch.full((heads, self.prefix_length), -math.inf, dtype=dtype, device=device)
+            self.bias = torch.full((heads, self.prefix_length), -math.inf, dtype=PART_DTYPES["beta"], device=device)
             self.scores = torch.full((heads, self.prefix_length), -math.inf, dtype=torch.float32, device=device)
             self.positions = torch.full((heads, self.prefix_length), UNKNOWN_POSITION, dtype=torch.int32, device=device)
-        for seg, layout in zip(segments, self.layouts):
-            self._place(seg, layout)
+            # Padding slots get weight 0, but 0 * NaN garbage would still poison the output.
+            self._keys[:, : self.prefix_length].zero_()
+            self._values[:, : self.prefix_length].zero_()
+        for j, seg in enumerate(segments):
+            self._place(j, seg)
         # Each segment's reference-query sample, outside the attention buffer (attention never reads
         # it); copied like the rows, so the cache never shares memory with what it was built from.
         self.queries: tuple[SegmentQueries | None, ...] = tuple(
@@ -207,24 +215,33 @@ class LayerCache:
             start = end
         self.tail_length = tail_len
 
-    def _place(self, seg: CompactedSegment, layout: SegmentLayout) -> None:
-        """Copy a packed segment into its slots: each tensor crosses to the device once, then
-        is split per head there (one small transfer per head and tensor would each wait on the bus)."""
+    def _place(self, j: int, seg: CompactedSegment) -> None:
+        """Copy packed segment ``j`` into its slots: each tensor crosses to the device once, then
+        is scattered to its heads' slots there, all heads by one indexed write (one small transfer
+        or write per head and tensor would each wait on the bus or launch a kernel)."""
+        if not sum(seg.head_rows):
+            return
         device = self._keys.device
-        keys, values, beta, scores, positions = (part.to(device, dtype, non_blocking=True) for part, dtype in (
-            (seg.keys, self._keys.dtype), (seg.values, self._keys.dtype), (seg.beta, self._keys.dtype),
-            (seg.scores, torch.float32), (seg.positions, torch.int32)))
-        start, offset = 0, layout.offset
-        for h, n in enumerate(seg.head_rows if layout.width else ()):
-            self._keys[h, offset : offset + n] = keys[start : start + n]
-            self._values[h, offset : offset + n] = values[start : start + n]
-            self.bias[h, offset : offset + n] = beta[start : start + n]
-            self.scores[h, offset : offset + n] = scores[start : start + n]
-            self.positions[h, offset : offset + n] = positions[start : start + n]
-            # Padding slots get weight 0, but 0 * NaN garbage would still poison the output.
-            self._keys[h, offset + n : offset + layout.width] = 0
-            self._values[h, offset + n : offset + layout.width] = 0
-            start += n
+        head, slot = self._packed_slots(j)
+        for target, part in ((self._keys, seg.keys), (self._values, seg.values), (self.bias, seg.beta),
+                             (self.scores, seg.scores), (self.positions, seg.positions)):
+            target[head, slot] = part.to(device, target.dtype, non_blocking=True)
+
+    def _packed_slots(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(head, slot)`` ``(R,)`` of every row of segment ``j`` in packed order (head after head):
+        where the rows lie in the buffer, for all heads' rows to be written or read in one go.
+
+        Made on the device from one small host table of the row counts (the layout is host
+        metadata, so no device value is read), once per segment.
+        """
+        if j not in self._packed:
+            layout = self.layouts[j]
+            device = self._keys.device
+            starts = to_device(list(itertools.accumulate(layout.head_rows, initial=0)), device)
+            row = torch.arange(sum(layout.head_rows), device=device)
+            head = torch.searchsorted(starts[1:], row, right=True)
+            self._packed[j] = head, row - starts[head] + layout.offset
+        return self._packed[j]
 
     @property
     def num_heads(self) -> int:
@@ -267,15 +284,11 @@ class LayerCache:
 
         A copy into page-locked memory is asynchronous: synchronise before reading ``out``.
         """
-        layout = self.layouts[j]
+        if not sum(self.layouts[j].head_rows):  # a segment of no rows at all has nothing to read
+            return out
         source = {"keys": self._keys, "values": self._values, "beta": self.bias, "scores": self.scores,
                   "positions": self.positions}[part]
-        start = 0
-        for h, n in enumerate(layout.head_rows):
-            if n:  # a segment of no rows at all has no bias table to read
-                out[start : start + n].copy_(source[h, layout.offset : layout.offset + n], non_blocking=True)
-            start += n
-        return out
+        return out.copy_(source[self._packed_slots(j)], non_blocking=True)
 
     def slot_view(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Buffer slots ``[start, end)`` as ``(keys, values, prior)``: views plus a float32 ``(H, n)`` bias.
@@ -313,6 +326,15 @@ class LayerCache:
             out[:, : in_prefix - start] = per_slot[:, start:in_prefix]
         return out
 
+    def slot_counts(self, start: int, end: int) -> tuple[int, ...]:
+        """Real rows (not padding) each KV head holds in slots ``[start, end)``, from the layout alone.
+
+        The range must begin and end on segment boundaries or in the raw tail, as spans do.
+        """
+        inside = [seg.head_rows for seg in self.layouts if start <= seg.offset < end]
+        raw = max(0, end - max(start, self.prefix_length))
+        return tuple(raw + sum(rows[h] for rows in inside) for h in range(self.num_heads))
+
     @property
     def rows_per_head(self) -> list[int]:
         """Real (unpadded) rows each KV head attends to."""
@@ -320,9 +342,10 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of real rows, as stored packed: keys, values, β, scores and positions of segments, plus the tail."""
+        """Bytes of real rows, as stored packed: keys, values, float32 β and scores and int32 positions of
+        segments, plus the tail."""
         row = self._keys.shape[-1] * self._keys.element_size()
-        compacted = sum(sum(seg.head_rows) for seg in self.layouts) * (2 * row + self._keys.element_size() + 4 + 4)
+        compacted = sum(sum(seg.head_rows) for seg in self.layouts) * (2 * row + 4 + 4 + 4)
         return 2 * self.tail_length * self.num_heads * row + compacted + self._queries_nbytes
 
     @property
@@ -376,7 +399,18 @@ class LayerCache:
             setattr(self, name, new)
 
     def clone(self) -> LayerCache:
-        return LayerCache(list(self.segments), self.tail_keys.clone(), self.tail_values.clone())
+        """A copy sharing no memory with this layer: its occupied slots in a buffer of their own
+        (no spare capacity), copied buffer to buffer rather than gathered into segments and placed again."""
+        twin = copy.copy(self)
+        twin._keys = self._keys.new_empty(self.num_heads, _round_up(self.length), self._keys.shape[-1])
+        twin._values = torch.empty_like(twin._keys)
+        twin._keys[:, : self.length] = self._keys[:, : self.length]
+        twin._values[:, : self.length] = self._values[:, : self.length]
+        twin.bias, twin.scores, twin.positions = (None if t is None else t.clone()
+                                                  for t in (self.bias, self.scores, self.positions))
+        twin.queries = tuple(None if s is None else SegmentQueries(s.queries.clone(), s.at) for s in self.queries)
+        twin._packed = dict(self._packed)  # never written in place: shared
+        return twin
 
 
 class ScratchRows:
@@ -422,6 +456,9 @@ class SessionCache:
         self.layers = layers
         self._token_ids = list(token_ids)
         self.fingerprint = fingerprint
+        # What the compaction that built this cache did (a CompactionStats, set by compact()); not
+        # stored or cloned: it describes that one call.
+        self.compaction_stats: Any = None
 
     @classmethod
     def empty(
@@ -674,10 +711,19 @@ def _stored_tail(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
 
 
 def buffer_nbytes(prefix_slots: int, tail: int, *, heads: int, head_dim: int, element_size: int, queries: int = 0) -> int:
-    """Bytes a freshly built layer allocates: keys and values of every slot, β, float32 scores and
+    """Bytes a freshly built layer allocates: keys and values of every slot, float32 β and scores and
     int32 positions of the prefix, and the ``queries`` per head its segments kept."""
-    return (2 * heads * head_dim * _round_up(prefix_slots + tail) + heads * prefix_slots
-            + heads * queries * head_dim) * element_size + 8 * heads * prefix_slots
+    return (2 * heads * head_dim * _round_up(prefix_slots + tail) + heads * queries * head_dim) * element_size + (
+        12 * heads * prefix_slots)
+
+
+def to_device(values: Sequence, device: torch.device) -> torch.Tensor:
+    """A small int64 table (nested lists of host ints) on ``device``, copied without waiting for the device.
+
+    A blocking host-to-device copy (``torch.tensor(values, device=...)``) waits for the work
+    queued before it; host metadata (row counts, budgets) needs no such wait.
+    """
+    return torch.tensor(values, dtype=torch.long, device="cpu").to(device, non_blocking=True)
 
 
 def _round_up(n: int) -> int:

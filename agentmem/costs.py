@@ -11,8 +11,8 @@ and what a GPU pays for is visible there on a CPU (or on fake tensors, which do 
   first call site in the code under study, so a count that grows can be traced to its line;
 - **FLOPs by dtype** of matrix products and attention (PyTorch's own formulas, keyed by the
   dtype the product runs in: a bf16 ``bmm`` runs on tensor cores, an fp32 one does not);
-- **peak live bytes**: tensors made inside the block, counted while any view of them lives
-  (on top of what was live before, which is not counted);
+- **peak live bytes**: storages made inside the block, counted while they live (on top of
+  what was live before, which is not counted);
 - **host-to-device traffic**: tensors built from host data (``torch.tensor(...)``) and copies
   between devices.
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 import collections
 import functools
 import traceback
-import weakref
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -56,9 +56,9 @@ _FREE_OPS = frozenset({
 # Under ``inference_mode`` composite operators (``matmul``, ``linear``, ``scaled_dot_product_attention``)
 # reach the mode whole, as one operator each: about one kernel, as on a GPU.
 _ATTENTION_OPS = {
-    op for op in (aten.scaled_dot_product_attention.default,
-                  getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-                  getattr(aten, "_scaled_dot_product_attention_math", None)) if op is not None}
+    packet for packet in (aten.scaled_dot_product_attention,
+                          getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+                          getattr(aten, "_scaled_dot_product_attention_math", None)) if packet is not None}
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
 
 
@@ -75,6 +75,9 @@ class Costs:
     ops: collections.Counter = field(default_factory=collections.Counter)  # working operators by name
     syncs: collections.Counter = field(default_factory=collections.Counter)  # "file:line (op)" -> count
     flops: collections.Counter = field(default_factory=collections.Counter)  # dtype name -> FLOPs
+    # rows (tokens) through each weight shape (in_features, out_features) of F.linear: projections
+    # scale with the model's width, attention does not, so a narrow model's count can be rescaled
+    linear_rows: collections.Counter = field(default_factory=collections.Counter)
     peak_bytes: int = 0
     host_built_bytes: int = 0  # tensors made from host data (a host-to-device copy on a GPU)
     host_built: int = 0
@@ -88,6 +91,11 @@ class Costs:
     def total_flops(self) -> int:
         return sum(self.flops.values())
 
+    @property
+    def linear_flops(self) -> int:
+        """FLOPs of ``F.linear`` (the model's projections and head), whatever their dtype."""
+        return sum(2 * rows * i * o for (i, o), rows in self.linear_rows.items())
+
     def flop_share(self, dtype: torch.dtype) -> float:
         """Fraction of matmul and attention FLOPs that ran in ``dtype`` (1.0 when there were none)."""
         total = self.total_flops
@@ -97,6 +105,7 @@ class Costs:
         return {
             "aten_ops": self.aten_ops, "view_ops": self.view_ops, "host_syncs": self.host_syncs,
             "sync_sites": dict(self.syncs.most_common()), "flops": dict(self.flops), "total_flops": self.total_flops,
+            "linear_rows": {f"{i}x{o}": n for (i, o), n in self.linear_rows.items()},
             "peak_bytes": self.peak_bytes, "host_built": self.host_built, "host_built_bytes": self.host_built_bytes,
             "cross_device_bytes": self.cross_device_bytes,
         }
@@ -107,17 +116,19 @@ class CostCounter(TorchDispatchMode):
 
     ``sites_under`` is the directory whose frames name a sync's call site (default: this
     repository); the innermost frame under it is recorded, passing over installed packages and
-    the hooks of other torch modes.
+    the hooks of other torch modes. ``memory_of`` (a device type such as ``"cuda"``) limits the
+    live bytes to storages on that device; by default every storage counts.
     """
 
-    def __init__(self, sites_under: str = _PACKAGE_DIR) -> None:
+    supports_higher_order_operators = True
+
+    def __init__(self, sites_under: str = _PACKAGE_DIR, *, memory_of: str | None = None) -> None:
         super().__init__()
         self.costs = Costs()
         self._sites_under = sites_under
-        self._live = 0
-        self._refs: dict[int, int] = {}  # storage key -> live tensor objects viewing it (bytes counted once)
-        self._bytes: dict[int, int] = {}
-        self._known: set[int] = set()  # storages that were live before the block: never counted
+        self._memory_of = memory_of
+        self._tracked: dict[int, tuple[StorageWeakRef, int]] = {}  # StorageImpl -> (weak ref, bytes)
+        self._live = 0  # bytes of tracked storages, dead ones not yet swept included
         self._patched: list[tuple[Any, str, Any]] = []
         self._reading = False
 
@@ -164,8 +175,13 @@ class CostCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        for t in inputs:
-            self._know(t)
+        if not isinstance(func, torch._ops.OpOverload):  # a higher-order operator (FlexAttention): one kernel
+            out = func(*args, **kwargs)
+            self.costs.aten_ops += 1
+            self.costs.ops[str(func)] += 1
+            self._count_higher_order_flops(inputs)
+            self._track_outputs(out, args, kwargs)
+            return out
         if func in _SYNC_OPS or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
                                  and _has_bool_index(args)):
             self._record_sync(func.__name__)
@@ -183,8 +199,7 @@ class CostCounter(TorchDispatchMode):
         elif func in (aten._to_copy.default, aten.copy_.default) and inputs and outputs and (
                 inputs[-1].device != outputs[0].device):
             self.costs.cross_device_bytes += outputs[0].nbytes
-        for t in outputs:
-            self._track(t)
+        self._track_outputs(out, args, kwargs)
         return out
 
     def _count_flops(self, func, args, kwargs, inputs, outputs) -> None:
@@ -193,44 +208,67 @@ class CostCounter(TorchDispatchMode):
             flops = flop_registry[packet](*args, out_val=outputs[0] if len(outputs) == 1 else tuple(outputs), **kwargs)
         elif func in (aten.matmul.default, aten.linear.default):  # multiply-adds per output element: the inner size
             flops = 2 * outputs[0].numel() * inputs[0].shape[-1]
-        elif func in _ATTENTION_OPS:
-            q, k, v = inputs[:3]
-            batch_heads = q.numel() // (q.shape[-2] * q.shape[-1])
-            flops = 2 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+            if func is aten.linear.default:
+                weight = inputs[1]
+                self.costs.linear_rows[(weight.shape[1], weight.shape[0])] += inputs[0].numel() // weight.shape[1]
+        elif packet in _ATTENTION_OPS:
+            self._count_higher_order_flops(inputs)
+            return
         else:
             return
         self.costs.flops[str(inputs[0].dtype).removeprefix("torch.")] += int(flops)
 
-    # ---- live bytes: a storage counts from its first tensor made in the block until its last view dies
-
-    def _key(self, t: torch.Tensor) -> int | None:
-        try:
-            return t.untyped_storage()._cdata  # the storage itself, whichever Python object wraps it
-        except (NotImplementedError, RuntimeError):  # e.g. sparse or nested tensors: not tracked
-            return None
-
-    def _know(self, t: torch.Tensor) -> None:
-        key = self._key(t)
-        if key is not None and key not in self._refs:
-            self._known.add(key)
-
-    def _track(self, t: torch.Tensor) -> None:
-        key = self._key(t)
-        if key is None or key in self._known:
+    def _count_higher_order_flops(self, inputs: list[torch.Tensor]) -> None:
+        """Attention's FLOPs from its (query, key, value) inputs: q·kᵀ and p·v over every query head."""
+        if len(inputs) < 3:
             return
-        if key not in self._refs:
-            self._refs[key] = 0
-            self._bytes[key] = t.untyped_storage().nbytes()
-            self._live += self._bytes[key]
-            self.costs.peak_bytes = max(self.costs.peak_bytes, self._live)
-        self._refs[key] += 1
-        weakref.finalize(t, self._release, key)
+        q, k, v = inputs[:3]
+        batch_heads = q.numel() // (q.shape[-2] * q.shape[-1])
+        flops = 2 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+        self.costs.flops[str(q.dtype).removeprefix("torch.")] += int(flops)
 
-    def _release(self, key: int) -> None:
-        self._refs[key] -= 1
-        if self._refs[key] == 0:
-            del self._refs[key]
-            self._live -= self._bytes.pop(key)
+    # ---- live bytes: a storage counts from the operator that makes it until the storage itself dies
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the storages made in the block that are alive now."""
+        self._sweep()
+        return self._live
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now (a next stage's peak includes it)."""
+        self.costs.peak_bytes = self.live_bytes
+
+    def _track_outputs(self, out, args, kwargs) -> None:
+        """Count each new storage among ``out``: not one an input holds (views, in-place ops) or one
+        already counted. Lifetime is the storage's (a weak reference to it), not a tensor object's:
+        a tensor's Python object can die while C++ still holds the tensor."""
+        inputs: set[int] | None = None
+        for t in tree_flatten(out)[0]:
+            storage = self._storage(t)
+            if storage is None or storage._cdata in self._tracked:
+                continue
+            if inputs is None:  # only when an output is not a known storage
+                inputs = {s._cdata for s in map(self._storage, tree_flatten((args, kwargs))[0]) if s is not None}
+            if storage._cdata in inputs:
+                continue
+            size = storage.nbytes()
+            if self._live + size > self.costs.peak_bytes:  # the peak can only rise here: make the count exact
+                self._sweep()
+            # The weak reference also keeps a dead storage's address from being reused until swept.
+            self._tracked[storage._cdata] = (StorageWeakRef(storage), size)
+            self._live += size
+            self.costs.peak_bytes = max(self.costs.peak_bytes, self._live)
+
+    def _storage(self, t: object) -> torch.UntypedStorage | None:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or (
+                self._memory_of is not None and t.device.type != self._memory_of):
+            return None
+        return t.untyped_storage()
+
+    def _sweep(self) -> None:
+        for key in [key for key, (ref, _) in self._tracked.items() if ref.expired()]:
+            self._live -= self._tracked.pop(key)[1]
 
 
 def _has_bool_index(args) -> bool:

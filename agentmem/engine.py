@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -25,8 +25,8 @@ from transformers import (
 from transformers.models.llama.modeling_llama import rotate_half  # the same in every supported architecture
 
 from agentmem import attention
-from agentmem.attention import BetaMode, ForwardPass, QueryRecorder
-from agentmem.cache import ScratchRows, SessionCache
+from agentmem.attention import BetaMode, BiasRows, ForwardPass, QueryRecorder
+from agentmem.cache import LayerCache, ScratchRows, SessionCache
 from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
 from agentmem.models import (
@@ -39,7 +39,14 @@ from agentmem.models import (
     model_fingerprint,
 )
 
-PREFILL_CHUNK = 512
+if TYPE_CHECKING:
+    from agentmem.decode import StaticDecoder
+
+# Tokens per prefill forward. Each forward launches its ~36 operators per layer again, so chunks
+# cost more than one pass (at 2,048 tokens, 512-token chunks took 1.5-2.3x); a chunk read on top of
+# earlier rows also needs a (tokens x slots) mask, attended in slices under attention.MASK_BYTES.
+# At the 8B shape a chunk's activations take ~0.7 GB (its MLP), small beside the weights.
+PREFILL_CHUNK = 8192
 _LOGPROB_CHUNK = 256
 
 
@@ -51,15 +58,18 @@ class Engine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        beta_mode: BetaMode = "mask",
+        beta_mode: BetaMode | None = None,
         name: str | None = None,
     ) -> None:
+        """``beta_mode`` defaults to :func:`agentmem.attention.default_beta_mode` of the model's device."""
         check_supported(model.config)
         if model.config._attn_implementation != attention.ATTENTION_NAME:
             model.set_attn_implementation(attention.register())
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.beta_mode: BetaMode = beta_mode
+        self.beta_mode: BetaMode = beta_mode or attention.default_beta_mode(model.device)
+        # When set, greedy and sampled decoding run through fixed buffers, one compiled step per token.
+        self.decoder: StaticDecoder | None = None
         self.name = name or model.config._name_or_path or model.config.model_type
         self.fingerprint = model_fingerprint(model)
         cfg = model.config
@@ -81,7 +91,7 @@ class Engine:
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
-        beta_mode: BetaMode = "mask",
+        beta_mode: BetaMode | None = None,
     ) -> Engine:
         """Load ``"embedded"`` (SmolLM2-135M-Instruct) or a local Hugging Face model folder.
 
@@ -101,15 +111,12 @@ class Engine:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def new_cache(self) -> SessionCache:
-        return SessionCache.empty(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            fingerprint=self.fingerprint,
-        )
+    def new_cache(self, *, spare: int = 0) -> SessionCache:
+        """An empty cache for this model, with room for ``spare`` tokens allocated up front (a
+        prefill knows how many it reads, so its first forward writes in place, reallocating nothing)."""
+        no_rows = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        layers = [LayerCache([], no_rows, no_rows, spare=spare) for _ in range(self.num_layers)]
+        return SessionCache(layers, [], self.fingerprint)
 
     # ----------------------------------------------------------------------------- reading
 
@@ -119,11 +126,12 @@ class Engine:
     ) -> SessionCache:
         """Read ``token_ids`` into ``cache`` (a new one if ``None``) at its logical positions.
 
-        Long inputs are read in chunks of ``chunk_size`` tokens, which bounds the attention
-        mask's memory; results equal a single pass to float rounding.
+        Long inputs are read in chunks of ``chunk_size`` tokens, which bounds the activations'
+        memory (attention masks stay under :data:`agentmem.attention.MASK_BYTES` whatever the
+        chunk); results equal a single pass to float rounding.
         """
-        cache = self.new_cache() if cache is None else cache
         ids = self._check_tokens(token_ids, cache)
+        cache = self.new_cache(spare=len(ids)) if cache is None else cache
         for start in range(0, len(ids), chunk_size):
             self._forward(cache, ids[start : start + chunk_size])
         return cache
@@ -165,7 +173,8 @@ class Engine:
             scratch.reset()
             for start in range(0, len(window), PREFILL_CHUNK):
                 ids = window[start : start + PREFILL_CHUNK]
-                self._run(ids, cache.logical_length + start, ForwardPass(cache, self.beta_mode, recorder, scratch))
+                self._run(self._on_device(ids), cache.logical_length + start,
+                          ForwardPass(cache, self.beta_mode, recorder, scratch))
                 scratch.commit(len(ids))
 
     def rotate(self, rotated: torch.Tensor, shift: int) -> torch.Tensor:
@@ -222,28 +231,63 @@ class Engine:
         generator: torch.Generator | None,
         stop: list[str],
     ) -> Iterator[int]:
-        last_chunk = (len(prompt) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        """Read the prompt, then sample a token from the last hidden state and read it, until a stop.
+
+        Each sampled token stays on the device: the next step's forward reads it from there, and
+        the host learns its id (for the token log, the caller and the stop checks) only after
+        queuing that forward, so the device never waits for the host. A token is thus in the
+        cache before it is yielded, even when it turns out to be the last.
+        """
+        if self.decoder is not None and self.decoder.room(cache) >= len(prompt) + max_new_tokens:
+            yield from self._static_decode_loop(cache, prompt, max_new_tokens, processors, generator, stop)
+            return
+        bias_rows = BiasRows()  # β rows the steps share: a step over compacted rows builds no mask
         with torch.inference_mode():
-            for start in range(0, last_chunk, PREFILL_CHUNK):
-                self._forward(cache, prompt[start : start + PREFILL_CHUNK])
-        pending = prompt[last_chunk:]  # read just before the next sample (or at the end)
+            for start in range(0, len(prompt), PREFILL_CHUNK):
+                hidden = self._forward(cache, prompt[start : start + PREFILL_CHUNK], bias_rows)
+        host = _TokenToHost(self.device)
+        generated: list[int] = []
+        while len(generated) < max_new_tokens and cache.logical_length < self.max_context:
+            with torch.inference_mode():
+                token = _sample(self.model.get_output_embeddings()(hidden[0, -1:]), processors, generator)
+                host.send(token)
+                hidden = self._commit(cache, token[None], bias_rows)
+            generated.append(host.receive())
+            cache.extend_log(generated[-1:])
+            yield generated[-1]
+            if generated[-1] in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
+                break
+
+    def _static_decode_loop(
+        self,
+        cache: SessionCache,
+        prompt: list[int],
+        max_new_tokens: int,
+        processors: LogitsProcessorList,
+        generator: torch.Generator | None,
+        stop: list[str],
+    ) -> Iterator[int]:
+        """:meth:`_decode_loop` through :attr:`decoder`: the tokens it reads reach the cache when it ends."""
+        decoder = self.decoder
+        with torch.inference_mode():
+            for start in range(0, len(prompt) - 1, PREFILL_CHUNK):
+                self._forward(cache, prompt[start : min(start + PREFILL_CHUNK, len(prompt) - 1)])
+        decoder.load(cache)
+        logits = decoder.step(prompt[-1])
+        host = _TokenToHost(self.device)
         generated: list[int] = []
         try:
-            while len(generated) < max_new_tokens and cache.logical_length + len(pending) < self.max_context:
+            while len(generated) < max_new_tokens and cache.logical_length + decoder.steps < self.max_context:
                 with torch.inference_mode():
-                    hidden = self._forward(cache, pending)
-                    pending = []
-                    logits = self.model.get_output_embeddings()(hidden[0, -1:]).float()
-                    token = _sample(logits, processors, generated, generator)
-                generated.append(token)
-                pending = [token]
-                yield token
-                if token in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
+                    token = _sample(logits, processors, generator)
+                    host.send(token)
+                    logits = decoder.step(token)
+                generated.append(host.receive())
+                yield generated[-1]
+                if generated[-1] in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
                     break
         finally:
-            if pending and cache.logical_length + len(pending) <= self.max_context:
-                with torch.inference_mode():
-                    self._forward(cache, pending)
+            decoder.store(cache)
 
     # ------------------------------------------------------------------------------ chat
 
@@ -291,27 +335,43 @@ class Engine:
 
     # --------------------------------------------------------------------------- internals
 
-    def _forward(self, cache: SessionCache, ids: list[int]) -> torch.Tensor:
+    def _forward(self, cache: SessionCache, ids: list[int], bias_rows: BiasRows | None = None) -> torch.Tensor:
         """Run the decoder over ``ids`` at the cache's logical positions and commit them.
 
         Returns the final hidden states ``(1, n, hidden)``. If the forward fails, nothing is
         committed and the cache is unchanged.
         """
-        hidden = self._run(ids, cache.logical_length, ForwardPass(cache, self.beta_mode))
-        for layer in cache.layers:
-            layer.commit(len(ids))
+        hidden = self._commit(cache, self._on_device(ids), bias_rows)
         cache.extend_log(ids)
         return hidden
 
-    def _run(self, ids: list[int], first_position: int, forward_pass: ForwardPass) -> torch.Tensor:
-        """One decoder forward over ``ids`` at positions from ``first_position``; final hidden states."""
+    def _commit(self, cache: SessionCache, input_ids: torch.Tensor, bias_rows: BiasRows | None = None) -> torch.Tensor:
+        """:meth:`_forward` of device token ids ``(1, n)``, committing their rows but not logging them:
+        the caller logs the ids once the host knows them."""
+        forward_pass = ForwardPass(cache, self.beta_mode, bias_rows=bias_rows or BiasRows())
+        hidden = self._run(input_ids, cache.logical_length, forward_pass)
+        for layer in cache.layers:
+            layer.commit(input_ids.shape[1])
+        return hidden
+
+    def _run(self, input_ids: torch.Tensor, first_position: int, forward_pass: ForwardPass) -> torch.Tensor:
+        """One decoder forward over ``input_ids`` ``(1, n)`` at positions from ``first_position``; final hidden states.
+
+        No attention mask is passed: the session attention builds its own (see
+        :func:`agentmem.attention.register`).
+        """
+        n = input_ids.shape[1]
         out = self.model.base_model(
-            input_ids=torch.tensor([ids], device=self.device),
-            position_ids=torch.arange(first_position, first_position + len(ids), device=self.device).unsqueeze(0),
+            input_ids=input_ids,
+            position_ids=torch.arange(first_position, first_position + n, device=self.device).unsqueeze(0),
             use_cache=False,
             agentmem_pass=forward_pass,
         )
         return out.last_hidden_state
+
+    def _on_device(self, ids: list[int]) -> torch.Tensor:
+        """Host token ids as ``(1, n)`` input ids on the model's device."""
+        return torch.tensor([ids], device=self.device)
 
     def _check_tokens(self, token_ids: Sequence[int], cache: SessionCache | None, *, reserve: int = 0) -> list[int]:
         if cache is not None:
@@ -362,14 +422,43 @@ def _warpers(temperature: float, top_p: float, top_k: int) -> LogitsProcessorLis
     return processors
 
 
-def _sample(
-    logits: torch.Tensor, processors: LogitsProcessorList, generated: list[int], generator: torch.Generator | None
-) -> int:
+def _sample(logits: torch.Tensor, processors: LogitsProcessorList, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token id ``(1,)`` from ``(1, vocab)`` logits, on their device: the argmax without warpers."""
     if not processors:
-        return int(logits.argmax(-1))
-    context = torch.tensor([generated], dtype=torch.long, device=logits.device)
-    scores = processors(context, logits)
-    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+        return logits.argmax(-1)
+    # The warpers (temperature, top-k, top-p) never read the ids so far: none are copied to the device.
+    scores = processors(logits.new_empty((1, 0), dtype=torch.long), logits.float())
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator)[0]
+
+
+class _TokenToHost:
+    """Brings each sampled token id to the host without stalling the device's queue of work.
+
+    On CUDA the id is copied into page-locked memory behind the work already queued, and the
+    host waits for that copy only when it reads the id, after it has queued the next forward.
+    Elsewhere reading the id is the copy.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self._host = torch.empty(1, dtype=torch.long, device="cpu", pin_memory=True) if pinned else None
+        self._copied = torch.cuda.Event() if pinned else None
+        self._token: torch.Tensor | None = None
+
+    def send(self, token: torch.Tensor) -> None:
+        """Start bringing ``token`` ``(1,)`` to the host."""
+        if self._host is None:
+            self._token = token
+        else:
+            self._host.copy_(token, non_blocking=True)
+            self._copied.record()
+
+    def receive(self) -> int:
+        """The id of the token last sent (the one host sync of a decode step)."""
+        if self._host is None:
+            return int(self._token)
+        self._copied.synchronize()
+        return int(self._host)
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:

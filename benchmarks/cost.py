@@ -9,13 +9,15 @@ where compaction keeps data-dependent numbers of rows).
 
 Per-layer scaling: every stage runs at 1 and 2 layers; the difference is the per-layer cost and
 the rest the fixed cost, so a 32-layer model costs ``fixed + 32 × per layer`` (the 32L columns).
-FLOPs at 32k tokens are fitted as ``c0 + c1·T + c2·T²`` per stage from one-layer runs at three
-lengths (every FLOP here is a product of tokens read and keys attended, at most quadratic in
-the length) and reported as a multiple of a prefill of the same 32k tokens. Transformers does the same work beside ours: its sdpa forward
+FLOPs at 32k tokens (``--long``) come from one layer of the same attention shape on a narrow
+residual stream (hidden 512), run for real: attention and compaction's statistics do not depend
+on the width, and the projections' FLOPs are recounted at the 8B width from the tokens that
+went through them (:func:`width_scaled_flops`). Compaction's cost is not a polynomial of the
+length (its reference windows are capped), so it is measured at 32k, not extrapolated. Transformers does the same work beside ours: its sdpa forward
 (one pass; final hidden states on both sides) and its ``StaticCache`` eager decode step.
 
-Run: ``python benchmarks/cost.py`` (about 15 minutes on 2 cores; ``--tokens 512 --fit`` for a
-quick look without the fit). Writes ``benchmarks/results/cost.{md,json}``.
+Run: ``python benchmarks/cost.py`` (about 20 minutes on 2 cores; ``--tokens 512 --long 0`` for a
+quick look). Writes ``benchmarks/results/cost.{md,json}``.
 """
 
 from __future__ import annotations
@@ -27,13 +29,22 @@ import sys
 from collections.abc import Callable
 
 import torch
+from agentmem.storage.codec import decode_cache, encode_cache
+from common import (
+    RESULTS,
+    SHAPES,
+    command_line,
+    machine,
+    markdown_table,
+    random_shape_engine,
+    stdlib_text,
+    write_results,
+)
 from transformers import StaticCache
 
 from agentmem import Engine, SessionCache
 from agentmem.compaction import compact
 from agentmem.costs import Costs, count
-from agentmem.storage.codec import decode_cache, encode_cache
-from common import RESULTS, SHAPES, command_line, machine, random_shape_engine, stdlib_text, write_results
 
 METHODS = ("am", "am-fast", "am-omp", "top-attention", "global-eviction", "window")  # summaries generate text
 RATIO = 10
@@ -41,7 +52,7 @@ DECODE_STEPS = 8
 DECODE_PROMPT = 256  # tokens read before the decode steps are counted
 DEFAULT_METHOD = "am"  # the compacted cache the compacted-row stages use
 FULL_LAYERS = 32
-FIT_TOKENS = 32768
+LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
 GIB = 2**30
 
 
@@ -135,23 +146,47 @@ def scaled(costs: dict[int, Costs], field: Callable[[Costs], float]) -> tuple[fl
     return two - one, 2 * one - two
 
 
-def fitted(by_tokens: dict[int, float]) -> float | None:
-    """The count at :data:`FIT_TOKENS` from ``c0 + c1·T + c2·T²`` fitted through the runs (least squares
-    beyond three); ``None`` with fewer than three lengths."""
-    if len(by_tokens) < 3:
-        return None
-    tokens = torch.tensor(sorted(by_tokens), dtype=torch.float64)
-    design = torch.stack([torch.ones_like(tokens), tokens, tokens**2], -1)
-    values = torch.tensor([by_tokens[int(t)] for t in tokens], dtype=torch.float64)
-    coefficients = torch.linalg.lstsq(design, values[:, None]).solution[:, 0]
-    return float(coefficients @ torch.tensor([1.0, FIT_TOKENS, FIT_TOKENS**2], dtype=torch.float64))
+def width_scaled_flops(costs: Costs, narrow: dict, wide: dict) -> float:
+    """FLOPs ``costs`` would have on the ``wide`` model: everything but projections as counted (attention and
+    compaction's statistics do not depend on the width), projections recounted at the wide width per token."""
+    head = (narrow["hidden_size"], narrow["vocab_size"])
+    rows = sum(n for shape, n in costs.linear_rows.items() if shape != head)
+    layer_tokens = rows / LINEARS_PER_LAYER
+    return (costs.total_flops - costs.linear_flops + 2 * layer_tokens * layer_weights(wide)
+            + 2 * costs.linear_rows[head] * wide["hidden_size"] * wide["vocab_size"])
 
 
-def row(stage: str, by_layers: dict[int, Costs], flops_by_tokens: dict[int, float], prefill_at_fit: float | None) -> dict:
+def layer_weights(shape: dict) -> int:
+    """Weights of one Llama decoder layer's projections: q, k, v, o and the gated MLP."""
+    hidden, head_dim = shape["hidden_size"], shape["head_dim"]
+    attention = 2 * hidden * shape["num_attention_heads"] * head_dim + 2 * hidden * shape["num_key_value_heads"] * head_dim
+    return attention + 3 * hidden * shape["intermediate_size"]
+
+
+def long_rows(tokens: int, methods: list[str]) -> list[dict]:
+    """FLOPs per layer of a prefill and of compactions at ``tokens``, at the 8B width (see :func:`width_scaled_flops`)."""
+    narrow = dict(SHAPES["wide-cpu"], num_hidden_layers=1)
+    SHAPES["long-cost"] = narrow
+    engine = random_shape_engine("long-cost", torch.device("cpu"), torch.bfloat16, tokens + 512)
+    ids = text_ids(engine, tokens)
+    cache, prefill = count(engine.prefill, ids)
+    stages = {"prefill, engine": prefill}
+    for method in methods:
+        print(f"{tokens} tokens: {method}", file=sys.stderr, flush=True)
+        stages[f"compact {method} {RATIO}x"] = count(compact, engine, cache, method=method, ratio=RATIO)[1]
+    flops = {stage: width_scaled_flops(c, narrow, SHAPES["llama-8b"]) for stage, c in stages.items()}
+    return [{"stage": stage, "GFLOPs / layer (8B width)": flops[stage] / 1e9,
+             "× prefill": flops[stage] / flops["prefill, engine"],
+             # projections run in the cache dtype: rescaling them changes only the bf16 count
+             "bf16 FLOP share": 1 - (c.total_flops - c.flops["bfloat16"]) / flops[stage],
+             "syncs": c.host_syncs, "peak MiB (narrow width)": c.peak_bytes / 2**20}
+            for stage, c in stages.items()]
+
+
+def row(stage: str, by_layers: dict[int, Costs]) -> dict:
     ops_layer, ops_fixed = scaled(by_layers, lambda c: c.aten_ops)
     syncs_layer, syncs_fixed = scaled(by_layers, lambda c: c.host_syncs)
     top = by_layers[2]
-    at_fit = fitted(flops_by_tokens)
     return {
         "stage": stage,
         "aten ops / layer": ops_layer, "aten ops fixed": ops_fixed,
@@ -160,8 +195,6 @@ def row(stage: str, by_layers: dict[int, Costs], flops_by_tokens: dict[int, floa
         f"syncs {FULL_LAYERS}L": syncs_fixed + FULL_LAYERS * syncs_layer,
         "bf16 FLOP share": top.flop_share(torch.bfloat16),
         "GFLOPs (2L)": top.total_flops / 1e9,
-        f"FLOPs / prefill at {FIT_TOKENS // 1024}k (fit, 1L)": (
-            None if at_fit is None or not prefill_at_fit else at_fit / prefill_at_fit),
         "peak MiB (2L)": top.peak_bytes / 2**20,
     }
 
@@ -169,37 +202,35 @@ def row(stage: str, by_layers: dict[int, Costs], flops_by_tokens: dict[int, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048, help="tokens read: the table's length")
-    parser.add_argument("--fit", type=int, nargs="*", default=[1024, 2048, 4096],
-                        help="lengths of the one-layer runs that fit FLOPs at 32k (three or more; none: no fit)")
+    parser.add_argument("--long", type=int, default=32768, help="tokens of the FLOPs-at-length table (0: skip it)")
+    parser.add_argument("--long-methods", nargs="+", default=["am", "global-eviction"], choices=METHODS)
     args = parser.parse_args()
     if args.tokens <= DECODE_PROMPT:
         parser.error(f"--tokens must exceed the decode prompt of {DECODE_PROMPT}")
-    by_layers: dict[str, dict[int, Costs]] = {}  # stage -> layers -> costs, at --tokens
-    flops: dict[str, dict[int, float]] = {}  # stage -> tokens -> FLOPs of one layer
-    for layers, tokens in [(1, args.tokens), (2, args.tokens)] + [(1, t) for t in args.fit if t != args.tokens]:
-        print(f"{layers} layer(s), {tokens} tokens", file=sys.stderr, flush=True)
-        engine = engine_with(layers, max(args.tokens, *args.fit) + 512)
-        ids = text_ids(engine, tokens)
+    by_layers: dict[str, dict[int, Costs]] = {}  # stage -> layers -> costs
+    for layers in (1, 2):
+        print(f"{layers} layer(s), {args.tokens} tokens", file=sys.stderr, flush=True)
+        engine = engine_with(layers, args.tokens + 512)
+        ids = text_ids(engine, args.tokens)
         costs, compacted = reading_costs(engine, ids)
-        if tokens == args.tokens:
-            costs.update(stepping_costs(engine, ids, compacted[DEFAULT_METHOD]))
-            for stage, counted in costs.items():
-                by_layers.setdefault(stage, {})[layers] = counted
-        if layers == 1:
-            for stage, counted in costs.items():
-                if stage.startswith(("prefill", "compact")):
-                    flops.setdefault(stage, {})[tokens] = counted.total_flops
-    prefill_at_fit = fitted(flops.get("prefill, engine", {}))
-    rows = [row(stage, counted, flops.get(stage, {}), prefill_at_fit) for stage, counted in by_layers.items()]
+        costs.update(stepping_costs(engine, ids, compacted[DEFAULT_METHOD]))
+        for stage, counted in costs.items():
+            by_layers.setdefault(stage, {})[layers] = counted
+    rows = [row(stage, counted) for stage, counted in by_layers.items()]
+    long = long_rows(args.long, args.long_methods) if args.long else []
     sites = {stage: dict(counted[2].syncs.most_common()) for stage, counted in by_layers.items()}
     md = write_results("cost", f"GPU cost counted on CPU: Llama-3.1-8B layer shape, bf16, {args.tokens} tokens, "
                                f"compaction {RATIO}x", rows, {"command": command_line(), "machine": machine()})
+    if long:
+        md += (f"\n## FLOPs at {args.long} tokens, per layer\n\nOne layer of the 8B attention shape on a narrow residual "
+               "stream, run for real; the projections' FLOPs recounted at the 8B width per token read.\n\n"
+               + markdown_table(long) + "\n")
     md += "\n## Host syncs by call site (2 layers)\n\n" + "\n".join(
         f"- {stage}: " + (", ".join(f"{site} ×{n:g}" for site, n in found.items()) or "none")
         for stage, found in sites.items()) + "\n"
     (RESULTS / "cost.md").write_text(md)
     saved = json.loads((RESULTS / "cost.json").read_text())
-    saved.update(flops_one_layer=flops, raw={stage: {n: c.as_dict() for n, c in counted.items()}
+    saved.update(long=long, raw={stage: {n: c.as_dict() for n, c in counted.items()}
                                              for stage, counted in by_layers.items()})
     (RESULTS / "cost.json").write_text(json.dumps(saved, indent=2, default=str))
     print(md)

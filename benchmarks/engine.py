@@ -1,8 +1,10 @@
 """Engine speed: prefill tokens/s, and decode step time of plain SDPA vs β-biased attention.
 
-Run: ``python benchmarks/engine.py`` (embedded model, CPU unless CUDA is present). All
-variants are timed interleaved in one run, at equal physical cache length, so ratios are
-comparable on a noisy machine. Writes ``benchmarks/results/engine.{md,json}``.
+Run: ``python benchmarks/engine.py`` (embedded model, CPU unless CUDA is present). Both sides
+compute the same logits: a prefill ends with the last token's, a decode step with its token's.
+transformers reads the prompt in one pass; the engine in ``PREFILL_CHUNK`` tokens (one pass up
+to that length). All variants are timed interleaved in one run, at equal physical cache length,
+so ratios are comparable on a noisy machine. Writes ``benchmarks/results/engine.{md,json}``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import copy
 import time
 
 import torch
+from common import command_line, machine, median_seconds, stdlib_text, write_results
 from transformers import DynamicCache
 
 from agentmem import CompactedSegment, Engine, LayerCache, SessionCache
 from agentmem.engine import PREFILL_CHUNK
-from common import command_line, machine, median_seconds, stdlib_text, write_results
 
 
 def half_compacted(cache: SessionCache, seed: int = 0) -> SessionCache:
@@ -48,14 +50,19 @@ def main() -> None:
     token = torch.tensor([[ids[0]]], device=engine.device)
 
     n = max(args.lengths)
+    head = engine.model.get_output_embeddings()
     start = time.perf_counter()
-    full = engine.prefill(ids[:n])
+    full = engine.new_cache(spare=n)
+    with torch.inference_mode():  # the engine's reading: chunks of PREFILL_CHUNK, then the last token's logits
+        for s in range(0, n, PREFILL_CHUNK):
+            hidden = engine._forward(full, ids[s : s + PREFILL_CHUNK])
+        head(hidden[0, -1:])
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    plain_cache = DynamicCache(config=plain.config)
-    with torch.no_grad():
-        for s in range(0, n, PREFILL_CHUNK):  # the same chunking, through transformers' own cache
-            plain(torch.tensor([ids[s : s + PREFILL_CHUNK]], device=engine.device), cache=plain_cache, use_cache=True)
+    with torch.inference_mode():  # transformers' one pass into its own cache, the same logits
+        hidden = plain.model(torch.tensor([ids[:n]], device=engine.device), cache=DynamicCache(config=plain.config),
+                             use_cache=True).last_hidden_state
+        plain.get_output_embeddings()(hidden[0, -1:])
     plain_prefill_s = time.perf_counter() - start
     print(f"prefill {n} tokens: agentmem {n / prefill_s:.0f} tok/s, plain SDPA {n / plain_prefill_s:.0f} tok/s")
 
@@ -74,10 +81,10 @@ def main() -> None:
             hf_cache.crop(-1)
 
         def engine_step(cache: SessionCache, mode: str):
-            def step() -> None:
+            def step() -> None:  # the next token's logits, as the plain step computes them
                 engine.beta_mode = mode
                 with torch.inference_mode():
-                    engine._forward(cache, [ids[0]])
+                    head(engine._forward(cache, [ids[0]])[0, -1:])
                 cache.truncate(length)
 
             return step

@@ -1,33 +1,54 @@
-"""Scale: prefill, decode, and compaction time and peak memory per method, on a GPU or a scaled CPU shape.
+"""Scale: prefill, decode and compaction time and memory on a GPU (or a scaled CPU shape), against targets.
 
 A named random-weight shape (timing and memory only: random weights say nothing about
-quality) or a local model folder; real text (Python's docs) as input. Per context length:
+quality) or a local model folder; real text (Python's docs) as input. Per context length, in
+this order (a machine lent by the minute keeps whatever finished):
 
-- prefill: transformers' own sdpa forward (one pass, no LM head) vs ``Engine.prefill``;
-- decode: ms per token, transformers (its default cache) vs the Engine, same model head;
-- compaction at ``--ratio`` per method: seconds, and the peak memory ``compact()`` adds over
-  what was live before it (GPU: ``max_memory_allocated``; CPU: the process's peak RSS, reset
-  before each call, with glibc told to return large blocks to the system on free), against
-  the issue's bound ``0.5 × cache bytes + 2 GiB``.
+- prefill, time to the first token: transformers' sdpa forward with ``logits_to_keep=1``, the
+  greedy token and its one-token forward into the cache, vs ``next(Engine.stream(...))`` on a
+  new cache, which does the same work (the engine reads a sampled token into the cache before
+  yielding it); best of ``--repeats``, both on the same weights;
+- eager decode, ms per token: transformers (its default ``DynamicCache``) vs ``Engine.stream``;
+- captured decode, ms per token: ``agentmem.decode.StaticDecoder``'s greedy steps, compiled with
+  ``mode="reduce-overhead"`` (a CUDA graph) on a GPU, uncompiled on CPU; "not available" where
+  the module or its ``greedy`` is missing;
+- compaction at ``--ratio`` per method (default: ``compact()``'s default method and
+  ``global-eviction``): seconds, seconds per transformers prefill of the same context, and the
+  peak memory ``compact()`` adds over what was live before it (GPU: ``max_memory_allocated``;
+  CPU: the process's peak RSS, reset before each call, with glibc told to return large blocks
+  on free), against the bound ``0.5 × cache bytes + 2 GiB``.
 
-Run: ``python benchmarks/gpu.py`` (GPU: ``--shape llama-8b``, lengths 8k/32k/128k where memory
-allows; CPU: ``--shape wide-cpu``: 32 query / 8 KV heads, head_dim 128, 2 layers, fp32, at
-8k and 16k). Writes ``benchmarks/results/gpu.{md,json,png}`` on a GPU and
-``benchmarks/results/gpu-cpu.{md,json,png}`` on CPU, after each compaction (``--deadline S``:
-stages not started S seconds after the model is built are recorded as not run, for a machine
-lent by the minute). ``--plot-only gpu-cpu`` (or ``gpu``) redraws
-the plot from the saved JSON.
+The targets section checks, where the rows exist: engine prefill ≥ 0.9× transformers'
+throughput; compaction at 32k ≤ 3× transformers' prefill (default method) and ≤ 1.5×
+(``global-eviction``); captured decode ≤ 2× the weight-bandwidth limit (the model's parameter
+bytes over the GPU's memory bandwidth; on a GPU not in :data:`BANDWIDTH`, the H200 figure).
+
+Every stage is guarded: an error or out-of-memory is recorded in its cell and the run goes on.
+``--deadline S`` (seconds after the model is built): a stage is not started past it, nor when
+the same stage at a shorter length, scaled up, predicts it would end past it; it is recorded as
+``not run (deadline)``. Results are written after every stage to ``--out`` (default
+``benchmarks/results``): ``gpu.{md,json,png}`` on a GPU, ``gpu-cpu.*`` on CPU.
+``--plot-only gpu`` (or ``gpu-cpu``) redraws the plot from the saved JSON in ``--out``.
+
+Unattended on a lent GPU (see docs/gpu.md): ``python benchmarks/gpu.py --out $OUT --deadline 330``.
+CPU smoke run: ``python benchmarks/gpu.py --shape wide-cpu --lengths 1024 --deadline 120 --out /tmp/gpuout``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import inspect
 import json
+import math
 import os
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Large CPU blocks must be unmapped on free, or the peak RSS of one method hides in the next's.
 if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
@@ -35,17 +56,38 @@ if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch
+from common import (
+    RESULTS,
+    SHAPES,
+    command_line,
+    machine,
+    markdown_table,
+    model_label,
+    pyplot,
+    random_shape_engine,
+    recorded_args,
+    stdlib_text,
+)
+from typing_extensions import Self
 
-from agentmem import Engine, attention
-from agentmem.compaction import compact
-from common import (RESULTS, SHAPES, command_line, machine, markdown_table, model_label, pyplot, random_shape_engine,
-                    recorded_args, save_figure, stdlib_text, write_results)
+from agentmem import Engine
 
-METHODS = ("window", "top-attention", "global-eviction", "am-fast", "am")
 GIB = 2**30
+KEEP_RECENT = 256
+NOT_RUN = "not run (deadline)"
+# Memory bandwidth in bytes/s (vendor figures) of GPUs a run may land on, by a name fragment.
+BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
+             "A100 80GB": 2.0e12, "A100": 1.555e12, "L40S": 0.864e12, "RTX 4090": 1.008e12}
+H200_TARGET_MS = 7.0  # 2x the H200 weight-bandwidth limit of an 8B bf16 model (~3.4 ms): used for unknown GPUs
+# How a stage's time grows with the context length, for the deadline's prediction from a shorter
+# run (conservative: attention is quadratic in the context; a capture's compile does not grow).
+GROWTH = {"prefill": 1.5, "decode": 1.0, "captured decode": 0.0, "compaction": 2.0}
 
 
-def build_engine(args, device: torch.device, dtype: torch.dtype) -> Engine:
+# ---------------------------------------------------------------------------------- set-up
+
+
+def build_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Engine:
     if args.model:
         return Engine.load(args.model, device=device, dtype=dtype)
     return random_shape_engine(args.shape, device, dtype, max(args.lengths) + 1024)
@@ -56,6 +98,27 @@ def text_ids(engine: Engine, length: int) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
+def default_methods() -> list[str]:
+    """``compact()``'s default method and ``global-eviction`` (read at run time: the default may change)."""
+    from agentmem.compaction import compact
+
+    return list(dict.fromkeys([inspect.signature(compact).parameters["method"].default, "global-eviction"]))
+
+
+def weight_limit_ms(model: torch.nn.Module) -> tuple[float, str]:
+    """The decode step's floor from reading every weight once, in ms, and where the bandwidth came from.
+
+    Parameter bytes (tied weights once) over the GPU's memory bandwidth from :data:`BANDWIDTH`;
+    ``nan`` where the GPU is not listed (the targets then use the H200 figure).
+    """
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    for fragment, bandwidth in BANDWIDTH.items():
+        if fragment in name:
+            return weight_bytes / bandwidth * 1000, f"{weight_bytes / GIB:.1f} GiB of weights / {fragment} {bandwidth / 1e12:g} TB/s"
+    return float("nan"), f"{weight_bytes / GIB:.1f} GiB of weights; bandwidth of {name or 'this device'} unknown"
+
+
 class PeakMemory:
     """Peak bytes added over what is live at the start of the block (see module doc)."""
 
@@ -63,7 +126,7 @@ class PeakMemory:
         self.device = device
         self.added = 0
 
-    def __enter__(self) -> PeakMemory:
+    def __enter__(self) -> Self:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -94,7 +157,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(device: torch.device, fn):
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     sync(device)
     start = time.perf_counter()
     value = fn()
@@ -102,37 +165,66 @@ def timed(device: torch.device, fn):
     return time.perf_counter() - start, value
 
 
+def release(device: torch.device) -> None:
+    """Free what the last stage dropped (cycles included) so the next one starts from the same memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------- stages
+
+
 @torch.inference_mode()
-def transformers_prefill_and_decode(model, ids: list[int], steps: int, device: torch.device) -> tuple[float, float]:
-    """Seconds for one sdpa forward over ``ids`` (base model, no LM head) and ms per greedy decode step.
+def transformers_run(model, ids: list[int], steps: int, repeats: int, device: torch.device) -> dict[str, float]:
+    """Seconds to the first token (best of ``repeats``) and eager ms per decode step, transformers' sdpa.
 
     The engine's own model runs with transformers' sdpa attention for this, then gets its
     attention back: the same weights, no second copy.
     """
+    before = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        return _transformers_run(model, ids, steps, device)
+        input_ids = torch.tensor([ids], device=device)
+        best = float("inf")
+        for _ in range(repeats):
+            cache = None
+            release(device)
+            seconds, (token, cache) = timed(device, lambda: _transformers_first_token(model, input_ids))
+            best = min(best, seconds)
+        start = None
+        for step in range(steps + 1):
+            if step == 1:  # the first step warms up
+                sync(device)
+                start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync(device)
+        return {"transformers prefill s": best, "transformers decode ms": (time.perf_counter() - start) / steps * 1000}
     finally:
-        model.set_attn_implementation(attention.ATTENTION_NAME)
+        model.set_attn_implementation(before)
 
 
-def _transformers_run(reference, ids: list[int], steps: int, device: torch.device) -> tuple[float, float]:
-    input_ids = torch.tensor([ids], device=device)
-    seconds, out = timed(device, lambda: reference.model(input_ids=input_ids, use_cache=True))
-    cache = out.past_key_values
-    token = input_ids[:, -1:]
-    head = reference.get_output_embeddings()
-    start = None
-    for step in range(steps + 1):
-        if step == 1:  # the first step warms up
-            sync(device)
-            start = time.perf_counter()
-        hidden = reference.model(input_ids=token, past_key_values=cache, use_cache=True).last_hidden_state
-        token = head(hidden[:, -1]).argmax(-1, keepdim=True)
-    sync(device)
-    decode_ms = (time.perf_counter() - start) / steps * 1000
-    del cache, out
-    return seconds, decode_ms
+def _transformers_first_token(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Prefill, the last token's logits, the greedy token and its forward into the cache: what the engine does."""
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    model(input_ids=token, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+    return token, out.past_key_values
+
+
+def engine_first_token(engine: Engine, ids: list[int], repeats: int, device: torch.device) -> tuple[float, Any]:
+    """Seconds to the first token of ``Engine.stream`` on a new cache (best of ``repeats``), and the last cache."""
+    best, cache = float("inf"), None
+    for _ in range(repeats):
+        cache = None
+        release(device)
+        cache = engine.new_cache()
+        stream = engine.stream(cache, ids, max_new_tokens=1)
+        seconds, _ = timed(device, stream.__next__)
+        stream.close()
+        best = min(best, seconds)
+    return best, cache
 
 
 def engine_decode_ms(engine: Engine, cache, steps: int, device: torch.device) -> float:
@@ -149,19 +241,101 @@ def engine_decode_ms(engine: Engine, cache, steps: int, device: torch.device) ->
     return ms
 
 
+def captured_decode(engine: Engine, cache, steps: int, device: torch.device) -> dict[str, Any]:
+    """ms per greedy step of ``agentmem.decode.StaticDecoder`` (compiled to a CUDA graph on a GPU).
+
+    The decoder gets buffers for the session plus the steps; its first three steps (compile,
+    graph capture, first replay) are timed apart. The cache itself is not written. The decoder
+    holds a reference cycle: its buffers go when the stage's :func:`release` collects it.
+    """
+    try:
+        decoder_class = getattr(importlib.import_module("agentmem.decode"), "StaticDecoder", None)
+    except ImportError:
+        decoder_class = None
+    if decoder_class is None or not callable(getattr(decoder_class, "greedy", None)):
+        return {"captured decode ms": "not available"}
+    decoder = decoder_class(engine, capacity=max(layer.length for layer in cache.layers) + steps + 64)
+    if device.type == "cuda":
+        decoder.compile(mode="reduce-overhead")
+    decoder.load(cache)
+    warm_s, _ = timed(device, lambda: decoder.greedy(3, cache.token_ids[-1]))
+    seconds, _ = timed(device, lambda: decoder.greedy(steps))
+    label = "captured decode ms" if device.type == "cuda" else "static decode ms (uncompiled)"
+    return {label: seconds / steps * 1000, "captured warm-up s": warm_s}
+
+
+def compaction(engine: Engine, cache, method: str, ratio: float, device: torch.device,
+               prefill_s: float | None) -> dict[str, Any]:
+    from agentmem.compaction import compact  # imported here: a compaction package mid-change fails its rows only
+
+    bound = 0.5 * cache.nbytes + 2 * GIB
+    with PeakMemory(device) as peak:
+        seconds, small = timed(device, lambda: compact(engine, cache, ratio=ratio, method=method,
+                                                       keep_recent=KEEP_RECENT, protect_prefix=4))
+    result = {"compact s": seconds, "added peak MiB": peak.added / 2**20, "added / cache": peak.added / cache.nbytes,
+              "within bound": peak.added <= bound, "kept MiB": small.nbytes / 2**20}
+    if isinstance(prefill_s, float):
+        result["compact / transformers prefill"] = seconds / prefill_s
+    return result
+
+
+# ------------------------------------------------------------------------------- the run
+
+
+class Schedule:
+    """Which stages may still start before the deadline, from what earlier stages took."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        self.started = time.monotonic()
+        self._took: dict[str, list[tuple[int, float]]] = {}
+
+    def allows(self, stage: str, kind: str, length: int) -> bool:
+        if self.deadline is None:
+            return True
+        elapsed = time.monotonic() - self.started
+        shorter = [(n, s) for n, s in self._took.get(stage, []) if n <= length]
+        predicted = max((s * (length / n) ** GROWTH[kind] for n, s in shorter), default=0.0)
+        return elapsed + predicted <= self.deadline
+
+    def record(self, stage: str, length: int, seconds: float) -> None:
+        self._took.setdefault(stage, []).append((length, seconds))
+
+
+def guarded(schedule: Schedule, stage: str, kind: str, length: int, device: torch.device,
+            fn: Callable[[], dict[str, Any]], cells: tuple[str, ...]) -> dict[str, Any]:
+    """Run one stage unless the schedule forbids it; an error or out-of-memory fills ``cells`` instead of stopping."""
+    if not schedule.allows(stage, kind, length):
+        return dict.fromkeys(cells, NOT_RUN)
+    start = time.monotonic()
+    try:
+        result = fn()
+    except torch.OutOfMemoryError as exc:
+        result = dict.fromkeys(cells, "out of memory") | {"error": str(exc).splitlines()[0][:160]}
+    except Exception as exc:  # noqa: BLE001 - unattended: record the failure, run the other stages
+        tail = traceback.format_exc().strip().splitlines()[-3:]
+        result = dict.fromkeys(cells, f"error: {type(exc).__name__}") | {"error": " | ".join(tail)[:300]}
+    schedule.record(stage, length, time.monotonic() - start)
+    release(device)
+    return result
+
+
 def argument_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None)
     parser.add_argument("--model", help="a local Hugging Face model folder instead of a random shape")
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="compaction methods (default: compact()'s default and global-eviction)")
     parser.add_argument("--ratio", type=float, default=10.0)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2, help="prefill runs per length; the best counts")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds after the model is built: stages not started by then are recorded as not run")
+                        help="seconds after the model is built: stages that would start or end later are not run")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for gpu.{md,json,png} (gpu-cpu.* on CPU)")
     parser.add_argument("--plot-only", choices=("gpu", "gpu-cpu"),
-                        help="redraw results/NAME.png from results/NAME.json and exit")
+                        help="redraw OUT/NAME.png from OUT/NAME.json and exit")
     return parser
 
 
@@ -175,75 +349,111 @@ def with_defaults(args: argparse.Namespace, on_gpu: bool) -> argparse.Namespace:
 def main() -> None:
     args = argument_parser().parse_args()
     if args.plot_only:
-        return replot(args.plot_only)
+        return replot(args.plot_only, args.out)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     args = with_defaults(args, on_gpu)
     dtype = torch.bfloat16 if on_gpu else torch.float32
+    args.out.mkdir(parents=True, exist_ok=True)
 
-    engine = build_engine(args, device, dtype)
-    started = time.monotonic()
-
-    def out_of_time() -> bool:
-        return args.deadline is not None and time.monotonic() - started > args.deadline
-
-    rows = []
+    build_s, engine = timed(device, lambda: build_engine(args, device, dtype))
+    schedule = Schedule(args.deadline)
+    try:
+        methods = args.methods or default_methods()
+    except Exception as exc:  # noqa: BLE001 - a compaction package mid-change: its rows say so
+        methods = ["am", "global-eviction"]
+        print(f"compaction unavailable ({type(exc).__name__}: {exc}); trying {methods}", flush=True)
+    limit_ms, limit_basis = weight_limit_ms(engine.model)
+    run = {"rows": [], "compaction": [], "build s": build_s, "weight limit ms": limit_ms, "limit basis": limit_basis,
+           "beta mode": engine.beta_mode, "methods": methods}
     for length in args.lengths:
-        if out_of_time():
-            rows.append({"tokens": length, "transformers prefill s": "not run (deadline)"})
-            continue
-        ids = text_ids(engine, length)
-        row = {"tokens": length}
-        try:
-            hf_prefill, hf_decode = transformers_prefill_and_decode(engine.model, ids, args.decode_steps, device)
-            row.update({"transformers prefill s": hf_prefill, "transformers decode ms": hf_decode})
-        except torch.OutOfMemoryError:
-            row.update({"transformers prefill s": "out of memory", "transformers decode ms": "out of memory"})
-        gc.collect()
-        seconds, cache = timed(device, lambda: engine.prefill(ids))
-        row.update({"engine prefill s": seconds, "engine decode ms": engine_decode_ms(engine, cache, args.decode_steps, device),
-                    "cache MiB": cache.nbytes / 2**20})
-        print(row, flush=True)
-        rows.append(row)
-        bound = 0.5 * cache.nbytes + 2 * GIB
-        for method in args.methods:
-            result = {"tokens": length, "method": method}
-            if out_of_time():
-                result["compact s"] = "not run (deadline)"
-                rows.append(result)
-                continue
-            try:
-                with PeakMemory(device) as peak:
-                    seconds, small = timed(device, lambda: compact(engine, cache, ratio=args.ratio, method=method,
-                                                                   keep_recent=256, protect_prefix=4))
-                result.update({"compact s": seconds, "added peak MiB": peak.added / 2**20,
-                               "added / cache": peak.added / cache.nbytes, "within bound": peak.added <= bound,
-                               "kept MiB": small.nbytes / 2**20})
-                del small
-            except torch.OutOfMemoryError as exc:
-                result.update({"compact s": "out of memory", "error": str(exc)[:120]})
-            print(result, flush=True)
-            rows.append(result)
-            gc.collect()
-            save(rows, args, dtype, on_gpu)  # after each row: a run cut short keeps what it measured
-        del cache
-        gc.collect()
+        measure_length(engine, run, length, methods, schedule, args, device, lambda: save(run, args, dtype, on_gpu))
+    save(run, args, dtype, on_gpu)
 
 
-def save(rows: list[dict], args: argparse.Namespace, dtype: torch.dtype, on_gpu: bool) -> None:
-    """Write ``results/gpu.*`` (or ``gpu-cpu.*``): the prefill/decode table, the compaction table and the plot."""
+def measure_length(engine: Engine, run: dict[str, Any], length: int, methods: list[str], schedule: Schedule,
+                   args: argparse.Namespace, device: torch.device, save_now: Callable[[], None]) -> None:
+    """Every stage at one context length, in the module doc's order; results saved after each."""
+    ids = text_ids(engine, length)
+    row: dict[str, Any] = {"tokens": length}
+    run["rows"].append(row)
+    row.update(guarded(schedule, "transformers", "prefill", length, device,
+                       lambda: transformers_run(engine.model, ids, args.decode_steps, args.repeats, device),
+                       ("transformers prefill s", "transformers decode ms")))
+    holder: dict[str, Any] = {}
+
+    def engine_prefill() -> dict[str, Any]:
+        seconds, holder["cache"] = engine_first_token(engine, ids, args.repeats, device)
+        return {"engine prefill s": seconds, "cache MiB": holder["cache"].nbytes / 2**20}
+
+    row.update(guarded(schedule, "engine prefill", "prefill", length, device, engine_prefill, ("engine prefill s",)))
+    if isinstance(row.get("engine prefill s"), float) and isinstance(row.get("transformers prefill s"), float):
+        row["engine / transformers throughput"] = row["transformers prefill s"] / row["engine prefill s"]
+    save_now()
+    cache = holder.pop("cache", None)
+    if cache is None:
+        return
+    row.update(guarded(schedule, "engine decode", "decode", length, device,
+                       lambda: {"engine decode ms": engine_decode_ms(engine, cache, args.decode_steps, device)},
+                       ("engine decode ms",)))
+    row.update(guarded(schedule, "captured decode", "captured decode", length, device,
+                       lambda: captured_decode(engine, cache, args.decode_steps, device), ("captured decode ms",)))
+    save_now()
+    for method in methods:
+        result = {"tokens": length, "method": method}
+        result.update(guarded(schedule, f"compaction {method}", "compaction", length, device,
+                              lambda method=method: compaction(engine, cache, method, args.ratio, device,
+                                                               row.get("transformers prefill s")),
+                              ("compact s",)))
+        run["compaction"].append(result)
+        print(result, flush=True)
+        save_now()  # after each row: a run cut short keeps what it measured
+
+
+# ------------------------------------------------------------------------------ results
+
+
+def targets(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target with its measured value and whether it is met ("not run" where the row is missing)."""
+    def verdict(value: Any, ok: Callable[[float], bool]) -> str:
+        return ("met" if ok(value) else "missed") if isinstance(value, float) else "not run"
+
+    out = []
+    for row in run["rows"]:
+        value = row.get("engine / transformers throughput")
+        out.append({"target": f"engine prefill throughput at {row['tokens']:,} tokens", "limit": "≥ 0.9x transformers",
+                    "measured": value if isinstance(value, float) else "—", "verdict": verdict(value, lambda v: v >= 0.9)})
+    default_method = run["methods"][0]
+    for method, bound in ((default_method, 3.0), ("global-eviction", 1.5)):
+        found = [r for r in run["compaction"] if r["tokens"] == 32768 and r["method"] == method]
+        value = found[0].get("compact / transformers prefill") if found else None
+        out.append({"target": f"compaction {method} at 32,768 tokens", "limit": f"≤ {bound:g}x transformers prefill",
+                    "measured": value if isinstance(value, float) else "—", "verdict": verdict(value, lambda v, bound=bound: v <= bound)})
+    limit = H200_TARGET_MS if math.isnan(run["weight limit ms"]) else 2 * run["weight limit ms"]
+    for row in run["rows"]:
+        value = row.get("captured decode ms")
+        out.append({"target": f"captured decode at {row['tokens']:,} tokens",
+                    "limit": f"≤ {limit:.2g} ms (2x weight-bandwidth limit; {run['limit basis']})",
+                    "measured": value if isinstance(value, float) else row.get("captured decode ms", "—"),
+                    "verdict": verdict(value, lambda v: v <= limit)})
+    return out
+
+
+def save(run: dict[str, Any], args: argparse.Namespace, dtype: torch.dtype, on_gpu: bool) -> None:
+    """Write ``OUT/gpu.*`` (or ``gpu-cpu.*``): prefill/decode, compaction and targets tables, and the plot."""
     name = "gpu" if on_gpu else "gpu-cpu"
-    prefill = [r for r in rows if "method" not in r]
-    compaction = [r for r in rows if "method" in r]
     title = (f"Scale on {machine()['cuda'] or 'CPU'}: {args.model or args.shape}, {str(dtype).removeprefix('torch.')}, "
-             f"compaction at {args.ratio:g}x (keep_recent 256)")
-    extra = {"machine": machine(), "command": command_line(), "commit": _commit()}
-    md = write_results(name, title, prefill, extra)
-    md = md.replace("\nmachine: ", "\n## Compaction\n\n" + markdown_table(compaction) + "\n\nmachine: ", 1)
-    (RESULTS / f"{name}.md").write_text(md)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"prefill and decode": prefill, "compaction": compaction, **extra},
-                                                     indent=2, default=str))
-    plot(name, compaction, args, title)
+             f"beta mode {run['beta mode']}, compaction at {args.ratio:g}x (keep_recent {KEEP_RECENT})")
+    extra = {"machine": machine(), "command": command_line(), "commit": _commit(), "build s": round(run["build s"], 1),
+             "weight limit ms": run["weight limit ms"], "limit basis": run["limit basis"]}
+    md = (f"# {title}\n\n## Prefill (time to first token) and decode\n\n{markdown_table(run['rows'])}\n\n"
+          f"## Compaction\n\n{markdown_table(run['compaction'])}\n\n## Targets\n\n{markdown_table(targets(run))}\n")
+    md += "".join(f"\n{key}: {value}\n" for key, value in extra.items())
+    (args.out / f"{name}.md").write_text(md)
+    (args.out / f"{name}.json").write_text(json.dumps(
+        {"prefill and decode": run["rows"], "compaction": run["compaction"], "targets": targets(run), **extra},
+        indent=2, default=str))
+    plot(args.out / f"{name}.png", run["compaction"], args, title)
 
 
 def _commit() -> str:
@@ -259,7 +469,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def plot(name: str, compaction: list[dict], args: argparse.Namespace, title: str) -> None:
+def plot(path: Path, compaction_rows: list[dict], args: argparse.Namespace, title: str) -> None:
     """Seconds and added peak memory per method, one group of bars per context length the run asked for
     (measured values written on the bars). A length and method without a number says so in its slot:
     what the run recorded ("out of memory", "not run (deadline)"), or "not measured" where it stopped
@@ -267,9 +477,11 @@ def plot(name: str, compaction: list[dict], args: argparse.Namespace, title: str
     from matplotlib.patches import Patch
 
     plt = pyplot()
-    lengths = sorted({*args.lengths, *(r["tokens"] for r in compaction)})
-    methods = list(dict.fromkeys([*args.methods, *(r["method"] for r in compaction)]))
-    results = {(r["tokens"], r["method"]): r for r in compaction}
+    lengths = sorted({*args.lengths, *(r["tokens"] for r in compaction_rows)})
+    methods = list(dict.fromkeys([*(args.methods or []), *(r["method"] for r in compaction_rows)]))
+    if not methods:
+        return
+    results = {(r["tokens"], r["method"]): r for r in compaction_rows}
     missing = [(n, m) for n in lengths for m in methods if not isinstance(results.get((n, m), {}).get("compact s"), float)]
     width = 0.8 / len(methods)
     fig, axes = plt.subplots(1, 2, figsize=(15, 6), layout="constrained")
@@ -298,16 +510,17 @@ def plot(name: str, compaction: list[dict], args: argparse.Namespace, title: str
     for n in sorted({n for n, _ in missing}):
         lines.append(f"{n:,} tokens not measured: " + ", ".join(m for k, m in missing if k == n))
     fig.suptitle("\n".join(lines))
-    save_figure(fig, name)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
-def replot(name: str) -> None:
-    """Redraw ``results/<name>.png`` from ``results/<name>.json``: the run's settings from its recorded
+def replot(name: str, out: Path) -> None:
+    """Redraw ``OUT/<name>.png`` from ``OUT/<name>.json``: the run's settings from its recorded
     command, the title from the first line of ``<name>.md``."""
-    saved = json.loads((RESULTS / f"{name}.json").read_text())
-    title = (RESULTS / f"{name}.md").read_text().splitlines()[0].removeprefix("# ")
+    saved = json.loads((out / f"{name}.json").read_text())
+    title = (out / f"{name}.md").read_text().splitlines()[0].removeprefix("# ")
     args = with_defaults(recorded_args(argument_parser(), saved["command"]), on_gpu=name == "gpu")
-    plot(name, saved["compaction"], args, title)
+    plot(out / f"{name}.png", saved["compaction"], args, title)
 
 
 if __name__ == "__main__":

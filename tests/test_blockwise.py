@@ -120,14 +120,36 @@ def test_weighted_key_sums_equal_dense(tiles):
     assert torch.allclose(got.double(), torch.einsum("hn,hnk->hk", weights.double(), probs), atol=1e-5)
 
 
-def test_bf16_inputs_are_computed_in_float32(tiles):
+def test_bf16_inputs_run_bf16_products_and_float32_statistics(tiles):
+    """bf16 queries and blocks: every matrix product runs in bf16 (no float32 FLOPs), the statistics
+    come out in float32 and match a float32 pass over the same (rounded) inputs to bf16's precision
+    (logits near 10 are rounded by up to 0.03 when a bf16 product writes them)."""
+    from agentmem.costs import count
+
     q, blocks, last_visible = make_blocks(seed=3)
     low = [KeyBlock(b.keys.bfloat16(), b.values.bfloat16(), b.bias, b.causal) for b in blocks]
-    stats = attention_stats(q.bfloat16(), low, 0.3, output=True, last_visible=last_visible)
-    assert stats.lse.dtype == torch.float32 and stats.output.dtype == torch.float32
     rounded = [KeyBlock(b.keys.float(), b.values.float(), b.bias, b.causal) for b in low]
-    exact = attention_stats(q.bfloat16().float(), rounded, 0.3, output=True, last_visible=last_visible)
-    assert torch.allclose(stats.lse, exact.lse, atol=1e-5) and torch.allclose(stats.output, exact.output, atol=1e-5)
+    wanted = {"output": True, "key_max_of": (0, 1), "softmax_of": (0, 2), "last_visible": last_visible}
+    stats, costs = count(attention_stats, q.bfloat16(), low, 0.3, **wanted)
+    exact = attention_stats(q.bfloat16().float(), rounded, 0.3, **wanted)
+    assert costs.flops["bfloat16"] > 0 and costs.flops["float32"] == 0
+    assert stats.lse.dtype == stats.output.dtype == stats.key_max[0].dtype == torch.float32
+    assert torch.allclose(stats.lse, exact.lse, atol=0.03) and torch.allclose(stats.output, exact.output, atol=0.02)
+    for got, expected in zip(stats.key_max + stats.block_lse, exact.key_max + exact.block_lse):
+        assert torch.allclose(got, expected, atol=0.03)
+
+
+def test_a_bias_is_added_to_bf16_logits_in_float32(tiles):
+    """β in steps bf16 cannot hold (2^-12; bf16 rounds β near 1 by up to 0.004) reaches the
+    statistics unrounded: zero keys make every bf16 product exact, so the log-sum-exp and shares
+    are β's own (the fused kernel, computing in float32, is off by 3e-5 at most)."""
+    heads, d = 2, 8
+    bias = 1.0 + torch.arange(heads * 40, dtype=torch.float32).view(heads, 40) * 2**-12
+    block = KeyBlock(torch.zeros(heads, 40, d, dtype=torch.bfloat16), torch.randn(heads, 40, d).bfloat16(), bias)
+    stats = attention_stats(torch.randn(heads, 24, d).bfloat16(), [block], 0.3, output=True, key_max_of=(0,))
+    lse = bias.double().logsumexp(-1)
+    assert torch.allclose(stats.lse.double(), lse[:, None].expand(heads, 24), atol=1e-4, rtol=0)
+    assert torch.allclose(stats.key_max[0].double(), (bias.double() - lse[:, None]).exp(), atol=1e-5, rtol=0)
 
 
 def test_a_query_seeing_only_hidden_slots_gets_zero_output(tiles):

@@ -19,9 +19,8 @@ from agentmem.compaction.solvers import (
     fit_mass,
     fit_values,
     output_error,
-    pad_selection,
 )
-from agentmem.compaction.span import plan_span
+from agentmem.compaction.span import LayerChoice, Selection, plan_span
 from agentmem.errors import CorruptSessionError, InvalidInput
 from agentmem.policy import BudgetPolicy
 
@@ -169,15 +168,20 @@ def split_attention(engine, real_reference, layer_idx: int):
     return span, train, held, unseen
 
 
-def unseen_error(span, unseen, choices) -> torch.Tensor:
+def rows_of(selection: list[torch.Tensor]) -> Selection:
+    """A :class:`Selection` of the slots listed per head (all heads of one span, ``selection[h]``)."""
+    width = 1 + max(int(rows.max()) for rows in selection if len(rows))
+    keep = torch.zeros(len(selection), width, dtype=torch.bool)
+    for h, rows in enumerate(selection):
+        keep[h, rows] = True
+    return Selection.of_mask(keep, [len(rows) for rows in selection])
+
+
+def unseen_error(span, unseen, choice: LayerChoice) -> torch.Tensor:
     """Per-head output error on ``unseen`` queries of what :func:`choose_fits` chose."""
-    index, valid = pad_selection([c.index for c in choices], span.prior.device)
-    beta = torch.zeros(valid.shape)  # padding slots: output_error masks them
-    values = torch.zeros(*valid.shape, span.values.shape[-1])
-    for h, c in enumerate(choices):
-        beta[h, : len(c.index)] = c.beta - span.prior[h, c.index]
-        values[h, : len(c.index)] = c.values.float()
-    return output_error(unseen, index, valid, beta, values)
+    index, valid = choice.rows.index, choice.rows.valid
+    beta = (choice.beta - span.prior.gather(1, index)).masked_fill(~valid, 0.0)  # padding: output_error masks it
+    return output_error(unseen, index, valid, beta, choice.values.float())
 
 
 def test_recorded_span_statistics_equal_a_pass_over_the_span(engine, real_reference):
@@ -201,8 +205,8 @@ def test_fits_reduce_held_out_error_on_a_real_cache(engine, real_reference):
     total = 0
     for layer_idx in (4, 14, 24):
         span, train, held, unseen = split_attention(engine, real_reference, layer_idx)
-        selection = [s.topk(60).indices for s in real_reference[1].scores[layer_idx]]
-        index, valid = pad_selection(selection, span.prior.device)
+        selection = rows_of([s.topk(60).indices for s in real_reference[1].scores[layer_idx]])
+        index, valid = selection.index, selection.valid
         kept_v = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
         zero = torch.zeros(index.shape)
         plain = output_error(unseen, index, valid, zero, kept_v)
@@ -224,7 +228,7 @@ def test_weaker_ridges_lower_unseen_error_where_heads_keep_few_rows(engine, real
     ratios = []
     for layer_idx in (4, 14, 24):
         span, train, held, unseen = split_attention(engine, real_reference, layer_idx)
-        selection = [s.topk(20).indices for s in real_reference[1].scores[layer_idx]]
+        selection = rows_of([s.topk(20).indices for s in real_reference[1].scores[layer_idx]])
         fixed = unseen_error(span, unseen, choose_fits(span, train, held, selection, strengths=(1.0,)))
         chosen = unseen_error(span, unseen, choose_fits(span, train, held, selection))
         ratios += (chosen / fixed).tolist()
@@ -238,12 +242,12 @@ def test_a_layer_with_a_head_over_the_fit_cap_keeps_every_head_as_it_is(engine, 
     span, train, held, _ = split_attention(engine, real_reference, 14)
     scores = real_reference[1].scores[14]
     small = [s.topk(60).indices for s in scores]
-    assert any(not torch.equal(c.values, u.values)
-               for c, u in zip(choose_fits(span, train, held, small), span.unfitted(small)))  # fitted under the cap
-    over = [scores[0].topk(solvers.MAX_FIT_ROWS + 1).indices, *small[1:]]
-    for choice, plain in zip(choose_fits(span, train, held, over), span.unfitted(over)):
-        assert torch.equal(choice.index, plain.index) and torch.equal(choice.beta, plain.beta)
-        assert choice.values.dtype == span.values.dtype and torch.equal(choice.values, plain.values)
+    fitted, plain = choose_fits(span, train, held, rows_of(small)), span.unfitted(rows_of(small))
+    assert not torch.equal(fitted.values, plain.values.float())  # fitted under the cap
+    over = rows_of([scores[0].topk(solvers.MAX_FIT_ROWS + 1).indices, *small[1:]])
+    choice, plain = choose_fits(span, train, held, over), span.unfitted(over)
+    assert torch.equal(choice.rows.index, plain.rows.index) and torch.equal(choice.beta, plain.beta)
+    assert choice.values.dtype == span.values.dtype and torch.equal(choice.values, plain.values)
 
 
 def random_attention(keys: torch.Tensor, values: torch.Tensor):
@@ -253,7 +257,7 @@ def random_attention(keys: torch.Tensor, values: torch.Tensor):
 
     heads, n, d = keys.shape
     span = LayerSpan(keys, values, torch.zeros(heads, n), torch.full((heads, n), -math.inf),
-                     torch.arange(n).expand(heads, n), [], 0, [])
+                     torch.arange(n).expand(heads, n), [], 0, [], (n,) * heads)
     q = torch.randn(heads, 800, d) * 2
     logits = torch.bmm(q, keys.transpose(1, 2)) * d**-0.5
     lq = LayerQueries(q, logits.logsumexp(-1), torch.bmm(logits.softmax(-1), values))
@@ -266,12 +270,28 @@ def test_fits_reduce_error_on_random_caches():
     heads, n, d = 2, 200, 16
     keys, values = torch.randn(heads, n, d), torch.randn(heads, n, d)
     span, train, held = random_attention(keys, values)
-    index, valid = pad_selection([torch.arange(0, n, 5)] * heads, keys.device)
+    selection = rows_of([torch.arange(0, n, 5)] * heads)
+    index, valid = selection.index, selection.valid
     kept_v = values.gather(1, index[..., None].expand(-1, -1, d))
     log_w = fit_mass(train, index, valid).log()
     plain = output_error(held, index, valid, torch.zeros(index.shape), kept_v)
     fitted = output_error(held, index, valid, log_w, fit_values(train, index, valid, log_w, kept_v, (1.0,))[0])
     assert (fitted < plain).all()
+
+
+def test_candidate_values_judged_together_score_as_each_judged_alone():
+    """``output_error`` of ``(V, H, t, d)`` candidate values under one β: each candidate's ``(H,)``
+    errors, as a call of its own gives them (choose_fits judges a β's candidates in one call)."""
+    torch.manual_seed(0)
+    span, train, held = random_attention(torch.randn(2, 200, 16), torch.randn(2, 200, 16))
+    selection = rows_of([torch.arange(0, 200, 5), torch.arange(3, 60, 3)])
+    index, valid = selection.index, selection.valid
+    log_w = fit_mass(train, index, valid).log()
+    kept = span.values.gather(1, index[..., None].expand(-1, -1, 16))
+    candidates = torch.cat([kept[None], fit_values(train, index, valid, log_w, kept, (1.0, 0.1))])
+    together = output_error(held, index, valid, log_w, candidates)
+    alone = torch.stack([output_error(held, index, valid, log_w, values) for values in candidates])
+    assert together.shape == (3, 2) and torch.allclose(together, alone, rtol=1e-6, atol=0)
 
 
 def test_a_head_whose_kept_rows_the_queries_cannot_tell_apart_is_fitted_without_failing():
@@ -282,27 +302,28 @@ def test_a_head_whose_kept_rows_the_queries_cannot_tell_apart_is_fitted_without_
     keys, values = torch.randn(2, 200, 16), torch.randn(2, 200, 16)
     keys[1, 11] = keys[1, 10]
     span, train, held = random_attention(keys, values)
-    selection = [torch.arange(150), torch.tensor([10, 11])]
-    index, valid = pad_selection(selection, keys.device)
-    weights = fit_mass(train, index, valid)
-    assert torch.isfinite(weights).all() and (weights[valid] > 0).all()
-    choices = choose_fits(span, train, held, selection)
-    assert all(torch.isfinite(c.beta).all() and torch.isfinite(c.values).all() for c in choices)
-    assert (unseen_error(span, held, choices) <= unseen_error(span, held, span.unfitted(selection)) + 1e-7).all()
+    selection = rows_of([torch.arange(150), torch.tensor([10, 11])])
+    weights = fit_mass(train, selection.index, selection.valid)
+    assert torch.isfinite(weights).all() and (weights[selection.valid] > 0).all()
+    choice = choose_fits(span, train, held, selection)
+    assert torch.isfinite(choice.beta[selection.valid]).all() and torch.isfinite(choice.values).all()
+    assert (unseen_error(span, held, choice) <= unseen_error(span, held, span.unfitted(selection)) + 1e-7).all()
 
 
 def test_a_head_with_fewer_rows_than_another_is_fitted_when_a_padding_slot_comes_first():
-    """Heads keep different numbers of rows; the shorter ones' selections are padded with slot 0.
-    Where slot 0 is a padding slot of the buffer (prior -inf: the head kept nothing in the span's
-    first segment), its -inf made every candidate's error NaN and the head was never fitted."""
+    """Heads keep different numbers of rows; the shorter ones' selections are padded with slots they
+    do not keep, here slot 0 first. Where that is a padding slot of the buffer (prior -inf: the head
+    kept nothing in the span's first segment), its -inf made every candidate's error NaN and the
+    head was never fitted."""
     torch.manual_seed(0)
     keys, values = torch.randn(2, 200, 16), torch.randn(2, 200, 16)
     span, train, held = random_attention(keys, values)
     span.prior[1, 0] = -math.inf
-    selection = [torch.arange(0, 200, 5), torch.arange(10, 200, 10)]  # head 1 keeps 19 rows, head 0 40
-    choices = choose_fits(span, train, held, selection)
-    fitted, unfitted = unseen_error(span, held, choices), unseen_error(span, held, span.unfitted(selection))
-    assert fitted[1] < unfitted[1] and not torch.equal(choices[1].values, span.values[1, selection[1]])
+    selection = rows_of([torch.arange(0, 200, 5), torch.arange(10, 200, 10)])  # head 1 keeps 19 rows, head 0 40
+    assert selection.index[1, 19] == 0  # the first padding entry is slot 0
+    choice = choose_fits(span, train, held, selection)
+    fitted, unfitted = unseen_error(span, held, choice), unseen_error(span, held, span.unfitted(selection))
+    assert fitted[1] < unfitted[1] and not torch.equal(choice.values[1, :19], span.values[1, 10::10])
 
 
 def test_fixed_rows_keep_their_beta_and_values_and_the_others_are_fitted_around_them(engine, real_reference):
@@ -310,20 +331,22 @@ def test_fixed_rows_keep_their_beta_and_values_and_the_others_are_fitted_around_
     chosen, the other rows are still fitted, and the choice is never worse than eviction on
     the held-out queries it was judged on."""
     span, train, held, _ = split_attention(engine, real_reference, 14)
-    selection = [s.topk(60).indices.sort().values for s in real_reference[1].scores[14]]
+    selection = rows_of([s.topk(60).indices for s in real_reference[1].scores[14]])
     fixed = torch.zeros_like(span.valid)
-    for h, rows in enumerate(selection):
-        fixed[h, rows[::3]] = True
-    choices = choose_fits(span, train, held, selection, fixed=fixed)
+    for h, count in enumerate(selection.counts):
+        fixed[h, selection.index[h, :count:3]] = True
+    choice = choose_fits(span, train, held, selection, fixed=fixed)
     plain = span.unfitted(selection)
     refitted = 0
-    for h, (choice, unfitted) in enumerate(zip(choices, plain)):
-        keep = fixed[h, choice.index]
-        assert torch.equal(choice.beta[keep], unfitted.beta[keep])
-        assert torch.equal(choice.values[keep].to(unfitted.values.dtype), unfitted.values[keep])
-        refitted += int(not torch.allclose(choice.values[~keep].float(), unfitted.values[~keep].float()))
-    assert refitted >= len(selection) // 2
-    assert (unseen_error(span, held, choices) <= unseen_error(span, held, plain) + 1e-7).all()
+    for h, count in enumerate(selection.counts):
+        keep = fixed[h, selection.index[h, :count]]
+        beta, values, kept_beta, kept_values = (t[h, :count] for t in (choice.beta, choice.values, plain.beta,
+                                                                        plain.values))
+        assert torch.equal(beta[keep], kept_beta[keep])
+        assert torch.equal(values[keep].to(kept_values.dtype), kept_values[keep])
+        refitted += int(not torch.allclose(values[~keep].float(), kept_values[~keep].float()))
+    assert refitted >= len(selection.counts) // 2
+    assert (unseen_error(span, held, choice) <= unseen_error(span, held, plain) + 1e-7).all()
 
 
 def test_a_session_s_compaction_never_fits_the_attention_sinks(llama, monkeypatch):
@@ -335,7 +358,7 @@ def test_a_session_s_compaction_never_fits_the_attention_sinks(llama, monkeypatc
 
     monkeypatch.setattr(methods, "end_to_end_choice", lambda job, candidates: candidates[0])  # always the fits
     monkeypatch.setattr(solvers, "output_error", lambda att, index, valid, beta, values, logits=None:
-                        -(beta.abs().sum(-1) + values.float().abs().sum((1, 2))))  # the boldest fit wins
+                        -(beta.abs().sum(-1) + values.float().abs().sum((-2, -1))))  # the boldest fit wins
     cache = llama.prefill(doc_ids(llama, 200))
     session = lambda reread: BudgetPolicy(method="am", reread=reread, keep_recent=1).compaction_arguments(  # noqa: E731
         cache.logical_length)
@@ -467,7 +490,7 @@ def test_incremental_end_to_end_check_reads_old_text_and_holds_out_what_it_sampl
     assert job.held_out() == [plan.start + p for p in positions]  # token positions, old text's too
     probes = []
     monkeypatch.setattr(llama, "score", lambda cache, tokens: probes.append(tokens) or torch.zeros(len(tokens)))
-    monkeypatch.setattr(methods, "assemble", lambda cache, plan, choice: cache)
+    monkeypatch.setattr(methods, "assemble", lambda cache, plan, choice, **room: cache)
     methods.end_to_end_choice(job, [[], []])
     sampled = [ids[plan.start + p] for p in positions]
     assert len(probes) == 2 and all(probe[-len(sampled):] == sampled for probe in probes)
@@ -673,8 +696,8 @@ def test_packed_rows_cost_the_bytes_reported(llama):
     expected = 0
     for layer in small.layers:
         for seg in layer.segments:
-            # keys, values and β; a float32 score and an int32 position
-            expected += sum(seg.head_rows) * ((2 * small.head_dim + 1) * elt + 4 + 4)
+            # keys and values; a float32 β and score and an int32 position
+            expected += sum(seg.head_rows) * (2 * small.head_dim * elt + 4 + 4 + 4)
             expected += seg.queries.numel() * elt  # the reference queries it kept
         expected += 2 * layer.tail_length * small.num_kv_heads * small.head_dim * elt
     assert small.nbytes == expected
@@ -858,3 +881,147 @@ def test_tiled_statistics_give_the_same_compaction_as_one_tile(llama, monkeypatc
         assert a.layouts == b.layouts
     assert torch.allclose(llama.score(plain, ids[259:]), llama.score(tiled, ids[259:]), atol=1e-4)
 
+
+
+def test_batched_selections_equal_the_per_head_plain_path():
+    """Global top-k and per-head top-k, chosen for all heads at once with one host read, keep
+    exactly the rows a per-head loop (top-k of the rows that hold one, then nonzero) keeps."""
+    from agentmem.compaction import budgets
+    from agentmem.compaction.span import best_slots
+
+    g = torch.Generator().manual_seed(0)
+    scores = [torch.rand(4, n, generator=g) for n in (30, 17, 45)]
+    for layer_scores in scores:  # padding slots, fewer on some heads
+        layer_scores[torch.rand(layer_scores.shape, generator=g) < 0.3] = -math.inf
+    flat = torch.cat([s.reshape(-1) for s in scores])
+    for total in (0, 25, 80, flat.numel()):  # the last keeps every row that holds one
+        keep = torch.zeros_like(flat, dtype=torch.bool)
+        keep[flat.topk(min(total, int(torch.isfinite(flat).sum()))).indices] = True
+        offset = 0
+        for layer_scores, rows in zip(scores, budgets.global_top(scores, total)):
+            plain = keep[offset : offset + layer_scores.numel()].view(layer_scores.shape)
+            offset += layer_scores.numel()
+            assert rows.counts == tuple(plain.sum(1).tolist())
+            for h, count in enumerate(rows.counts):
+                assert torch.equal(rows.index[h, :count], plain[h].nonzero()[:, 0]) and rows.valid[h, :count].all()
+                assert not rows.valid[h, count:].any()
+    layer_scores, counts = scores[2], [5, 0, 9, 2]
+    rows = Selection.of_mask(best_slots(layer_scores, torch.tensor(counts), max(counts)), counts)
+    for h, count in enumerate(counts):
+        assert torch.equal(rows.index[h, :count], layer_scores[h].topk(count).indices.sort().values)
+
+
+def plain_omp(att, budgets: list[int], rounds: int = 8) -> list[torch.Tensor]:
+    """OMP head by head, as it was written before it was batched (:func:`solvers.omp_select`)."""
+    heads, n = att.span.prior.shape
+    excluded = ~att.span.valid
+    chosen = [torch.zeros(0, dtype=torch.long) for _ in range(heads)]
+    residual = torch.ones_like(att.lse_span)
+    block = solvers.KeyBlock(att.span.keys, None, att.span.prior)
+    for r in range(rounds):
+        corr = solvers.weighted_key_sums(att.queries.q, block, att.scale, att.lse_span, att.share * residual)
+        corr.masked_fill_(excluded, -math.inf)
+        for h in range(heads):
+            want = math.ceil(budgets[h] * (r + 1) / rounds) - len(chosen[h])
+            if want > 0:
+                picks = corr[h].topk(min(want, n - len(chosen[h]))).indices
+                chosen[h] = torch.cat([chosen[h], picks[torch.isfinite(corr[h, picks])]])
+                excluded[h, picks] = True
+        rows = rows_of(chosen)
+        w = fit_mass(att, rows.index, rows.valid, iterations=20)
+        approx = (solvers.kept_logits(att, rows.index, rows.valid) - att.lse_span[..., None]).exp()
+        residual = 1.0 - (approx * w[:, None, :]).sum(-1)
+    return [rows.sort().values for rows in chosen]
+
+
+def test_omp_for_all_heads_at_once_picks_the_rows_of_omp_head_by_head():
+    torch.manual_seed(0)
+    keys, values = torch.randn(3, 200, 16), torch.randn(3, 200, 16)
+    span, train, _ = random_attention(keys, values)
+    span.prior[2, 150:] = -math.inf  # a head with fewer rows than the others
+    budgets = [30, 7, 150]  # the last: every row the head holds
+    rows = solvers.omp_select(train, budgets)
+    assert rows.counts == tuple(budgets)
+    for h, plain in enumerate(plain_omp(train, budgets)):
+        assert torch.equal(rows.index[h, : budgets[h]], plain)
+
+
+def test_window_rows_and_their_assembly_equal_the_per_head_plain_path(llama):
+    """On a span whose heads hold different rows (a compacted segment, padded, then raw rows): the
+    window keeps each head's first 4 and last rows, as a per-head nonzero does, and the compacted
+    segment holds, head after head, exactly those rows' keys, values, prior and positions."""
+    from agentmem.compaction import budgets
+    from agentmem.compaction.span import assemble
+
+    ids = doc_ids(llama, 300)
+    cache = compact(llama, llama.prefill(ids[:200]), ratio=3, method="global-eviction", keep_recent=20)
+    llama.prefill(ids[200:260], cache)
+    plan = plan_span(cache, protect_prefix=0, keep_recent=10)
+    job = methods.Job(llama, cache, plan, round(plan.rows / 3), DEFAULT_SOURCE, None, 0)
+    choices, _ = methods.window(job)
+    small = assemble(cache, plan, choices)
+    for span, choice, layer_budget, layer in zip(plan.layers, choices, budgets.proportional(job.counts, job.total, None),
+                                                small.layers):
+        assert len(set(span.counts)) > 1 and choice.rows.counts == tuple(layer_budget)  # heads differ
+        segment = layer.segment(0)
+        for h, b in enumerate(layer_budget):
+            held = span.valid[h].nonzero()[:, 0]
+            plain = torch.cat([held[: min(4, b)], held[len(held) - (b - min(4, b)) :]]).unique()
+            assert torch.equal(choice.rows.index[h, :b], plain)
+            rows = segment.head_slice(h)
+            assert torch.equal(segment.keys[rows], span.keys[h, plain])
+            assert torch.equal(segment.values[rows], span.values[h, plain])
+            assert torch.equal(segment.beta[rows], span.prior[h, plain])
+            assert torch.equal(segment.positions[rows], span.positions[h, plain].to(torch.int32))
+
+
+def test_am_that_can_fit_no_layer_samples_no_queries_and_scores_no_candidates(llama, monkeypatch):
+    """Calibrated budgets above MAX_FIT_ROWS on every head: AM is selection alone, so it samples
+    no queries for the fits and runs no end-to-end check (both candidates would be the same rows),
+    and its stats say so; it keeps what the sampling path keeps. A compaction that fits says that."""
+    monkeypatch.setattr(solvers, "MAX_FIT_ROWS", 4)
+    cache = llama.prefill(doc_ids(llama, 200))
+    arguments = {"ratio": 4, "keep_recent": 16, "method": "am",
+                 "head_budgets": torch.ones(llama.num_layers, llama.num_kv_heads)}  # ~46 rows a head
+    samples, probes = [], []
+    collect, score = methods.collect_reference, llama.score
+    monkeypatch.setattr(methods, "collect_reference", lambda *a, **k: (samples.append(k["max_queries"]),
+                                                                       collect(*a, **k))[1])
+    monkeypatch.setattr(llama, "score", lambda c, tokens: (probes.append(tokens), score(c, tokens))[1])
+    small = compact(llama, cache, **arguments)
+    stats = small.compaction_stats
+    assert samples == [1] and probes == []
+    assert (stats.method, stats.fitted_layers, stats.fit_queries, stats.end_to_end_checked) == ("am", 0, 0, False)
+    assert [reason.split(":")[0] for reason in stats.skipped] == ["the fits' query sample", "the end-to-end check"]
+    monkeypatch.setattr(methods.Job, "fits_possible", lambda job: True)  # sample as if a layer could be fitted
+    sampled = compact(llama, cache, **arguments)
+    assert samples[1] is None and probes == []  # every query sampled; still no layer fitted, nothing to check
+    (kept, meta), (kept_sampled, meta_sampled) = small.to_tensors(), sampled.to_tensors()
+    assert meta == meta_sampled and all(torch.equal(kept[name], kept_sampled[name]) for name in kept)
+    monkeypatch.setattr(solvers, "MAX_FIT_ROWS", 512)
+    fitted = compact(llama, cache, ratio=4, keep_recent=16, method="am-fast").compaction_stats
+    assert fitted.fitted_layers == llama.num_layers and fitted.end_to_end_checked and not fitted.skipped
+    assert 0 < fitted.fit_queries <= 1536 and len(probes) == 2
+
+
+def test_a_bf16_cache_keeps_fitted_beta_in_float32(tokenizer, monkeypatch):
+    """β lives in float32 whatever the cache's dtype (bf16 would round it to steps of ~0.016): in the
+    attention bias, in a segment and in the export. A cache exported with β in its own dtype
+    still loads, and a bf16 model attends with the float32 bias."""
+    from agentmem import Engine
+    from helpers import tiny_model
+
+    engine = Engine(tiny_model("llama").to(torch.bfloat16), tokenizer)
+    monkeypatch.setattr(methods, "end_to_end_choice", lambda job, candidates: candidates[0])  # the fits
+    ids = doc_ids(engine, 220)
+    small = compact(engine, engine.prefill(ids[:200]), ratio=4, keep_recent=16, method="am")
+    assert small.dtype == torch.bfloat16 and all(layer.bias.dtype == torch.float32 for layer in small.layers)
+    beta = torch.cat([layer.segment(0).beta for layer in small.layers])
+    assert beta.dtype == torch.float32 and (beta != beta.bfloat16().float()).any()  # steps bf16 cannot hold
+    tensors, meta = small.to_tensors()
+    assert tensors["layers.0.segments.0.beta"].dtype == torch.float32
+    restored = SessionCache.from_tensors(tensors, meta)
+    assert torch.equal(torch.cat([layer.segment(0).beta for layer in restored.layers]), beta)
+    older = SessionCache.from_tensors({k: v.bfloat16() if k.endswith(".beta") else v for k, v in tensors.items()}, meta)
+    assert torch.equal(torch.cat([layer.segment(0).beta for layer in older.layers]), beta.bfloat16().float())
+    assert torch.isfinite(engine.score(small, ids[199:])).all()

@@ -47,6 +47,7 @@ def test_flops_are_counted_by_the_dtype_the_product_runs_in():
     assert counter.costs.flops["bfloat16"] == 2 * (2 * 64 * 128 * 64)
     assert counter.costs.flops["float32"] == 2 * 8 * 32 * 64 * 32 + 2 * 4 * 16 * 48 * (64 + 64)
     assert counter.costs.flop_share(torch.bfloat16) == counter.costs.flops["bfloat16"] / counter.costs.total_flops
+    assert counter.costs.linear_rows == {(128, 64): 64} and counter.costs.linear_flops == 2 * 64 * 128 * 64
 
 
 def test_views_launch_nothing():
@@ -84,3 +85,23 @@ def test_patched_host_reads_are_restored():
     with CostCounter():
         assert torch.Tensor.tolist is not original
     assert torch.Tensor.tolist is original
+
+
+def test_flex_attention_is_one_kernel_with_attention_flops(monkeypatch):
+    """FlexAttention reaches a dispatch mode as a higher-order operator (run here uncompiled: torch.compile
+    refuses to trace under a user dispatch mode, so the engine's compiled Flex is counted only on fake tensors)."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    q, k = torch.randn(1, 4, 32, 16), torch.randn(1, 4, 64, 16)
+    with torch.inference_mode(), CostCounter() as counter:
+        flex_module.flex_attention(q, k, k, score_mod=lambda score, b, h, i, j: score + 0.5)
+    assert counter.costs.ops["flex_attention"] == 1
+    assert counter.costs.flops["float32"] == 2 * 4 * 32 * 64 * (16 + 16)
+
+
+def test_the_cpu_flash_kernel_counts_its_flops():
+    q, k = torch.randn(1, 4, 32, 16, dtype=torch.bfloat16), torch.randn(1, 4, 64, 16, dtype=torch.bfloat16)
+    with torch.inference_mode(), CostCounter() as counter:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k)
+    assert counter.costs.flops["bfloat16"] == 2 * 4 * 32 * 64 * (16 + 16)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 from pydoc_data.topics import topics
 from transformers import DynamicCache
 
-from agentmem import CompactedSegment, LayerCache, SessionCache
+from agentmem import CompactedSegment, Engine, LayerCache, SessionCache
 from agentmem.errors import ContextOverflow, InvalidInput, ModelMismatch
 
 from helpers import reference_logprobs, reference_model
@@ -24,6 +27,17 @@ def text_ids(engine, n: int, topic: str = "if") -> list[int]:
 @pytest.fixture(scope="module")
 def reference(tiny_engine):
     return reference_model(tiny_engine)
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_engine, tokenizer):
+    """The tiny engine's model in bf16, the dtype engines run in on GPUs."""
+    return Engine(copy.deepcopy(tiny_engine.model).to(torch.bfloat16), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(bf16_engine):
+    return reference_model(bf16_engine)
 
 
 def test_score_matches_plain_forward(tiny_engine, reference):
@@ -78,6 +92,9 @@ def test_identity_segment_scores_equal_raw_cache(tiny_engine, beta_mode):
     tiny_engine.beta_mode = beta_mode
     try:
         assert torch.allclose(tiny_engine.score(compacted, ids[90:]), expected, atol=TOL)
+        # a decode step: one query, its β mask a view of the layer's β rows
+        step = tiny_engine._forward(compacted.clone(), ids[90:91])
+        assert torch.allclose(step, tiny_engine._forward(raw.clone(), ids[90:91]), atol=TOL)
     finally:
         tiny_engine.beta_mode = "mask"
 
@@ -171,6 +188,67 @@ def test_generate_greedy_matches_transformers_generate(tiny_engine, reference):
     finally:
         tiny_engine.eos_token_ids = saved
     assert cache.token_ids == prompt + expected  # prompt and every output token are in the cache
+
+
+def _bf16_step(values: torch.Tensor) -> float:
+    """One bf16 rounding step at the magnitude of the largest of ``values``."""
+    return torch.finfo(torch.bfloat16).eps * 2 ** math.floor(math.log2(values.abs().max()))
+
+
+@pytest.mark.parametrize("chunk", [64, 1000])
+def test_bf16_prefill_and_decode_match_transformers_in_bf16(bf16_engine, bf16_reference, chunk, monkeypatch):
+    """In bf16 the engine reads a prompt (in one pass, or in chunks that attend through a mask)
+    and decodes token by token like transformers' sdpa forward over a DynamicCache: log-probs
+    and step logits within a bf16 step, the same greedy tokens."""
+    ids = text_ids(bf16_engine, 150)
+    expected = reference_logprobs(bf16_reference, ids)
+    cache = bf16_engine.prefill(ids[:100], chunk_size=chunk)
+    got = bf16_engine.score(cache, ids[100:])
+    assert (got - expected[100:]).abs().max() <= _bf16_step(expected)
+    plain_cache = DynamicCache(config=bf16_reference.config)
+    head = bf16_engine.model.get_output_embeddings()
+    with torch.inference_mode():
+        bf16_reference(torch.tensor([ids[:100]]), cache=plain_cache)
+        for token in ids[100:105]:
+            want = bf16_reference(torch.tensor([[token]]), cache=plain_cache).logits[0].float()
+            step = head(bf16_engine._forward(cache, [token])[0, -1:]).float()
+            assert (step - want).abs().max() <= _bf16_step(want)
+    prompt = ids[:30]
+    with torch.no_grad():
+        out = bf16_reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)
+    monkeypatch.setattr(bf16_engine, "eos_token_ids", frozenset())
+    assert bf16_engine.generate(bf16_engine.new_cache(), prompt, max_new_tokens=8) == out[0, 30:].tolist()
+
+
+def test_bf16_identity_segment_with_float32_beta_scores_like_the_raw_cache(bf16_engine):
+    """A bf16 cache whose first rows became a segment with β = 0 (float32, with padding masked)
+    attends through the β mask yet scores like the raw cache, to a bf16 step."""
+    ids = text_ids(bf16_engine, 120)
+    raw = bf16_engine.prefill(ids[:90])
+    expected = bf16_engine.score(raw, ids[90:])
+    compacted = _identity_segment_cache(raw, 50)
+    assert compacted.layers[0].bias.dtype == torch.float32 and compacted.is_compacted
+    assert (bf16_engine.score(compacted, ids[90:]) - expected).abs().max() <= _bf16_step(expected)
+
+
+def test_generation_stops_at_the_context_with_every_yielded_token_in_the_cache(tiny_engine, monkeypatch):
+    """Each sampled token is read into the cache before it is yielded: generation ends when the
+    cache holds the model's whole context; a prompt that fills it is read and yields nothing."""
+    prompt = text_ids(tiny_engine, 20)
+    monkeypatch.setattr(tiny_engine, "eos_token_ids", frozenset())
+    monkeypatch.setattr(tiny_engine, "max_context", 23)
+    cache = tiny_engine.new_cache()
+    got = tiny_engine.generate(cache, prompt, max_new_tokens=10)
+    assert len(got) == 3 and cache.token_ids == prompt + got and cache.physical_length == 23
+    full = tiny_engine.new_cache()
+    assert tiny_engine.generate(full, prompt + got, max_new_tokens=10) == []
+    assert full.token_ids == prompt + got
+    cache = tiny_engine.new_cache()
+    stream = tiny_engine.stream(cache, prompt, max_new_tokens=10)
+    first = next(stream)
+    assert cache.token_ids == prompt + [first]  # before the caller asks for more
+    stream.close()
 
 
 def test_sampling_is_reproducible_with_a_seed(tiny_engine):

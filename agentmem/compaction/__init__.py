@@ -6,19 +6,19 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from agentmem.cache import SessionCache
-from agentmem.compaction.methods import REGISTRY, REREAD, Job
+from agentmem.compaction.methods import REGISTRY, REREAD, CompactionStats, Job
 from agentmem.compaction.queries import DEFAULT_SOURCE, check_source
 from agentmem.compaction.span import plan_span
 from agentmem.errors import CompactionUnreachable, InvalidInput
 
 METHODS: dict[str, str] = {name: method.description for name, method in REGISTRY.items()}
 
-__all__ = ["METHODS", "Reach", "check_reachable", "compact", "reach"]
+__all__ = ["METHODS", "CompactionStats", "Reach", "check_reachable", "compact", "reach"]
 
 
 def compact(
@@ -48,7 +48,9 @@ def compact(
     token-equivalents (rows per layer and head) of the span instead. Already-compacted
     segments in the span are compacted again with their β as a prior. A span that already
     fits the budget is returned unchanged (as a copy): online compaction relies on that;
-    callers that must know use :func:`check_reachable` first. ``head_budgets`` splits the budget by a
+    callers that must know use :func:`check_reachable` first (such a copy has no
+    ``compaction_stats``; a compacted cache's say what the compaction did: see
+    :class:`~agentmem.compaction.methods.CompactionStats`). ``head_budgets`` splits the budget by a
     calibrated ``(layers, kv_heads)`` table (or ``"calibrated"``: the profile shipped for the
     model); by default AM and global eviction choose rows globally per context.
 
@@ -114,7 +116,9 @@ def compact(
         return cache.clone()
     job = Job(engine, cache, plan, total, queries, head_budgets, seed, reread, fit_sinks, refresh_tokens)
     with torch.inference_mode():
-        return REGISTRY[method].run(job)
+        compacted = REGISTRY[method].run(job)
+    compacted.compaction_stats = replace(job.stats, method=method)
+    return compacted
 
 
 @dataclass(frozen=True)

@@ -14,25 +14,62 @@ sized to at most ``BLOCK_ELEMENTS`` logits at once, keeping running statistics o
 - pass 2 (only for blocks whose per-key maxima are wanted): logits recomputed and
   ``max_q exp(logit − lse_q)`` folded into a running per-key maximum.
 
-The tiles' work is bound by memory traffic (each tile is written by one matrix product and
-then read by every elementwise step), so the per-key bias and, in pass 2, each query's
-``−lse`` enter the matrix product itself as extra columns: ``[q·scale, 1, −lse] · [k, bias, 1]``
-is the shifted, biased logit. After the product writes a tile, pass 2 reads it once (``amax``)
-and the tiled pass 1 five times, two of them in-place updates (``exp`` of the shifted logits).
+Precision: the matrix products run in the inputs' dtype and the statistics in float32. A bf16
+cache's products are bf16 products (tensor cores on a GPU, about 15x an fp32 product there,
+accumulating in fp32 inside the product); each logit tile is converted to float32 as it is
+scaled, and the exponentials, sums and log-sum-exps run in float32. The bias (β) and the
+shift are added in float32 after the product, never rounded to bf16 (β's steps would be ~0.016
+there). The CPU fused kernel takes bf16 blocks as they are, with its float32 mask, and computes
+in float32 inside. Float32 inputs keep float32 products.
 
-Inputs may be any floating dtype on any device; blocks are converted to float32 a tile (or,
-for the fused CPU kernel, a slice of at most ``BLOCK_ELEMENTS`` keys) at a time, so a bf16
-cache is never copied whole into fp32. Every tensor is made on the device of the queries.
+With float32 inputs the tiles' work is bound by memory traffic (each tile is written by one
+matrix product and then read by every elementwise step), so the per-key bias and, in pass 2,
+each query's ``−lse`` enter the matrix product itself as extra columns:
+``[q·scale, 1, −lse] · [k, bias, 1]`` is the shifted, biased logit. After the product writes a
+tile, pass 2 reads it once (``amax``) and the tiled pass 1 five times, two of them in-place
+updates (``exp`` of the shifted logits). A bf16 product cannot carry them (its output is
+rounded to bf16): there they are added in the step that converts the tile to float32.
+
+Blocks may lie in any floating dtype on any device; a block in another dtype than the queries'
+is converted a tile (or, for the fused CPU kernel, a slice of at most ``BLOCK_ELEMENTS`` keys)
+at a time, so a cache is never copied whole. Every tensor is made on the device of the queries.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 BLOCK_ELEMENTS = 2**24  # logits per (query chunk × key block) tile: 64 MiB in float32
 QUERY_CHUNK = 1024  # folded queries per KV head in one chunk
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A chunk of queries ``(H, n, d)`` made ready for the products (module doc, "Precision").
+
+    Float32 (or wider) queries become pre-scaled float32 (``scale`` 1): their products give
+    float32 logits and carry bias and shift as extra columns. Half-precision queries stay as
+    they are (``scale`` is the attention scale, applied in float32 after the product).
+    """
+
+    q: torch.Tensor
+    scale: float
+
+    @classmethod
+    def of(cls, q: torch.Tensor, scale: float) -> _Chunk:
+        chunk = cls(q, scale)
+        return chunk if chunk.low_precision else cls(q.float() * scale, 1.0)
+
+    @property
+    def low_precision(self) -> bool:
+        return self.q.dtype.itemsize < 4
+
+    def operand(self, block_part: torch.Tensor) -> torch.Tensor:
+        """Keys or values (a slice of them) in the dtype the products run in."""
+        return block_part.to(self.q.dtype)
 
 
 @dataclass
@@ -93,16 +130,16 @@ def attention_stats(
     key_max = [torch.zeros(heads, blocks[i].length, dtype=torch.float32, device=q.device) for i in key_max_of]
     for start in range(0, count, QUERY_CHUNK):
         rows = slice(start, min(count, start + QUERY_CHUNK))
-        qc = q[:, rows].float() * scale
+        chunk = _Chunk.of(q[:, rows], scale)
         visible = None if last_visible is None else last_visible[rows]
-        chunk = _softmax_over_blocks(qc, blocks, output, visible, softmax_of)
-        for (lse, out), (chunk_lse, chunk_out) in zip(results, chunk):
+        softmax = _softmax_over_blocks(chunk, blocks, output, visible, softmax_of)
+        for (lse, out), (chunk_lse, chunk_out) in zip(results, softmax):
             lse[:, rows] = chunk_lse
             if out is not None:
                 out[:, rows] = chunk_out
-        shift = _negated(chunk[0][0])
+        shift = _negated(softmax[0][0])
         for slot, i in enumerate(key_max_of):
-            for k0, shares in _block_logits(qc, blocks[i], visible, shift):
+            for k0, shares in _block_logits(chunk, blocks[i], visible, shift):
                 tile_max = shares.amax(1).exp_()
                 view = key_max[slot][:, k0 : k0 + tile_max.shape[1]]
                 torch.maximum(view, tile_max, out=view)
@@ -118,28 +155,28 @@ def weighted_key_sums(
     total = torch.zeros(heads, block.length, dtype=torch.float32, device=q.device)
     for start in range(0, count, QUERY_CHUNK):
         rows = slice(start, min(count, start + QUERY_CHUNK))
-        qc, w = q[:, rows].float() * scale, weights[:, rows]
-        for k0, shifted in _block_logits(qc, block, None, _negated(lse[:, rows])):
-            probs = shifted.exp_()
+        w = weights[:, rows]
+        for k0, shifted in _block_logits(_Chunk.of(q[:, rows], scale), block, None, _negated(lse[:, rows])):
+            probs = shifted.exp_()  # a float32 sum over queries: it accumulates, so it stays float32
             total[:, k0 : k0 + probs.shape[2]] += torch.bmm(w[:, None, :], probs)[:, 0]
     return total
 
 
 def _softmax_over_blocks(
-    q: torch.Tensor, blocks: list[KeyBlock], output: bool, visible: torch.Tensor | None, softmax_of: tuple[int, ...]
+    chunk: _Chunk, blocks: list[KeyBlock], output: bool, visible: torch.Tensor | None, softmax_of: tuple[int, ...]
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Log-sum-exp ``(H, n)`` and output ``(H, n, d)`` (or ``None``) of the scaled queries over
+    """Log-sum-exp ``(H, n)`` and output ``(H, n, d)`` (or ``None``) of the query chunk over
     ``blocks``, followed by the same of each block in ``softmax_of`` alone.
 
-    Each block is reduced on its own (:func:`_block_softmax`), then merged into the running
-    result by its log-sum-exp.
+    Each block is reduced on its own (:func:`_block_softmax`), then the blocks are merged by
+    their log-sum-exps. An empty block is reduced only when its own statistics are asked for
+    (lse -inf and output 0 on both paths), and never merged: merging it changes nothing.
     """
-    lse, out = _nothing_seen(q, blocks[0].values.shape[-1] if output else None)
-    parts = {}
-    for i, block in enumerate(blocks):  # an empty block gives lse -inf and output 0 on both paths
-        parts[i] = _block_softmax(q, block, output, visible)
-        lse, out = _merge(lse, out, *parts[i])
-    return [(lse, out), *(parts[i] for i in softmax_of)]
+    parts = {i: _block_softmax(chunk, block, output, visible)
+             for i, block in enumerate(blocks) if block.length or i in softmax_of}
+    seen = [(lse, out if output else None) for i, (lse, out) in parts.items() if blocks[i].length]
+    width = blocks[0].values.shape[-1] if output else None
+    return [_merged(seen, lambda: _nothing_seen(chunk.q, width)), *(parts[i] for i in softmax_of)]
 
 
 def _nothing_seen(q: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -157,12 +194,25 @@ def _merge(
     if out is None:
         return merged, None
     # A query that has seen nothing in either has lse -inf: weigh by exp(-inf) = 0, not NaN.
-    safe = torch.where(torch.isfinite(merged), merged, torch.zeros_like(merged))
+    safe = merged.nan_to_num(neginf=0.0)
     return merged, out * (lse - safe).exp_()[..., None] + other_out * (other_lse - safe).exp_()[..., None]
 
 
+def _merged(
+    parts: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
+    nothing: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The statistics over the union of disjoint sets of keys from each one's, merged as they come;
+    ``nothing()`` when there are none. The first set's are taken as they are (merging them into
+    "nothing seen" would give them back exactly, at the cost of a merge)."""
+    total = None
+    for part in parts:
+        total = part if total is None else _merge(*total, *part)
+    return nothing() if total is None else total
+
+
 def _block_softmax(
-    q: torch.Tensor, block: KeyBlock, output: bool, visible: torch.Tensor | None
+    chunk: _Chunk, block: KeyBlock, output: bool, visible: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One block's log-sum-exp and output: a fused kernel on CPU, logit tiles elsewhere.
 
@@ -170,40 +220,44 @@ def _block_softmax(
     writes a logit tile to memory: it reads a block about twice as fast as the tiles do (random
     data of the embedded model's shape: a 512-token window over a 2,048-row span). It is a private
     operator, used only where it exists; on other devices the tiles run. The kernel reads the
-    block in slices of at most ``BLOCK_ELEMENTS`` float32 keys, merged by log-sum-exp, so a
-    bf16 block is never converted whole.
+    block in slices of at most ``BLOCK_ELEMENTS`` keys, merged by log-sum-exp, so neither a block
+    in another dtype than the queries' nor its causal mask is ever materialised whole.
     """
-    if not (q.device.type == "cpu" and block.values is not None and _CPU_FLASH is not None):
-        return _tiled_block_softmax(q, block, output, visible)
-    rows = max(64, BLOCK_ELEMENTS // (q.shape[0] * block.keys.shape[-1]))
-    lse, out = _nothing_seen(q, block.values.shape[-1])
-    for k0 in range(0, block.length, rows):
-        piece = KeyBlock(block.keys[:, k0 : k0 + rows], block.values[:, k0 : k0 + rows],
-                         None if block.bias is None else block.bias[:, k0 : k0 + rows], block.causal)
-        lse, out = _merge(lse, out, *_fused_block_softmax(q, piece, None if visible is None else visible - k0))
-    return lse, out
+    if not (chunk.q.device.type == "cpu" and block.values is not None and _CPU_FLASH is not None):
+        return _tiled_block_softmax(chunk, block, output, visible)
+    rows = max(64, BLOCK_ELEMENTS // (chunk.q.shape[0] * block.keys.shape[-1]))
+    return _merged((_fused_block_softmax(chunk, _key_slice(block, k0, rows), None if visible is None else visible - k0)
+                    for k0 in range(0, block.length, rows)), lambda: _nothing_seen(chunk.q, block.values.shape[-1]))
+
+
+def _key_slice(block: KeyBlock, first: int, rows: int) -> KeyBlock:
+    """Keys ``[first, first + rows)`` of ``block``, with their values and bias."""
+    end = first + rows
+    return KeyBlock(block.keys[:, first:end], block.values[:, first:end],
+                    None if block.bias is None else block.bias[:, first:end], block.causal)
 
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _fused_block_softmax(
-    q: torch.Tensor, block: KeyBlock, visible: torch.Tensor | None
+    chunk: _Chunk, block: KeyBlock, visible: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU kernel over one block: its bias and causal rule enter as an additive mask,
-    broadcast over queries (bias) or heads (causal) rather than materialised per head and query."""
-    heads, count, _ = q.shape
+    """The CPU kernel over one block: its bias and causal rule enter as a float32 additive mask,
+    broadcast over queries (bias) or heads (causal) rather than materialised per head and query
+    (the kernel computes in float32 whatever its inputs' dtype, and takes a float32 mask)."""
+    heads, count, _ = chunk.q.shape
     mask = None
     if block.bias is not None:
         mask = block.bias.float()[None, :, None, :]
     if block.causal:
-        index = torch.arange(block.length, device=q.device)
-        causal = torch.zeros(count, block.length, device=q.device).masked_fill_(
+        index = torch.arange(block.length, device=chunk.q.device)
+        causal = torch.zeros(count, block.length, device=chunk.q.device).masked_fill_(
             index[None, :] > visible[:, None], float("-inf"))
         mask = causal[None, None] if mask is None else mask + causal
-    out, lse = _CPU_FLASH(q[None], block.keys.float()[None], block.values.float()[None], 0.0, False,
-                          attn_mask=mask, scale=1.0)
-    lse, out = lse[0], out[0]
+    out, lse = _CPU_FLASH(chunk.q[None], chunk.operand(block.keys)[None], chunk.operand(block.values)[None], 0.0,
+                          False, attn_mask=mask, scale=chunk.scale)
+    lse, out = lse[0], out[0].float()
     if mask is not None:  # the kernel gives a query that sees no slot lse 0; here it is -inf, with output 0
         sees_nothing = torch.isneginf(mask).all(-1)[0].expand(heads, count)
         lse, out = lse.masked_fill(sees_nothing, float("-inf")), out.masked_fill(sees_nothing[..., None], 0.0)
@@ -211,23 +265,28 @@ def _fused_block_softmax(
 
 
 def _tiled_block_softmax(
-    q: torch.Tensor, block: KeyBlock, output: bool, visible: torch.Tensor | None
+    chunk: _Chunk, block: KeyBlock, output: bool, visible: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Online softmax over the block's logit tiles: running max, sum and output, rescaled as the max grows."""
-    heads, count, _ = q.shape
-    running_max = torch.full((heads, count), float("-inf"), dtype=torch.float32, device=q.device)
-    running_sum = torch.zeros(heads, count, dtype=torch.float32, device=q.device)
-    acc = torch.zeros(heads, count, block.values.shape[-1], dtype=torch.float32, device=q.device) if output else None
-    for k0, logits in _block_logits(q, block, visible):
+    """Online softmax over the block's logit tiles: running max, sum and output, rescaled as the max grows.
+
+    The weights enter the output's product in the products' dtype (as FlashAttention's do); the
+    output accumulates in float32.
+    """
+    heads, count, _ = chunk.q.shape
+    device = chunk.q.device
+    running_max = torch.full((heads, count), float("-inf"), dtype=torch.float32, device=device)
+    running_sum = torch.zeros(heads, count, dtype=torch.float32, device=device)
+    acc = torch.zeros(heads, count, block.values.shape[-1], dtype=torch.float32, device=device) if output else None
+    for k0, logits in _block_logits(chunk, block, visible):
         new_max = torch.maximum(running_max, logits.amax(-1))
         # A query that has seen only hidden slots so far keeps max -inf: rescale by 0, not NaN.
-        safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+        safe_max = new_max.nan_to_num(neginf=0.0)
         rescale = (running_max - safe_max).exp_()
         probs = logits.sub_(safe_max[..., None]).exp_()
         running_sum = running_sum * rescale + probs.sum(-1)
         if acc is not None:
-            values = block.values[:, k0 : k0 + probs.shape[2]].float()
-            acc = acc * rescale[..., None] + torch.bmm(probs, values)
+            values = chunk.operand(block.values[:, k0 : k0 + probs.shape[2]])
+            acc = acc * rescale[..., None] + torch.bmm(probs.to(values.dtype), values)
         running_max = new_max
     lse = running_max + running_sum.log()
     # A query that sees no real slot (an empty span) gets lse -inf and output 0, not NaN.
@@ -237,34 +296,51 @@ def _tiled_block_softmax(
 
 def _negated(lse: torch.Tensor) -> torch.Tensor:
     """``−lse`` as a per-query logit shift; 0 for a query that sees nothing (its logits are all −inf anyway)."""
-    return torch.where(torch.isfinite(lse), -lse, torch.zeros_like(lse))
+    return lse.neg().nan_to_num(posinf=0.0)
 
 
-def _block_logits(q: torch.Tensor, block: KeyBlock, visible: torch.Tensor | None, shift: torch.Tensor | None = None):
-    """Yield ``(first key, logits (H, n_q, k_tile))`` tiles of ``block`` for the scaled float32 queries ``q``.
-
-    The block's bias and the optional per-query ``shift`` ``(H, n_q)`` are added by the
-    matrix product (module doc): ``q`` gains a column of ones and a column ``shift``, each
-    key tile a column ``bias`` and a column of ones.
-    """
-    heads, count, _ = q.shape
-    extra_q = []
-    if block.bias is not None:
-        extra_q.append(q.new_ones(heads, count, 1))
-    if shift is not None:
-        extra_q.append(shift[..., None])
-    query = torch.cat([q, *extra_q], -1) if extra_q else q
+def _block_logits(chunk: _Chunk, block: KeyBlock, visible: torch.Tensor | None, shift: torch.Tensor | None = None):
+    """Yield ``(first key, float32 logits (H, n_q, k_tile))`` tiles of ``block`` for the query chunk:
+    scaled, plus the block's bias and the optional per-query ``shift`` ``(H, n_q)`` (module doc)."""
+    heads, count, _ = chunk.q.shape
+    query = chunk.q if chunk.low_precision else _query_columns(chunk.q, block.bias is not None, shift)
     tile = max(64, BLOCK_ELEMENTS // max(1, heads * count))
     for k0 in range(0, block.length, tile):
         keys = block.keys[:, k0 : k0 + tile]
-        n = keys.shape[1]
-        if extra_q:  # the float32 columns promote the keys to float32 in the same copy
-            extra_k = [] if block.bias is None else [block.bias[:, k0 : k0 + n, None].float()]
-            if shift is not None:
-                extra_k.append(keys.new_ones(heads, n, 1, dtype=torch.float32))
-            keys = torch.cat([keys, *extra_k], -1)
-        logits = torch.bmm(query, keys.float().transpose(1, 2))
+        bias = None if block.bias is None else block.bias[:, k0 : k0 + keys.shape[1]]
+        if chunk.low_precision:
+            product = torch.bmm(query, chunk.operand(keys).transpose(1, 2))
+            logits = _scaled_in_float32(product, chunk.scale, bias, shift)
+        else:
+            logits = torch.bmm(query, _key_columns(keys, bias, shift is not None).transpose(1, 2))
         if block.causal:
-            index = torch.arange(k0, k0 + n, device=q.device)
+            index = torch.arange(k0, k0 + keys.shape[1], device=chunk.q.device)
             logits.masked_fill_(index[None, None, :] > visible[None, :, None], float("-inf"))
         yield k0, logits
+
+
+def _query_columns(q: torch.Tensor, bias: bool, shift: torch.Tensor | None) -> torch.Tensor:
+    """Float32 queries with a column of ones (when the keys carry a bias) and the column ``shift``."""
+    extra = ([q.new_ones(*q.shape[:2], 1)] if bias else []) + ([] if shift is None else [shift[..., None]])
+    return torch.cat([q, *extra], -1) if extra else q
+
+
+def _key_columns(keys: torch.Tensor, bias: torch.Tensor | None, shift: bool) -> torch.Tensor:
+    """A key tile in float32 with the columns :func:`_query_columns` meets: ``bias``, then ones for the shift."""
+    extra = ([] if bias is None else [bias[..., None].float()]) + (
+        [keys.new_ones(*keys.shape[:2], 1, dtype=torch.float32)] if shift else [])
+    return torch.cat([keys, *extra], -1) if extra else keys.float()  # float32 columns promote the keys in the copy
+
+
+def _scaled_in_float32(
+    product: torch.Tensor, scale: float, bias: torch.Tensor | None, shift: torch.Tensor | None
+) -> torch.Tensor:
+    """``scale·product + bias + shift`` in float32, from a half-precision product: the conversion
+    is the first addition (one pass over the tile), and β and the shift are never rounded."""
+    offsets = [t for t in (None if bias is None else bias[:, None, :].float(),
+                           None if shift is None else shift[..., None]) if t is not None]
+    first = offsets[0] if offsets else product.new_zeros(1, 1, 1, dtype=torch.float32)
+    logits = torch.add(first, product, alpha=scale)
+    for offset in offsets[1:]:
+        logits.add_(offset)
+    return logits

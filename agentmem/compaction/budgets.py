@@ -7,54 +7,59 @@ eviction strong here; both are built on the same per-row scores.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from agentmem.compaction.span import Selection
 from agentmem.errors import InvalidInput
 
 
-def global_top(scores: list[torch.Tensor], total: int) -> list[list[torch.Tensor]]:
-    """The ``total`` highest-scoring rows over all layers and heads; row indices per layer, head.
+def global_top(scores: list[torch.Tensor], total: int) -> list[Selection]:
+    """The ``total`` highest-scoring rows over all layers and heads, as a :class:`Selection` per layer.
 
-    ``scores`` are ``(H, n)`` per layer with ``-inf`` on slots that hold no row.
+    ``scores`` are ``(H, n)`` per layer with ``-inf`` on slots that hold no row (never kept, even
+    when fewer than ``total`` rows hold one). The rows each head keeps are counted on the device
+    and read in one go: the only host read of the choice.
     """
     flat = torch.cat([s.reshape(-1) for s in scores])
-    available = int(torch.isfinite(flat).sum())
-    keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-    keep[flat.topk(min(total, available)).indices] = True
-    out: list[list[torch.Tensor]] = []
-    offset = 0
-    for layer_scores in scores:
-        layer_keep = keep[offset : offset + layer_scores.numel()].view(layer_scores.shape)
-        out.append([row.nonzero()[:, 0] for row in layer_keep])
-        offset += layer_scores.numel()
-    return out
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    keep[flat.topk(min(total, flat.numel())).indices] = True
+    keep &= torch.isfinite(flat)
+    masks = [mask.view(s.shape) for mask, s in zip(keep.split([s.numel() for s in scores]), scores)]
+    counts = torch.cat([mask.sum(1) for mask in masks]).tolist()
+    heads = scores[0].shape[0]
+    return [Selection.of_mask(mask, counts[i * heads : (i + 1) * heads]) for i, mask in enumerate(masks)]
 
 
 def proportional(counts: list[list[int]], total: int, proportions: torch.Tensor | None) -> list[list[int]]:
     """Row budgets per layer and head: ``proportions`` (layers × heads, summing to 1) or uniform.
 
     A head never keeps more rows than it has; what it cannot take is handed to the others.
+    A budget table is host arithmetic on a few hundred numbers: it runs in Python, reading
+    ``proportions`` once, not as tensor operations each read back to decide the next step.
     """
     layers, heads = len(counts), len(counts[0])
     if proportions is None:
-        shares = torch.full((layers, heads), 1.0 / (layers * heads), device="cpu")
-    else:
-        shares = proportions.float().cpu()
-    if (shares.shape != (layers, heads) or not torch.isfinite(shares).all() or (shares < 0).any()
-            or not shares.sum() > 0):
+        shares = [1.0] * (layers * heads)
+    elif tuple(proportions.shape) != (layers, heads):
         raise InvalidInput(f"head budgets must be a non-negative {layers}x{heads} table with a positive sum")
-    shares = shares / shares.sum()
-    cap = torch.tensor(counts, dtype=torch.float32, device="cpu")
-    budget = torch.zeros_like(cap)
+    else:
+        shares = proportions.float().reshape(-1).tolist()
+    if not all(math.isfinite(s) and s >= 0 for s in shares) or not sum(shares) > 0:
+        raise InvalidInput(f"head budgets must be a non-negative {layers}x{heads} table with a positive sum")
+    cap = [c for layer in counts for c in layer]
+    budget = [0.0] * len(cap)
     remaining = float(total)
-    open_heads = cap > 0
+    open_heads = [c > 0 for c in cap]
     for _ in range(layers * heads):  # water-filling: redistribute what capped heads cannot use
-        if remaining < 0.5 or not open_heads.any():
+        if remaining < 0.5 or not any(open_heads):
             break
-        share = shares * open_heads
-        if share.sum() <= 0:
-            share = open_heads.float()
-        budget = torch.minimum(budget + remaining * share / share.sum(), cap)
-        remaining = total - float(budget.sum())
-        open_heads = budget < cap
-    return budget.round().long().tolist()
+        share = [s if o else 0.0 for s, o in zip(shares, open_heads)]
+        if sum(share) <= 0:
+            share = [float(o) for o in open_heads]
+        mass = sum(share)
+        budget = [min(b + remaining * s / mass, c) for b, s, c in zip(budget, share, cap)]
+        remaining = total - sum(budget)
+        open_heads = [b < c for b, c in zip(budget, cap)]
+    return [[round(b) for b in budget[i * heads : (i + 1) * heads]] for i in range(layers)]

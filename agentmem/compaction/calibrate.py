@@ -40,7 +40,7 @@ def calibrate(engine, texts: list[str], *, ratio: float = 10.0, context: int = 1
         plan = plan_span(cache, protect_prefix=0, keep_recent=0)
         reference = collect_reference(engine, cache, plan, "repeat", start=0, budget=len(ids), max_queries=1, seed=0)
         chosen = budgets.global_top(reference.scores, round(plan.rows / ratio))
-        kept = torch.tensor([[len(rows) for rows in layer] for layer in chosen], dtype=torch.float32, device="cpu")
+        kept = torch.tensor([rows.counts for rows in chosen], dtype=torch.float32, device="cpu")
         shares += kept / kept.sum()
         used += 1
     if not used:

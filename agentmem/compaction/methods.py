@@ -1,6 +1,7 @@
 """The compaction methods: Attention Matching and the baselines it is measured against.
 
-Each method turns a :class:`SpanPlan` into per-layer, per-head :class:`HeadChoice` lists.
+Each method turns a :class:`SpanPlan` into a :class:`LayerChoice` per layer, all KV heads of a
+layer at once, and records what it did in the job's :class:`CompactionStats`.
 """
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from agentmem.cache import SessionCache, to_device
 from agentmem.compaction import budgets, solvers
 from agentmem.compaction.blockwise import attention_stats
 from agentmem.compaction.queries import (
@@ -23,10 +25,17 @@ from agentmem.compaction.queries import (
     collect_reference,
     sample_positions,
 )
-from agentmem.cache import SessionCache
-from agentmem.compaction.span import HeadChoice, LayerSpan, SpanPlan, assemble, prefix_cache, span_of_rows
 from agentmem.compaction.solvers import SpanAttention
-
+from agentmem.compaction.span import (
+    LayerChoice,
+    LayerSpan,
+    Selection,
+    SpanPlan,
+    assemble,
+    best_slots,
+    prefix_cache,
+    span_of_rows,
+)
 
 SINKS = 4  # first rows of a session every head keeps (attention sinks)
 REREAD = ("new", "all")
@@ -34,7 +43,25 @@ VALIDATION_TOKENS = 256  # span tokens the end-to-end check re-reads (at most a 
 SUMMARY_PROMPT = "\n\nSummarise the text above in at most {words} words, keeping names, numbers and facts.\nSummary:"
 
 
-Chosen = tuple[list[list[HeadChoice]], Reference | None]  # rows per layer and head; the reference, if one judged them
+Chosen = tuple[list[LayerChoice], Reference | None]  # what each layer keeps; the reference, if one judged it
+
+
+@dataclass
+class CompactionStats:
+    """What one compaction did, for its caller to see (``compact(...).compaction_stats``).
+
+    ``fitted_layers``: layers whose β and values AM fitted (the others keep their rows as they
+    are); ``fit_queries``: reference queries per KV head sampled for the fits (the most of any
+    layer; 0 when none were); ``end_to_end_checked``: whether the model scored the candidates
+    (:func:`end_to_end_choice`); ``skipped``: work left out because it could not change the
+    result, each with its reason.
+    """
+
+    method: str = ""
+    fitted_layers: int = 0
+    fit_queries: int = 0
+    end_to_end_checked: bool = False
+    skipped: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +78,7 @@ class Job:
     reread: str = "all"  # see compact(): "new" re-reads only the text since the last compaction
     fit_sinks: bool | None = None  # see compact(): may AM fit the attention sinks (None: only with "all")
     refresh_tokens: int = 0  # see compact(): older text an incremental compaction re-reads as well
+    stats: CompactionStats = field(default_factory=CompactionStats)
 
     def __post_init__(self) -> None:
         if self.fit_sinks is None:
@@ -111,7 +139,22 @@ class Job:
 
     @property
     def counts(self) -> list[list[int]]:
-        return [layer.counts for layer in self.plan.layers]
+        return [list(layer.counts) for layer in self.plan.layers]
+
+    def fits_possible(self) -> bool:
+        """Whether any layer could keep at most :data:`~agentmem.compaction.solvers.MAX_FIT_ROWS`
+        rows on every head, the condition for AM to fit it, judged before any query is read.
+
+        With calibrated budgets the rows each head keeps are known now. With global ones a
+        layer keeps at least what the other layers cannot hold; one that must keep more than
+        its heads hold under the cap has a head over it whatever the scores.
+        """
+        if self.head_budgets is not None:
+            return any(sum(b) and solvers.fits_rows(b)
+                       for b in budgets.proportional(self.counts, self.total, self.head_budgets))
+        rows = self.plan.rows
+        return any(self.total - (rows - span.rows) <= sum(min(c, solvers.MAX_FIT_ROWS) for c in span.counts)
+                   for span in self.plan.layers)
 
     @property
     def scale(self) -> float:
@@ -217,9 +260,9 @@ class Job:
         return torch.randperm(n, generator=generator, device="cpu").to(self.cache.device)
 
 
-def _unfitted(job: Job, selection: list[list[torch.Tensor]]) -> list[list[HeadChoice]]:
+def _unfitted(job: Job, selection: list[Selection]) -> list[LayerChoice]:
     """Keep the selected rows as they are (β = their prior, original values)."""
-    return [span.unfitted(heads) for span, heads in zip(job.plan.layers, selection)]
+    return [span.unfitted(rows) for span, rows in zip(job.plan.layers, selection)]
 
 
 def _sink_slots(job: Job, span: LayerSpan) -> torch.Tensor | None:
@@ -242,28 +285,29 @@ def _keep_sinks(job: Job, scores: list[torch.Tensor]) -> list[torch.Tensor]:
             for layer_scores, span in zip(scores, job.plan.layers)]
 
 
-def _select(job: Job, scores: list[torch.Tensor], proportions: torch.Tensor | None, *, global_budget: bool):
-    """Row indices per layer and head: global top-k (sinks kept), or per-head top-k under proportional budgets."""
+def _select(
+    job: Job, scores: list[torch.Tensor], proportions: torch.Tensor | None, *, global_budget: bool
+) -> list[Selection]:
+    """Rows per layer: global top-k (sinks kept), or per-head top-k under proportional budgets."""
     if global_budget:
         scores = _keep_sinks(job, scores)
     if global_budget and proportions is None:
         return budgets.global_top(scores, job.total)
     budget = budgets.proportional(job.counts, job.total, proportions)
-    return [[s[h].topk(b).indices.sort().values for h, b in enumerate(layer_budget)]
-            for s, layer_budget in zip(scores, budget)]
+    table = to_device(budget, job.cache.device)
+    return [Selection.of_mask(best_slots(s, counts, max(layer_budget)), layer_budget)
+            for s, layer_budget, counts in zip(scores, budget, table)]
 
 
 def window(job: Job) -> Chosen:
     """StreamingLLM-style: the span's first 4 rows (attention sinks) and its most recent rows."""
     budget = budgets.proportional(job.counts, job.total, None)
     selection = []
-    for span, layer_budget in zip(job.plan.layers, budget):
-        heads = []
-        for rows, b in zip(span.valid, layer_budget):
-            rows = rows.nonzero()[:, 0]
-            sinks = min(4, b)
-            heads.append(torch.cat([rows[:sinks], rows[len(rows) - (b - sinks) :]]).unique())
-        selection.append(heads)
+    for span, layer_budget, b in zip(job.plan.layers, budget, to_device(budget, job.cache.device)):
+        rank = span.valid.cumsum(1) - 1  # each real row's place among its head's, in position order
+        sinks = b.clamp(max=4)[:, None]
+        recent = span.valid.sum(1, keepdim=True) - (b[:, None] - sinks)  # the first place of the recent rows kept
+        selection.append(Selection.of_mask(span.valid & ((rank < sinks) | (rank >= recent)), layer_budget))
     return _unfitted(job, selection), None
 
 
@@ -297,33 +341,49 @@ def attention_matching(job: Job, *, max_queries: int | None = None, omp: bool = 
     next-token retention 0.23 where 0.40 at 50x), so :func:`~agentmem.compaction.compact` fits
     them by default.
     """
-    reference = job.reference(max_queries, held_out=job.held_out())
+    fitting = omp or job.fits_possible()  # OMP chooses rows on the sample even where none can be fitted
+    if not fitting:
+        job.stats.skipped.append(
+            f"the fits' query sample: no layer can keep at most {solvers.MAX_FIT_ROWS} rows on every head")
+    reference = job.reference(max_queries if fitting else 1, held_out=job.held_out() if fitting else ())
     selection = _select(job, reference.scores, job.head_budgets, global_budget=True)
-    fitted = []
-    for span, queries, rows in zip(job.plan.layers, reference.queries, selection):
-        if not any(len(r) for r in rows):  # the global budget left this layer nothing of the span
-            fitted.append(span.unfitted(rows))
-            continue
-        order = job.permutation(queries.q.shape[1])
-        cut = max(1, int(len(order) * holdout))
-        train = SpanAttention.of(span, queries.take(order[cut:]), job.scale)
-        held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
-        if omp:
-            rows[:] = [r.sort().values for r in solvers.omp_select(train, [len(r) for r in rows])]
-        fixed = None if job.fit_sinks else _sink_slots(job, span)
-        fitted.append(solvers.choose_fits(span, train, held, rows, fixed=fixed))
-    return end_to_end_choice(job, [fitted, _unfitted(job, selection)]), reference
+    fitted = [_fitted_layer(job, span, queries, rows, omp=omp, holdout=holdout)
+              for span, queries, rows in zip(job.plan.layers, reference.queries, selection)]
+    if not job.stats.fitted_layers:
+        job.stats.skipped.append("the end-to-end check: no layer was fitted, so both candidates are the same rows")
+        return fitted, reference
+    job.stats.fit_queries = max(queries.q.shape[1] for queries in reference.queries)
+    unfitted = [span.unfitted(choice.rows) for span, choice in zip(job.plan.layers, fitted)]  # OMP's rows, with OMP
+    return end_to_end_choice(job, [fitted, unfitted]), reference
 
 
-def end_to_end_choice(job: Job, candidates: list[list[list[HeadChoice]]]) -> list[list[HeadChoice]]:
+def _fitted_layer(
+    job: Job, span: LayerSpan, queries: LayerQueries, rows: Selection, *, omp: bool, holdout: float
+) -> LayerChoice:
+    """One layer's choice: its rows (re-chosen by OMP with ``omp``) fitted where they can be
+    (:func:`~agentmem.compaction.solvers.choose_fits`), counted in ``job.stats``."""
+    if not (sum(rows.counts) and queries.q.shape[1] and (omp or solvers.fits_rows(rows.counts))):
+        return span.unfitted(rows)  # nothing of the span kept, no query to fit on, or rows too many to fit
+    order = job.permutation(queries.q.shape[1])
+    cut = max(1, int(len(order) * holdout))
+    train = SpanAttention.of(span, queries.take(order[cut:]), job.scale)
+    held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
+    if omp:
+        rows = solvers.omp_select(train, rows.counts)
+    job.stats.fitted_layers += int(solvers.can_fit(train, rows))
+    fixed = None if job.fit_sinks else _sink_slots(job, span)
+    return solvers.choose_fits(span, train, held, rows, fixed=fixed)
+
+
+def end_to_end_choice(job: Job, candidates: list[list[LayerChoice]]) -> list[LayerChoice]:
     """The candidate under which the model best re-reads the span (lowest NLL), judged end to end.
 
     Per-head fits are validated on each layer's attention output, but errors compound
     through the layers: on verbatim-heavy text (code) unfitted rows sometimes serve the whole
     model better. Scoring "repeat the text above" plus chunks of the span under each
-    candidate settles it with the model's own likelihood, for ~2 short scoring passes. The
-    re-read passages are held out of the fits' queries: fits judged on the queries they were
-    solved on would win by overfitting.
+    candidate settles it with the model's own likelihood, for ~2 short scoring passes and one
+    host read. The re-read passages are held out of the fits' queries: fits judged on the
+    queries they were solved on would win by overfitting.
     """
     tokenize = lambda text: job.engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     text, positions = job.validation_text(), job.validation_positions
@@ -331,8 +391,11 @@ def end_to_end_choice(job: Job, candidates: list[list[list[HeadChoice]]]) -> lis
     room = job.engine.max_context - job.cache.logical_length
     if len(candidates) == 1 or not positions or room < len(probe):
         return candidates[0]
-    nll = [-job.engine.score(assemble(job.cache, job.plan, c), probe).mean().item() for c in candidates]
-    return candidates[min(range(len(candidates)), key=nll.__getitem__)]
+    job.stats.end_to_end_checked = True
+    # Built with room for the probe: reading it does not copy each candidate's buffers to grow them.
+    nll = torch.stack([-job.engine.score(assemble(job.cache, job.plan, c, spare=len(probe)), probe).mean()
+                       for c in candidates])
+    return candidates[int(nll.argmin())]  # the first of equals, as min() would
 
 
 def summary(job: Job, *, tokens: int | None = None) -> SessionCache:
@@ -353,14 +416,12 @@ def summary(job: Job, *, tokens: int | None = None) -> SessionCache:
     written = [t for t in written if t not in engine.eos_token_ids] or written[:1]
     prefix = prefix_cache(cache, plan)
     engine.prefill(written, prefix)
-    index = torch.arange(len(written), device=cache.device)
-    beta = torch.zeros(len(written), device=cache.device)
-    rows = [[HeadChoice(index, beta, layer.tail_values[h].float())
-             for h in range(cache.num_kv_heads)] for layer in prefix.layers]
     summary_plan = SpanPlan(plan.start, plan.raw_start, plan.end, plan.protected_raw, plan.recent,
                             [span_of_rows(layer, span.kept_segments, plan.start)
                              for layer, span in zip(prefix.layers, plan.layers)])
-    return assemble(cache, summary_plan, rows)
+    every = torch.ones(cache.num_kv_heads, len(written), dtype=torch.bool, device=cache.device)
+    rows = Selection.of_mask(every, (len(written),) * cache.num_kv_heads)
+    return assemble(cache, summary_plan, [span.unfitted(rows) for span in summary_plan.layers])
 
 
 def summary_then_am(job: Job) -> SessionCache:
@@ -370,8 +431,11 @@ def summary_then_am(job: Job) -> SessionCache:
     summarised = summary(job, tokens=max(1, round(job.total * factor / heads)))
     from agentmem.compaction import compact  # the public entry point validates and plans again
 
-    return compact(job.engine, summarised, target_tokens=job.total // heads, method="am", queries=job.queries,
-                   keep_recent=job.plan.recent, protect_prefix=job.plan.start, seed=job.seed)
+    compacted = compact(job.engine, summarised, target_tokens=job.total // heads, method="am", queries=job.queries,
+                        keep_recent=job.plan.recent, protect_prefix=job.plan.start, seed=job.seed)
+    if compacted.compaction_stats is not None:  # what AM did is what this method did (None: the summary fit the budget)
+        job.stats = compacted.compaction_stats
+    return compacted
 
 
 def _rows(choose: Callable[[Job], Chosen]) -> Callable[[Job], SessionCache]:

@@ -30,7 +30,8 @@ Sources (``queries=``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,8 +71,10 @@ class LayerQueries:
     def take(self, index: torch.Tensor) -> LayerQueries:
         return LayerQueries(*(None if part is None else part[:, index] for part in self._parts()))
 
-    def float(self) -> LayerQueries:
-        return LayerQueries(self.q.float(), self.lse, self.out.float(), self.span_lse, self.span_out)
+    def with_float_outputs(self) -> LayerQueries:
+        """The same queries with their outputs in float32, as the fits use them; the queries stay in
+        their own dtype, so the products they enter run in it (bf16 tensor cores on a GPU)."""
+        return replace(self, out=self.out.float())
 
     @classmethod
     def cat(cls, samples: list[LayerQueries]) -> LayerQueries:
@@ -96,12 +99,15 @@ class Reference:
 class ReferenceRecorder:
     """Computes the attention of reference windows over ``[cache | scratch]``, recording as it goes.
 
-    ``sample`` are the global ids (``token_index * group + g``) of the queries to keep.
+    ``sample`` are the global ids (``token_index * group + g``) of the queries to keep, sorted, in
+    a host tensor: which of a window's queries to keep is looked up on the host (the sample is
+    known before the forward pass), so the forward never waits to read it from the device.
     """
 
     def __init__(self, plan: SpanPlan, sample: torch.Tensor, group: int) -> None:
         self.plan = plan
-        self.sample = sample
+        self._ids = sample.tolist()  # read once, from host memory
+        self.sample = sample.to(plan.layers[0].prior.device)
         self.group = group
         self.scores = [torch.zeros_like(span.prior) for span in plan.layers]
         self._kept: dict[int, list[LayerQueries]] = {}
@@ -136,11 +142,11 @@ class ReferenceRecorder:
     def _keep(self, layer_idx: int, window: LayerQueries, n: int) -> None:
         first = self._seen[layer_idx]
         self._seen[layer_idx] += n
-        lo = torch.searchsorted(self.sample, first * self.group)
-        hi = torch.searchsorted(self.sample, (first + n) * self.group)
-        ids = self.sample[lo:hi] - first * self.group
-        if not len(ids):
+        lo = bisect.bisect_left(self._ids, first * self.group)
+        hi = bisect.bisect_left(self._ids, (first + n) * self.group)
+        if lo == hi:
             return
+        ids = self.sample[lo:hi] - first * self.group
         local = (ids % self.group) * n + ids // self.group  # folded layout: group-major, then token
         self._kept.setdefault(layer_idx, []).append(window.take(local))
 
@@ -197,17 +203,18 @@ def collect_reference(
     if refresh is not None and refresh[1] > refresh[0]:
         reads.append((cache.token_ids[refresh[0] : refresh[1]], refresh[0], "repeat", refresh[1] - refresh[0]))
     if not reads or room <= 0:  # nothing to read, or no room left in the model's context to read it
-        return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device=cache.device), 1).result()
+        return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device="cpu"), 1).result()
     windows = [(w[:room], [-1 if i < 0 else first + i for i in at[:room]]) for tokens, first, p, size in reads
                for w, at in _windows(engine, cache, tokens, p, size, seed)]
     group = engine.num_heads // engine.num_kv_heads
-    eligible = torch.tensor([i not in held_out for _, at in windows for i in at], device="cpu")
-    candidates = eligible.repeat_interleave(group).nonzero()[:, 0]
+    positions = [i for _, at in windows for i in at]
+    candidates = [t * group + g for t, i in enumerate(positions) if i not in held_out for g in range(group)]
     per_query = engine.num_layers * engine.num_kv_heads * (engine.head_dim * (2 * cache.dtype.itemsize + 4) + 8)
     keep = min(len(candidates), max(1, SAMPLE_BYTES // per_query), max_queries or len(candidates))
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    chosen = candidates[torch.randperm(len(candidates), generator=generator, device="cpu")[:keep]]
-    recorder = ReferenceRecorder(plan, chosen.sort().values.to(cache.device), group)
+    chosen = torch.tensor(candidates, dtype=torch.long, device="cpu")[
+        torch.randperm(len(candidates), generator=generator, device="cpu")[:keep]]
+    recorder = ReferenceRecorder(plan, chosen.sort().values, group)
     engine.observe(cache, [w for w, _ in windows], recorder)
     return recorder.result()
 

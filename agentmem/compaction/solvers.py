@@ -1,4 +1,8 @@
-"""The Attention Matching fits, batched over the KV heads of one layer, in float32.
+"""The Attention Matching fits, batched over the KV heads of one layer.
+
+Products of queries and keys run in the cache's dtype (bf16 tensor cores on a GPU); the
+logits are converted to float32 as the prior is added, and the systems, solves and
+candidate judging run in float32.
 
 Notation per head: reference queries ``q`` (N of them), span keys ``K`` with prior bias ``b``
 (β of rows compacted before; 0 for raw rows), span values ``V``. For each query:
@@ -18,19 +22,22 @@ per head lifted recall over selection alone from +0.03 to +0.07 on prose and +0.
 code).
 
 Every fitted part is judged by the layer's true attention output on held-out queries (see
-:func:`output_error`) and dropped where it does not beat the unfitted choice.
+:func:`output_error`) and dropped where it does not beat the unfitted choice, head by head on
+the device: the choice is never read back to the host.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from agentmem.cache import to_device
 from agentmem.compaction.blockwise import KeyBlock, attention_stats, weighted_key_sums
 from agentmem.compaction.queries import LayerQueries
-from agentmem.compaction.span import HeadChoice, LayerSpan
+from agentmem.compaction.span import LayerChoice, LayerSpan, Selection, best_slots
 
 BETA_BOUND = 3.0  # |β − prior| ≤ 3, as in the paper
 RIDGE_STRENGTHS = (1.0, 0.1, 0.01)  # value-fit ridge λ, in units of mean diag(PᵀP): held-out error picks per head
@@ -47,7 +54,7 @@ class SpanAttention:
     """
 
     span: LayerSpan
-    queries: LayerQueries  # float32
+    queries: LayerQueries  # outputs in float32, queries in the cache's dtype
     scale: float
     lse_span: torch.Tensor  # (H, N)
     output: torch.Tensor  # (H, N, d)
@@ -56,7 +63,7 @@ class SpanAttention:
     @classmethod
     def of(cls, span: LayerSpan, queries: LayerQueries, scale: float) -> SpanAttention:
         """From the span statistics the reference recorded for ``queries``, or one pass over the span without them."""
-        queries = queries.float()
+        queries = queries.with_float_outputs()
         lse_span, output = queries.span_lse, queries.span_out
         if lse_span is None or output is None:
             stats = attention_stats(queries.q, [KeyBlock(span.keys, span.values, span.prior)], scale, output=True)
@@ -65,21 +72,23 @@ class SpanAttention:
         return cls(span, queries, scale, lse_span, output, share)
 
     def logits_of(self, index: torch.Tensor) -> torch.Tensor:
-        """Logits ``(H, N, t)`` of the span slots ``index`` ``(H, t)``, their prior included."""
-        keys = self.span.keys.gather(1, index[..., None].expand(-1, -1, self.span.keys.shape[-1])).float()
-        logits = torch.bmm(self.queries.q, keys.transpose(1, 2)).mul_(self.scale)
-        return logits + self.span.prior.gather(1, index)[:, None, :]
+        """Float32 logits ``(H, N, t)`` of the span slots ``index`` ``(H, t)``, their prior included;
+        the product runs in the queries' dtype."""
+        q = self.queries.q
+        keys = self.span.keys.gather(1, index[..., None].expand(-1, -1, self.span.keys.shape[-1])).to(q.dtype)
+        return torch.add(self.span.prior.gather(1, index)[:, None, :], torch.bmm(q, keys.transpose(1, 2)),
+                         alpha=self.scale)
 
 
-def pad_selection(selection: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head index lists → padded ``(H, t)`` indices and a validity mask."""
-    width = max(1, max(len(s) for s in selection))
-    index = torch.zeros(len(selection), width, dtype=torch.long, device=device)
-    valid = torch.zeros(len(selection), width, dtype=torch.bool, device=device)
-    for h, rows in enumerate(selection):
-        index[h, : len(rows)] = rows
-        valid[h, : len(rows)] = True
-    return index, valid
+def fits_rows(counts: Sequence[int]) -> bool:
+    """Whether a layer whose heads keep ``counts`` rows can be fitted: none keeps more than
+    :data:`MAX_FIT_ROWS` (see :func:`choose_fits`)."""
+    return max(counts, default=0) <= MAX_FIT_ROWS
+
+
+def can_fit(train: SpanAttention, rows: Selection) -> bool:
+    """Whether :func:`choose_fits` fits ``rows``: they are few enough and there are queries to fit them on."""
+    return bool(train.lse_span.shape[1]) and fits_rows(rows.counts)
 
 
 def kept_logits(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -164,7 +173,8 @@ def output_error(
     att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
     logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-head mean squared error ``(H,)`` of the *layer's* attention output after compaction.
+    """Per-head mean squared error ``(H,)`` of the *layer's* attention output after compaction;
+    ``(V, H)`` for ``V`` candidate values ``(V, H, t, d)`` judged under the same β at once.
 
     With ``O`` the true output and ``a`` the span's share, the rest of the rows contribute
     ``O − a·Y`` (unchanged by compaction), so the compacted output is
@@ -174,49 +184,47 @@ def output_error(
     """
     logits = (kept_logits(att, index, valid) if logits is None else logits) + beta[:, None, :]
     lse_c = logits.logsumexp(-1)
-    share_c = (lse_c - att.queries.lse).exp()
-    out_c = torch.bmm((logits - lse_c[..., None]).exp().nan_to_num(0.0), values)
+    share_c = (lse_c - att.queries.lse).exp()[..., None]
+    out_c = torch.matmul((logits - lse_c[..., None]).exp().nan_to_num(0.0), values)
     full = att.queries.out
-    mixed = (share_c[..., None] * out_c + full - att.share[..., None] * att.output) / (
-        share_c + 1.0 - att.share
-    )[..., None]
+    mixed = (share_c * out_c + full - att.share[..., None] * att.output) / (share_c + 1.0 - att.share[..., None])
     return (mixed - full).pow(2).sum(-1).mean(-1)
 
 
-def omp_select(att: SpanAttention, budgets: list[int], *, rounds: int = 8) -> list[torch.Tensor]:
+def omp_select(att: SpanAttention, budgets: Sequence[int], *, rounds: int = 8) -> Selection:
     """Greedy selection on the mass residual (orthogonal matching pursuit), ``budgets[h]`` rows per head.
 
     Each round adds the rows most correlated with the weighted residual of the mass fit,
-    then refits the weights, so later picks cover mass the earlier ones do not.
+    then refits the weights, so later picks cover mass the earlier ones do not. A head
+    never keeps more rows than it has (the budgets come from a selection), and the rows it has
+    left always outscore the ones it cannot pick (-inf), so every round adds exactly its share:
+    how many rows a head holds is known on the host throughout.
     """
     span = att.span
-    heads, n = span.prior.shape
-    device = span.prior.device
     block = KeyBlock(span.keys, None, span.prior)
+    targets = [[math.ceil(b * r / rounds) for b in budgets] for r in range(rounds + 1)]  # rows after r rounds
+    wants = [[now - before for now, before in zip(targets[r + 1], targets[r])] for r in range(rounds)]
+    want_table = to_device(wants, span.prior.device)  # (rounds, H)
+    chosen = torch.zeros_like(span.valid)
     excluded = ~span.valid
-    chosen = [torch.zeros(0, dtype=torch.long, device=device) for _ in range(heads)]
     residual = torch.ones_like(att.lse_span)
     for r in range(rounds):
         corr = weighted_key_sums(att.queries.q, block, att.scale, att.lse_span, att.share * residual)
         corr.masked_fill_(excluded, _NEG)
-        for h in range(heads):
-            want = math.ceil(budgets[h] * (r + 1) / rounds) - len(chosen[h])
-            if want > 0:
-                picks = corr[h].topk(min(want, n - len(chosen[h]))).indices
-                picks = picks[torch.isfinite(corr[h, picks])]
-                chosen[h] = torch.cat([chosen[h], picks])
-                excluded[h, picks] = True
-        index, valid = pad_selection(chosen, device)
-        w = fit_mass(att, index, valid, iterations=20)
-        approx = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()
+        added = best_slots(corr, want_table[r], max(wants[r]))
+        chosen |= added
+        excluded |= added
+        rows = Selection.of_mask(chosen, targets[r + 1])
+        w = fit_mass(att, rows.index, rows.valid, iterations=20)
+        approx = (kept_logits(att, rows.index, rows.valid) - att.lse_span[..., None]).exp()
         residual = 1.0 - (approx * w[:, None, :]).sum(-1)
-    return chosen
+    return rows
 
 
 def choose_fits(
-    span: LayerSpan, train: SpanAttention, held: SpanAttention, selection: list[torch.Tensor], *,
+    span: LayerSpan, train: SpanAttention, held: SpanAttention, rows: Selection, *,
     strengths: tuple[float, ...] = RIDGE_STRENGTHS, fixed: torch.Tensor | None = None,
-) -> list[HeadChoice]:
+) -> LayerChoice:
     """Per head, the candidate with the least held-out output error.
 
     Candidates: kept rows as they are; each of no / one-scalar / per-row β, with the kept
@@ -228,28 +236,23 @@ def choose_fits(
     at 10x, +0.041 against +0.045, at more cost). Rows on ``fixed`` span slots ``(H, n)`` keep
     their β and values in every candidate; the fits of the others account for them.
     """
-    if not (train.lse_span.shape[1] and max(len(rows) for rows in selection) <= MAX_FIT_ROWS):
-        return span.unfitted(selection)
-    index, valid = pad_selection(selection, span.prior.device)
+    if not can_fit(train, rows):
+        return span.unfitted(rows)
+    index, valid = rows.index, rows.valid
     free = valid if fixed is None else valid & ~fixed.gather(1, index)
     kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
     prior = span.prior.gather(1, index).masked_fill(~valid, 0.0)  # padding may gather a -inf slot: NaN below
-    candidates = [(prior, kept_values)]
-    log_weights = (torch.zeros_like(prior), fit_scalar_mass(train, index, valid, free=free).log(),
-                   fit_mass(train, index, valid, free=free).log())
-    for log_w in log_weights:
-        if log_w.any():
-            candidates.append((prior + log_w, kept_values))
-        candidates += [(prior + log_w, values)
-                       for values in fit_values(train, index, valid, log_w, kept_values, strengths, free=free)]
+    betas, values = [], []  # each β with the kept values, then with the values fitted to it at each strength
+    for log_w in (torch.zeros_like(prior), fit_scalar_mass(train, index, valid, free=free).log(),
+                  fit_mass(train, index, valid, free=free).log()):
+        betas.append(prior + log_w)
+        values.append(torch.cat([kept_values[None], fit_values(train, index, valid, log_w, kept_values, strengths,
+                                                               free=free)]))
     logits = kept_logits(held, index, valid)
-    errors = torch.stack([output_error(held, index, valid, b - prior, v, logits) for b, v in candidates])  # (C, H)
-    best = errors.nan_to_num(float("inf")).argmin(0).tolist()
-    choices = []
-    for h, rows in enumerate(selection):
-        beta, values = candidates[best[h]]
-        choices.append(HeadChoice(rows, beta[h, : len(rows)], values[h, : len(rows)]))
-    return choices
+    errors = torch.cat([output_error(held, index, valid, b - prior, v, logits) for b, v in zip(betas, values)])
+    best = errors.nan_to_num(float("inf")).argmin(0)  # (H,): each head's choice, made on the device, never read
+    heads = torch.arange(len(rows.counts), device=best.device)
+    return LayerChoice(rows, torch.stack(betas)[best // values[0].shape[0], heads], torch.cat(values)[best, heads])
 
 
 def _solve(systems: torch.Tensor, rhs: torch.Tensor, *, fallback: float) -> torch.Tensor:

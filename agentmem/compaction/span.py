@@ -10,10 +10,16 @@ A layer's buffer holds, in order, kept segments, the span's segments, then the r
 buffer slots. A :class:`LayerSpan` is a *view* of that range — no copy of the cache is made —
 in the buffer's padded layout: a head's padding slots have prior ``-inf`` (zero weight), and
 row indices everywhere in compaction are slot offsets within the span.
+
+Every step works on all KV heads of a layer at once: rows are chosen as a padded
+:class:`Selection` and kept as a :class:`LayerChoice`, so the work per layer (kernel launches on
+a GPU) does not grow with the number of heads, and the only host values are the per-head row
+counts, known on the host or read once per compaction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +35,7 @@ class LayerSpan:
     on raw rows, padding and rows without one), ``positions`` ``(H, n)`` each row's token
     position (-1 on padding and unknowns). ``replaced`` lists, per compacted segment in
     the span, the reference queries it kept (``None``: none) and the tokens it stands for.
+    ``counts`` are the real rows of each head, from the layer's layout (on the host).
     """
 
     keys: torch.Tensor
@@ -39,6 +46,7 @@ class LayerSpan:
     kept_segments: list[CompactedSegment]
     slot_start: int  # the span's first slot in the layer buffer
     replaced: list[tuple[SegmentQueries | None, int]]
+    counts: tuple[int, ...]
 
     @classmethod
     def of(cls, layer: LayerCache, start: int, end: int, kept: list[CompactedSegment], tail_start: int) -> LayerSpan:
@@ -47,7 +55,7 @@ class LayerSpan:
         replaced = [(stored, seg.span[1] - seg.span[0])
                     for seg, stored in zip(layer.layouts[len(kept):], layer.queries[len(kept):])]
         return cls(keys, values, prior, layer.recorded_scores(start, end), layer.slot_positions(start, end, tail_start),
-                   kept, start, replaced)
+                   kept, start, replaced, layer.slot_counts(start, end))
 
     @property
     def valid(self) -> torch.Tensor:
@@ -55,16 +63,59 @@ class LayerSpan:
         return torch.isfinite(self.prior)
 
     @property
-    def counts(self) -> list[int]:
-        return self.valid.sum(1).tolist()
-
-    @property
     def rows(self) -> int:
-        return int(self.valid.sum())
+        return sum(self.counts)
 
-    def unfitted(self, selection: list[torch.Tensor]) -> list[HeadChoice]:
-        """Each head ``h`` keeps span slots ``selection[h]`` unfitted: their prior as β, their own values."""
-        return [HeadChoice(rows, self.prior[h, rows], self.values[h, rows]) for h, rows in enumerate(selection)]
+    def unfitted(self, selection: Selection) -> LayerChoice:
+        """Every head keeps its selected slots unfitted: their prior as β, their own values."""
+        index = selection.index
+        return LayerChoice(selection, self.prior.gather(1, index),
+                           self.values.gather(1, index[..., None].expand(-1, -1, self.values.shape[-1])))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The span slots each KV head of one layer keeps, padded to the widest head.
+
+    ``index`` ``(H, t)`` holds head ``h``'s slots in ascending order in its first ``counts[h]``
+    entries; the entries after them are padding (some slot), marked off by ``valid`` ``(H, t)``.
+    ``counts`` is on the host: it fixes the compacted segment's layout.
+    """
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    counts: tuple[int, ...]
+
+    @classmethod
+    def of_mask(cls, keep: torch.Tensor, counts: Sequence[int]) -> Selection:
+        """The slots ``keep`` ``(H, n)`` marks, whose per-head sums the caller knows (``counts``)."""
+        # A stable sort puts each head's kept slots first, in slot order: no per-head nonzero, no host read.
+        index = torch.argsort(keep, dim=1, descending=True, stable=True)[:, : max(counts, default=0)]
+        return cls(index, keep.gather(1, index), tuple(counts))
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(head, entry)`` ``(R,)`` of every kept row, head after head: a segment's packed order."""
+        width = self.index.shape[1]
+        flat = torch.argsort(~self.valid.reshape(-1), stable=True)[: sum(self.counts)]  # valid entries first, in order
+        return flat // width, flat % width  # (empty when no head keeps a row: width 0 divides nothing)
+
+
+def best_slots(scores: torch.Tensor, counts: torch.Tensor, widest: int) -> torch.Tensor:
+    """``(H, n)`` mask of each head's ``counts[h]`` (on the device, none above ``widest``)
+    highest-scoring slots: one top-k for all heads."""
+    top = scores.topk(widest, dim=1).indices  # sorted: each head's best come first
+    rank = torch.arange(widest, device=scores.device)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, rank[None, :] < counts[:, None])
+
+
+@dataclass
+class LayerChoice:
+    """What the KV heads of one layer keep: the ``rows`` and, per entry of their padded index, β
+    ``(H, t)`` (float32 in fitted choices; the prior's, unfitted) and values ``(H, t, d)``."""
+
+    rows: Selection
+    beta: torch.Tensor
+    values: torch.Tensor
 
 
 @dataclass
@@ -105,7 +156,7 @@ def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> 
         # rows are protected, every segment precedes them and is kept.
         first = sum(seg.width for seg in kept) + protected_raw
         layers.append(LayerSpan.of(layer, first, layer.prefix_length + protected_raw + raw_span, kept, tail_start))
-    if not any(layer.rows for layer in layers):
+    if not any(layer.rows for layer in layers):  # counted from the layouts: no device read
         return None
     replaced = [seg for seg in cache.layers[0].layouts if seg.span[1] > protect_prefix]
     start = min([seg.span[0] for seg in replaced] + [tail_start + protected_raw])
@@ -113,61 +164,51 @@ def plan_span(cache: SessionCache, *, protect_prefix: int, keep_recent: int) -> 
     return SpanPlan(start, tail_start + protected_raw, length - recent, protected_raw, recent, layers, cursor)
 
 
-@dataclass
-class HeadChoice:
-    """What one KV head keeps: row indices into its span, their β and values."""
-
-    index: torch.Tensor  # (t,) long
-    beta: torch.Tensor  # (t,)
-    values: torch.Tensor  # (t, d)
-
-
 def assemble(
-    cache: SessionCache, plan: SpanPlan, choices: list[list[HeadChoice]], scores: list[torch.Tensor] | None = None,
-    queries: list[torch.Tensor] | None = None, refresh_cursor: int = 0,
+    cache: SessionCache, plan: SpanPlan, choices: list[LayerChoice], scores: list[torch.Tensor] | None = None,
+    queries: list[torch.Tensor] | None = None, refresh_cursor: int = 0, spare: int = 0,
 ) -> SessionCache:
     """A new cache: kept segments, the protected raw rows, the compacted span, the recent rows.
 
     ``scores`` ``(H, n)`` per layer, when the method scored the span's rows, are recorded with
     the rows kept, and ``queries`` ``(H, K, d)`` per layer (reference queries of a window read
     at the cache's logical end) are kept with them, as is every row's token position and the
-    ``refresh_cursor`` (see :class:`CompactedSegment`).
+    ``refresh_cursor`` (see :class:`CompactedSegment`). Each layer's buffer has room for
+    ``spare`` more rows (a candidate that is scored reads that many tokens on top of it).
     """
     layers = []
     protected_start = cache.logical_length - cache.layers[0].tail_length
-    for i, (layer, span, heads) in enumerate(zip(cache.layers, plan.layers, choices)):
-        dtype = layer.tail_keys.dtype
+    for i, (layer, span, choice) in enumerate(zip(cache.layers, plan.layers, choices)):
         segments = list(span.kept_segments)
         if plan.protected_raw:
             segments.append(_identity_segment(layer, plan.protected_raw, protected_start))
-        keys = torch.cat([span.keys[h, c.index] for h, c in enumerate(heads)])
-        layer_scores = None if scores is None else torch.cat([scores[i][h, c.index] for h, c in enumerate(heads)])
-        positions = torch.cat([span.positions[h, c.index] for h, c in enumerate(heads)]).to(torch.int32)
+        head, entry = choice.rows.packed()
+        slot = choice.rows.index[head, entry]
         segments.append(
             CompactedSegment(
-                keys=keys.to(dtype),
-                values=torch.cat([c.values for c in heads]).to(dtype),
-                beta=torch.cat([c.beta for c in heads]).to(dtype),
-                head_rows=tuple(len(c.index) for c in heads),
+                keys=span.keys[head, slot],
+                values=choice.values[head, entry].to(layer.tail_keys.dtype),
+                beta=choice.beta[head, entry].float(),
+                head_rows=choice.rows.counts,
                 span=(plan.start, plan.end),
-                scores=layer_scores,
+                scores=None if scores is None else scores[i][head, slot],
                 queries=None if queries is None else queries[i],
                 queries_at=cache.logical_length,
-                positions=positions,
+                positions=span.positions[head, slot].to(torch.int32),
                 refresh_cursor=refresh_cursor,
             )
         )
         recent = slice(layer.tail_length - plan.recent, layer.tail_length)
-        layers.append(LayerCache(segments, layer.tail_keys[:, recent].clone(), layer.tail_values[:, recent].clone()))
+        layers.append(LayerCache(segments, layer.tail_keys[:, recent], layer.tail_values[:, recent], spare=spare))
     return SessionCache(layers, cache.token_ids, cache.fingerprint)
 
 
 def _identity_segment(layer: LayerCache, rows: int, start: int) -> CompactedSegment:
     heads, _, dim = layer.tail_keys.shape
     return CompactedSegment(
-        keys=layer.tail_keys[:, :rows].reshape(-1, dim).clone(),
-        values=layer.tail_values[:, :rows].reshape(-1, dim).clone(),
-        beta=torch.zeros(heads * rows, dtype=layer.tail_keys.dtype, device=layer.tail_keys.device),
+        keys=layer.tail_keys[:, :rows].reshape(-1, dim),  # copied into place by the LayerCache it is given to
+        values=layer.tail_values[:, :rows].reshape(-1, dim),
+        beta=torch.zeros(heads * rows, dtype=torch.float32, device=layer.tail_keys.device),
         head_rows=(rows,) * heads,
         span=(start, start + rows),
         positions=torch.arange(start, start + rows, dtype=torch.int32, device=layer.tail_keys.device).repeat(heads),
