@@ -209,6 +209,8 @@ class LayerCache:
                 seg.queries_at) for seg in segments)
         start = self.prefix_length
         for keys, values in zip(key_pieces, value_pieces):
+            if not keys.shape[1]:  # an empty piece (a new cache's tail): no copy to launch
+                continue
             end = start + keys.shape[1]
             self._keys[:, start:end].copy_(keys, non_blocking=True)
             self._values[:, start:end].copy_(values, non_blocking=True)

@@ -199,7 +199,10 @@ class StaticDecoder:
         self._model = engine.model
         self._head = engine.model.get_output_embeddings()
         route_attention(self._model)
-        self._run: Callable[[], torch.Tensor] = self._advance
+        # The compiled step is of the plain function, not of a method bound to this decoder: a bound
+        # method kept on the decoder would make a reference cycle, and its buffers (a second copy of
+        # a session) would wait for the cyclic garbage collector instead of going when it is dropped.
+        self._compiled: Callable[[StaticDecoder], torch.Tensor] | None = None
         self._loaded: _Loaded | None = None
         self.steps = 0  # tokens read since the last load or store, counted on the host (no sync)
 
@@ -210,7 +213,7 @@ class StaticDecoder:
         for a CUDA graph. Logits a compiled step returns live in the graph's memory on a GPU:
         they are valid until the next step (clone them to keep them).
         """
-        self._run = torch.compile(self._advance, fullgraph=True, **options)
+        self._compiled = torch.compile(StaticDecoder._advance, fullgraph=True, **options)
         return self
 
     # ------------------------------------------------------------------------------ sessions
@@ -287,7 +290,7 @@ class StaticDecoder:
                 self.state.token.copy_(token.reshape(1, 1))
             elif token is not None:
                 self.state.token.fill_(_check_token(self.engine, token))
-            logits = self._run()
+            logits = (self._compiled or StaticDecoder._advance)(self)
         self.steps += 1
         return logits
 

@@ -7,12 +7,10 @@ The model is real where the engine's costs depend on it and shrunk elsewhere, so
 in seconds: Llama-3.1-8B's attention is real (32 query heads, 8 KV heads, head_dim 128, RoPE
 θ 500k), so are bf16 and the engine's code paths; the hidden size (256, not 4,096), the MLP
 (512, not 14,336), the vocabulary (49,152, the embedded tokenizer's, which compaction prompts
-with; not 128,256) and the depth (2 layers, not 32) are shrunk. Depth matters to the prefill
-bound: per layer the engine launches transformers' 34 operators plus its writes of keys and
-values into the session's buffer (2, which a forward without a cache never does) and, for a
-new cache, 2 copies of its empty tail; transformers adds 8 fixed operators (its packed-sequence
-check). At 32 layers the engine would count ~1.11x transformers' operators (~1.05x without the
-empty copies); the decode bound holds at any depth (a step saves operators in every layer).
+with; not 128,256) and the depth (2 layers, not 32) are shrunk. The bounds are checked per
+layer too (operators at 2 layers minus those at 1), so they hold at any depth: transformers
+keeps its keys and values in its own cache as the engine does, and a step saves operators in
+every layer.
 """
 
 from __future__ import annotations
@@ -34,9 +32,9 @@ SHAPE = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "
          "hidden_size": 256, "intermediate_size": 512, "vocab_size": 49152, "num_hidden_layers": 2}  # shrunk
 
 
-@pytest.fixture(scope="module")
-def engine(tokenizer) -> Engine:
-    config = LlamaConfig(**SHAPE, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+def build_engine(tokenizer, layers: int = SHAPE["num_hidden_layers"]) -> Engine:
+    config = LlamaConfig(**{**SHAPE, "num_hidden_layers": layers}, max_position_embeddings=4096, bos_token_id=1,
+                         eos_token_id=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     engine = Engine(model, tokenizer)
@@ -44,12 +42,21 @@ def engine(tokenizer) -> Engine:
     return engine
 
 
-@pytest.fixture(scope="module")
-def reference(engine):
+def sdpa_copy(engine: Engine):
     """The same weights running transformers' own SDPA attention."""
     model = copy.deepcopy(engine.model)
     model.set_attn_implementation("sdpa")
     return model
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer) -> Engine:
+    return build_engine(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return sdpa_copy(engine)
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +71,30 @@ def raw_cache(engine, ids) -> SessionCache:
 
 def test_prefill_costs_at_most_transformers_sdpa_forward(engine, reference, ids):
     """Prefill of 1,024 tokens: operators and FLOPs within 5% of transformers' sdpa forward of the
-    same tokens (one pass, no cache, final hidden states on both sides), all FLOPs in bf16, and
-    no host sync (transformers' packed-sequence check would be one per forward)."""
+    same tokens (one pass into its own cache, final hidden states on both sides), all FLOPs in
+    bf16, and no host sync (transformers' packed-sequence check would be one per forward)."""
     cache, costs = count(engine.prefill, ids)
     with torch.inference_mode():
-        _, plain = count(reference.model, torch.tensor([ids]), use_cache=False)
+        _, plain = count(reference.model, torch.tensor([ids]), use_cache=True)
     assert cache.logical_length == TOKENS
     assert costs.aten_ops <= SLACK * plain.aten_ops, (costs.ops, plain.ops)
     assert costs.total_flops <= SLACK * plain.total_flops
     assert costs.flop_share(torch.bfloat16) == 1.0
     assert costs.host_syncs == 0, costs.syncs
+
+
+def test_prefill_operators_per_layer_at_most_transformers(tokenizer, ids):
+    """What each further layer adds to a prefill (2 layers minus 1): no more operators than it adds to
+    transformers' forward into its cache, so the bound above holds at 32 layers too."""
+    added = {}
+    for layers in (1, 2):
+        engine = build_engine(tokenizer, layers)
+        reference = sdpa_copy(engine)
+        with torch.inference_mode():
+            added[layers] = (count(engine.prefill, ids)[1].aten_ops,
+                             count(reference.model, torch.tensor([ids]), use_cache=True)[1].aten_ops)
+    engine_per_layer, transformers_per_layer = (two - one for one, two in zip(added[1], added[2]))
+    assert engine_per_layer <= transformers_per_layer, added
 
 
 def test_a_chunk_read_on_top_of_earlier_rows_builds_its_mask_once(engine, ids):
