@@ -90,11 +90,11 @@ def transformers_decode(model, ids: list[int]) -> Callable[[int], object]:
     def run(steps: int) -> None:
         with torch.inference_mode():
             cache = StaticCache(config=model.config, max_cache_len=len(ids) + steps + 1)
-            logits = model(torch.tensor([ids]), past_key_values=cache, cache_position=torch.arange(len(ids)),
+            logits = model(torch.tensor([ids]), cache=cache, cache_position=torch.arange(len(ids)),
                            logits_to_keep=1).logits
             token = logits[:, -1:].argmax(-1)
             for position in range(len(ids), len(ids) + steps - 1):
-                logits = model(token, past_key_values=cache, cache_position=torch.tensor([position])).logits
+                logits = model(token, cache=cache, cache_position=torch.tensor([position])).logits
                 token = logits[:, -1:].argmax(-1)
             int(token)  # the host reads the last token, as the engine's loop reads every token it yields
     return run
