@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -245,18 +245,11 @@ class Engine:
         with torch.inference_mode():
             for start in range(0, len(prompt), PREFILL_CHUNK):
                 hidden = self._forward(cache, prompt[start : start + PREFILL_CHUNK], bias_rows)
-        host = _TokenToHost(self.device)
-        generated: list[int] = []
-        while len(generated) < max_new_tokens and cache.logical_length < self.max_context:
-            with torch.inference_mode():
-                token = _sample(self.model.get_output_embeddings()(hidden[0, -1:]), processors, generator)
-                host.send(token)
-                hidden = self._commit(cache, token[None], bias_rows)
-            generated.append(host.receive())
-            cache.extend_log(generated[-1:])
-            yield generated[-1]
-            if generated[-1] in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
-                break
+        head = self.model.get_output_embeddings()
+        yield from self._sampling_loop(
+            hidden, lambda hidden: head(hidden[0, -1:]), lambda token: self._commit(cache, token[None], bias_rows),
+            lambda: cache.logical_length < self.max_context, cache.extend_log, max_new_tokens, processors, generator,
+            stop)
 
     def _static_decode_loop(
         self,
@@ -274,20 +267,44 @@ class Engine:
                 self._forward(cache, prompt[start : min(start + PREFILL_CHUNK, len(prompt) - 1)])
         decoder.load(cache)
         logits = decoder.step(prompt[-1])
-        host = _TokenToHost(self.device)
-        generated: list[int] = []
         try:
-            while len(generated) < max_new_tokens and cache.logical_length + decoder.steps < self.max_context:
-                with torch.inference_mode():
-                    token = _sample(logits, processors, generator)
-                    host.send(token)
-                    logits = decoder.step(token)
-                generated.append(host.receive())
-                yield generated[-1]
-                if generated[-1] in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
-                    break
+            yield from self._sampling_loop(
+                logits, lambda logits: logits, decoder.step,
+                lambda: cache.logical_length + decoder.steps < self.max_context, lambda ids: None, max_new_tokens,
+                processors, generator, stop)
         finally:
             decoder.store(cache)
+
+    def _sampling_loop(
+        self,
+        state: torch.Tensor,
+        logits_of: Callable[[torch.Tensor], torch.Tensor],
+        advance: Callable[[torch.Tensor], torch.Tensor],
+        has_room: Callable[[], bool],
+        log: Callable[[list[int]], None],
+        max_new_tokens: int,
+        processors: LogitsProcessorList,
+        generator: torch.Generator | None,
+        stop: list[str],
+    ) -> Iterator[int]:
+        """Sample from ``logits_of(state)``, read the token on the device (``advance(token)`` gives the
+        next state) and only then learn its id on the host, ``log`` it and yield it; until a stop.
+
+        The two decode paths share this loop: the eager one advances by a forward that commits the
+        token (state: hidden states), the static one by a decoder step (state: logits).
+        """
+        host = _TokenToHost(self.device)
+        generated: list[int] = []
+        while len(generated) < max_new_tokens and has_room():
+            with torch.inference_mode():
+                token = _sample(logits_of(state), processors, generator)
+                host.send(token)
+                state = advance(token)
+            generated.append(host.receive())
+            log(generated[-1:])
+            yield generated[-1]
+            if generated[-1] in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
+                break
 
     # ------------------------------------------------------------------------------ chat
 
