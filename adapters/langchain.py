@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
-import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -45,6 +44,7 @@ from agentmem.chat import ROLES
 from agentmem.errors import InvalidInput
 from agentmem.home import DEFAULT_TENANT
 from agentmem.models import EMBEDDED
+from agentmem.settings import settings
 from agentmem.policy import BudgetPolicy
 from agentmem.record import check_session_id, check_tenant
 from agentmem.session import DEFAULT_MAX_NEW_TOKENS
@@ -66,8 +66,8 @@ class ChatAgentMem(BaseChatModel):
     (model, store) share one engine and one session manager in a process.
     """
 
-    model: str = Field(default_factory=lambda: os.environ.get("AGENTMEM_MODEL", EMBEDDED))
-    store: str | None = Field(default_factory=lambda: os.environ.get("AGENTMEM_STORE"))
+    model: str = Field(default_factory=lambda: settings().model or EMBEDDED)
+    store: str | None = Field(default_factory=lambda: settings().store)
     tenant: str = DEFAULT_TENANT
     session_id: str | None = None
     policy: BudgetPolicy | None = None
@@ -292,7 +292,7 @@ class _Turn:
     def _response_metadata(self, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
         u = self.usage
         return {
-            "model_name": self.session.manager.engine.name,
+            "model_name": self.session.engine.name,
             "model_provider": "agentmem",
             "finish_reason": "tool_calls" if tool_calls else u.finish_reason,
             "session_id": self.session.session_id,

@@ -19,13 +19,13 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401 - registers its shutdown hook before ours, so ours runs first
 import logging
-import os
 import threading
 
 from agentmem.engine import Engine
 from agentmem.errors import InvalidInput
 from agentmem.policy import BudgetPolicy, configured_policies
 from agentmem.sessions import SessionManager
+from agentmem.settings import settings
 from agentmem.storage import default_url
 from agentmem.storage.redis_client import redact
 
@@ -35,7 +35,6 @@ _engines: dict[str, Engine] = {}
 _loading: dict[str, threading.Lock] = {}  # one per model: a load waits only for loads of its own model
 _managers: dict[tuple[str, str], SessionManager] = {}
 _given: dict[tuple[str, str, str], BudgetPolicy] = {}  # (model, store, tenant): a policy an adapter object set
-DEFAULT_HOST_BUDGET_BYTES = 512 * 2**20
 
 
 def use_engine(model: str, engine: Engine) -> None:
@@ -96,14 +95,7 @@ def shared_manager(model: str, store: str | None, tenant: str, policy: BudgetPol
 
 def host_budget_bytes() -> int:
     """The shared managers' host-memory tier: ``$AGENTMEM_HOST_BUDGET_BYTES``, default 512 MiB."""
-    raw = os.environ.get("AGENTMEM_HOST_BUDGET_BYTES", str(DEFAULT_HOST_BUDGET_BYTES))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise InvalidInput(f"AGENTMEM_HOST_BUDGET_BYTES must be a positive number of bytes, got {raw!r}")
-    return value
+    return settings().host_budget_bytes
 
 
 def close_shared() -> None:

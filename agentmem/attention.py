@@ -16,9 +16,9 @@ Three ways to carry β, chosen by ``BetaMode`` (:func:`default_beta_mode`: ``"fl
 
 - ``"flex"``: compiled FlexAttention, one fused kernel: a ``score_mod`` adds β in float32 and a
   block mask skips the blocks causality hides. It also serves raw chunks read on top of earlier
-  rows (no mask tensor at all), and decode steps with β (on an H200 ~0.1 ms more per layer than
-  SDPA's, the price of one exact path). Its first compile takes seconds on a GPU and 30–160 s on
-  a CPU, which is why it is not the CPU default.
+  rows (no mask tensor at all), and decode steps with β (a little slower per layer than SDPA,
+  the price of one exact path: docs/gpu.md). Its first compile is slow on a CPU, which is why
+  it is not the CPU default.
 - ``"mask"``: SDPA with an additive mask, float32 on a CPU (whose flash kernel adds it to its
   float32 logits, so β keeps its precision), the query's dtype elsewhere (β rounded to it). The
   query heads of a GQA group are folded into the query axis, so keys are never repeated and a

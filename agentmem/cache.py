@@ -29,13 +29,13 @@ import torch
 from agentmem.errors import CorruptSessionError, InvalidInput, brief
 from agentmem.host_memory import wait_for_copies
 
-CACHE_FORMAT_VERSION = 2  # 2: the raw tail exported in blocks of TAIL_BLOCK tokens across layers; 1 still read
+CACHE_FORMAT_VERSION = 2  # the raw tail exported in blocks of TAIL_BLOCK tokens across layers
 SEGMENT_PARTS = ("keys", "values", "beta", "scores", "positions")  # a segment's packed tensors, as exported
 # Parts with a dtype of their own; the others take the cache's. β is float32 whatever the cache's dtype:
 # in bf16 a fitted β would be rounded to steps of ~0.016 (its weight off by ~1.6%); it is one number
-# per row, so keeping it exact costs little. Caches exported with β in their own dtype still load.
+# per row, so keeping it exact costs little.
 PART_DTYPES: dict[str, torch.dtype] = {"beta": torch.float32, "scores": torch.float32, "positions": torch.int32}
-UNKNOWN_POSITION = -1  # a row whose token position was not recorded (a cache from before positions were)
+UNKNOWN_POSITION = -1  # a padding slot, or a row made without a position
 # Tokens per exported block of the raw tail. A spill after a turn changes only the last block and
 # the ones after it, so a store rewrites those (LMCache stores 256-token chunks too).
 TAIL_BLOCK = 256
@@ -55,7 +55,7 @@ class CompactedSegment:
     ``(R,)`` int32 is the token position each row came from (:data:`UNKNOWN_POSITION` where
     unknown): a later compaction that re-reads some of the text knows which rows stand for it.
     ``refresh_cursor`` is the position the next such re-read of older text starts at
-    (:meth:`~agentmem.compaction.methods.Job.refresh_range`).
+    (:meth:`~agentmem.compaction.scoring.ScoringCompactor.refresh_range`).
 
     ``queries`` ``(kv_heads, K, head_dim)`` is a bounded sample of the reference queries the
     compaction judged the rows by (GQA groups folded under their KV head), RoPE-rotated for
@@ -70,7 +70,7 @@ class CompactedSegment:
     head_rows: tuple[int, ...]
     span: tuple[int, int]
     scores: torch.Tensor | None = None  # None: unknown for every row
-    queries: torch.Tensor | None = None  # None: none kept (a cache from before they were)
+    queries: torch.Tensor | None = None  # None: none kept (a compaction that re-read all its text)
     queries_at: int = 0
     positions: torch.Tensor | None = None  # None: unknown for every row
     refresh_cursor: int = 0
@@ -632,7 +632,7 @@ class SessionCache:
 
     @classmethod
     def _from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device, dtype) -> SessionCache:
-        if meta.get("format_version") not in (1, CACHE_FORMAT_VERSION):
+        if meta.get("format_version") != CACHE_FORMAT_VERSION:
             raise CorruptSessionError(f"unknown cache format version {meta.get('format_version')!r}")
         heads, head_dim = int(meta["num_kv_heads"]), int(meta["head_dim"])
         token_ids = tensors["token_ids"]
@@ -646,11 +646,8 @@ class SessionCache:
                 if len(head_rows) != heads:
                     raise CorruptSessionError(f"layer {i} segment {j} has {len(head_rows)} heads, expected {heads}")
                 name = f"layers.{i}.segments.{j}."
-                parts = {p: tensors[name + p] for p in ("keys", "values", "beta")}  # moved by LayerCache's copy
-                for part in ("scores", "positions"):  # caches exported before these were recorded have none
-                    if name + part in tensors:
-                        parts[part] = tensors[name + part]
-                if name + "queries" in tensors:  # nor queries, before they were kept
+                parts = {p: tensors[name + p] for p in SEGMENT_PARTS}  # moved by LayerCache's copy
+                if name + "queries" in tensors:  # kept only by compactions that re-read the new text alone
                     parts.update(queries=tensors[name + "queries"], queries_at=int(seg_meta["queries_at"]))
                     if parts["queries"].shape[1:2] != (int(seg_meta["queries"]),):
                         raise CorruptSessionError(f"layer {i} segment {j} queries have shape "
@@ -704,9 +701,7 @@ def _pieces(tail: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _stored_tail(tensors: dict[str, torch.Tensor], meta: dict[str, Any],
                  layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Layer ``layer``'s raw tail as exported, piece by piece: one tensor (format 1) or its part of every block."""
-    if meta["format_version"] == 1:
-        return [tensors[f"layers.{layer}.tail.keys"]], [tensors[f"layers.{layer}.tail.values"]]
+    """Layer ``layer``'s raw tail as exported, piece by piece: its part of every block."""
     tokens, block = int(meta["layers"][layer]["tail_length"]), int(meta["tail_block"])
     blocks = range(max(1, -(-tokens // block)))
     return ([tensors[f"tail.{b}.keys"][layer] for b in blocks], [tensors[f"tail.{b}.values"][layer] for b in blocks])

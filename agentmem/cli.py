@@ -874,8 +874,8 @@ def calibrate(
     """Measure per-head budget proportions for a model on standard-library text (JSON; minutes on a CPU).
 
     The profile splits a compaction's row budget across layers and KV heads without scoring
-    them per context: pass its file to ``compact(engine, cache, head_budgets=PATH)`` in Python.
-    The embedded model's profile ships with agentmem (``head_budgets="calibrated"``); the
+    them per context: pass its file to ``compact(engine, cache, AttentionMatching(head_budgets=PATH))``
+    in Python. The embedded model's profile ships with agentmem (``head_budgets="calibrated"``); the
     default methods spend budgets globally from per-context scores and need no profile.
     """
     import math
@@ -901,7 +901,7 @@ def calibrate(
         typer.echo(json.dumps({"fingerprint": engine.fingerprint, "proportions": proportions.tolist()}))
     else:
         calibration.save(out, engine, proportions)
-        typer.echo(f"wrote {out}; use it with compact(engine, cache, head_budgets={str(out)!r})")
+        typer.echo(f"wrote {out}; use it with compact(engine, cache, AttentionMatching(head_budgets={str(out)!r}))")
 
 
 # ------------------------------------------------------------------------------ doctor

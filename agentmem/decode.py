@@ -5,8 +5,8 @@ a session's layer buffers that grow by one slot a step, reallocates them when th
 and takes its positions and lengths from Python ints: every step has new shapes and new
 Python constants, so ``torch.compile`` recompiles each step until it gives up, and a CUDA graph
 (which replays fixed kernels on fixed addresses) cannot be captured at all. On a GPU a decode
-step of a large model is mostly per-layer Python and kernel-launch overhead (about 1.5 ms of a
-60–90 ms step is attention, see DESIGN.md), which is exactly what a CUDA graph removes.
+step of a large model is mostly per-layer Python and kernel-launch overhead, not attention
+(docs/gpu.md), which is exactly what a CUDA graph removes.
 transformers' ``StaticCache`` decodes this way; this module does the same for compacted caches,
 whose rows carry a per-row logit bias β.
 
@@ -37,8 +37,8 @@ model keeps serving the engine: the attention function registered here hands eve
 does not carry this decoder's state to the engine's own session attention.
 
 The price: the buffers are a second copy of one session's rows, sized for ``capacity`` slots,
-and every step attends over all of them, free ones included (a decode query over 32k slots
-costs ~0.05 ms on an H200, against tens of ms of launches saved).
+and every step attends over all of them, free ones included: one query's pass over the slots
+is small beside the launches a graph saves (docs/gpu.md).
 """
 
 from __future__ import annotations

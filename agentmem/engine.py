@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers import (
@@ -39,13 +39,30 @@ from agentmem.models import (
     model_fingerprint,
 )
 
-if TYPE_CHECKING:
-    from agentmem.decode import StaticDecoder
 
-# Tokens per prefill forward. Each forward launches its ~36 operators per layer again, so chunks
-# cost more than one pass (at 2,048 tokens, 512-token chunks took 1.5-2.3x); a chunk read on top of
-# earlier rows also needs a (tokens x slots) mask, attended in slices under attention.MASK_BYTES.
-# At the 8B shape a chunk's activations take ~0.7 GB (its MLP), small beside the weights.
+class Decoder(Protocol):
+    """A decoder :meth:`Engine.stream` can run a turn through instead of the eager path (e.g.
+    :class:`agentmem.decode.StaticDecoder`): it reads a cache in, steps token by token, and
+    writes what it read back to the cache."""
+
+    steps: int  # tokens read since the last load
+
+    def room(self, cache: SessionCache) -> int:
+        """Tokens it can read past ``cache`` before it is full."""
+
+    def load(self, cache: SessionCache) -> None: ...
+
+    def step(self, token: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Read ``token``; the next token's logits."""
+
+    def store(self, cache: SessionCache) -> None: ...
+
+
+# Tokens per prefill forward. Each forward launches its operators per layer again, so chunks
+# cost more than one pass (docs/benchmarks/cost.md); a chunk read on top of earlier rows also
+# needs a (tokens x slots) mask, attended in slices under attention.MASK_BYTES. A chunk's
+# activations are dominated by its MLP's (tokens x intermediate) tensors: at the 8B shape,
+# small beside the weights.
 PREFILL_CHUNK = 8192
 _LOGPROB_CHUNK = 256
 
@@ -69,7 +86,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.beta_mode: BetaMode = beta_mode or attention.default_beta_mode(model.device)
         # When set, greedy and sampled decoding run through fixed buffers, one compiled step per token.
-        self.decoder: StaticDecoder | None = None
+        self.decoder: Decoder | None = None
         self.name = name or model.config._name_or_path or model.config.model_type
         self.fingerprint = model_fingerprint(model)
         cfg = model.config

@@ -7,10 +7,10 @@ others find (each still takes an explicit store URL and tenant).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from agentmem.errors import InvalidInput
+from agentmem.settings import settings
 
 DEFAULT_TENANT = "default"
 """The tenant of every entry point that is not given one."""
@@ -18,9 +18,9 @@ DEFAULT_TENANT = "default"
 
 def agentmem_home() -> Path:
     """``$AGENTMEM_HOME``, default ``~/.cache/agentmem``: converted models and the default SQLite store."""
-    home = os.environ.get("AGENTMEM_HOME")  # read first: Path.home() fails where HOME and passwd lack the user
-    if home:
-        return Path(home).expanduser()
+    home = settings().home  # read first: Path.home() fails where HOME and passwd lack the user
+    if home is not None:
+        return home.expanduser()
     try:
         return Path.home() / ".cache" / "agentmem"
     except RuntimeError as exc:  # a container user with no HOME and no passwd entry
@@ -35,4 +35,4 @@ def default_policies_path() -> Path:
 
 def default_store_url() -> str:
     """``$AGENTMEM_STORE`` if set, else SQLite at ``$AGENTMEM_HOME/sessions.db``."""
-    return os.environ.get("AGENTMEM_STORE") or f"sqlite:///{agentmem_home() / 'sessions.db'}"
+    return settings().store or f"sqlite:///{agentmem_home() / 'sessions.db'}"

@@ -1,8 +1,8 @@
 """The host buffers a spill encodes a session into and a resume reads one into.
 
 For a cache on a CUDA device they are page-locked (pinned): copies between them and the device
-are DMA at the bus's speed (55 GB/s on an H200 against 8.4 GB/s from pageable memory,
-``../shared/gpu/README.md``) and run asynchronously while the next tensor is laid out.
+are DMA at the bus's speed (several times what pageable memory reaches: docs/benchmarks/resume.md)
+and run asynchronously while the next tensor is laid out.
 A CPU cache gets a plain ``bytearray``: pinning would buy nothing and cost the allocation.
 Records read this way may stay in the host tier, which is then pinned too.
 """

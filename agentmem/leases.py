@@ -1,8 +1,9 @@
 """Session leases: one live copy per session across processes, recovered quickly after a crash.
 
-A process serving a session holds its lease in the store. Leases are short (30 s by default)
-and a background thread renews every lease the process holds each third of that, so an idle
-live session keeps its lease for as long as its process runs, and a process that dies
+A process serving a session holds its lease in the store's :class:`~agentmem.record.LeaseStore`
+(``store.leases``, the only part of the store this module uses). Leases are short (30 s by
+default) and a background thread renews every lease the process holds each third of that, so
+an idle live session keeps its lease for as long as its process runs, and a process that dies
 (``kill -9``, OOM) blocks its sessions for at most ``lease_seconds``, not for the length of a
 long turn: renewal does not wait for turns to end.
 
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 from typing import Iterator, Literal
 
 from agentmem.errors import SessionBusy, StoreUnavailable
-from agentmem.record import CacheStore, Lease
+from agentmem.record import CacheStore, Lease, LeaseStore
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,15 @@ log = logging.getLogger(__name__)
 class LeaseKeeper:
     """Takes, renews (in a background thread) and releases the leases of one process's sessions.
 
-    ``held`` returns the ``(tenant, session_id)`` keys whose leases to keep; ``on_store_error``
-    counts renewals that failed because the store was unreachable (the live copies keep serving).
+    The leases are ``store.leases``, kept beside the sessions they guard. ``held`` returns the
+    ``(tenant, session_id)`` keys whose leases to keep; ``on_store_error`` counts renewals and
+    releases that failed because the store was unreachable (the live copies keep serving).
     """
 
     def __init__(self, store: CacheStore, owner: str, seconds: float, held: Callable[[], Iterable[tuple[str, str]]],
                  on_store_error: Callable[[], None]) -> None:
-        self.store, self.owner, self.seconds = store, owner, seconds
+        self.leases: LeaseStore = store.leases
+        self.owner, self.seconds = owner, seconds
         self._held, self._on_store_error = held, on_store_error
         self._stop = threading.Event()
         self._running = threading.Event()
@@ -58,9 +61,9 @@ class LeaseKeeper:
         A holder whose process is gone from this machine is replaced at once.
         """
         deadline = time.monotonic() + wait
-        while not self.store.acquire_lease(tenant, session_id, self.owner, self.seconds):
-            holder = self.store.lease_holder(tenant, session_id)
-            if holder is not None and holder_state(holder.owner) == "gone" and self.store.acquire_lease(
+        while not self.leases.acquire(tenant, session_id, self.owner, self.seconds):
+            holder = self.leases.holder(tenant, session_id)
+            if holder is not None and holder_state(holder.owner) == "gone" and self.leases.acquire(
                     tenant, session_id, self.owner, self.seconds, replacing=holder.owner):
                 log.warning("took the lease of %s/%s from %s, whose process is gone", tenant, session_id, holder.owner)
                 return
@@ -70,7 +73,7 @@ class LeaseKeeper:
 
     def renew(self, tenant: str, session_id: str) -> bool:
         """Extend a lease we hold; False if we hold none any more (it lapsed, or another process took it)."""
-        return self.store.renew_lease(tenant, session_id, self.owner, self.seconds)
+        return self.leases.renew(tenant, session_id, self.owner, self.seconds)
 
     def confirm(self, tenant: str, session_id: str) -> bool:
         """Renew before a turn; False only if the lease is no longer ours. A store outage must not stop
@@ -85,7 +88,7 @@ class LeaseKeeper:
     def release(self, tenant: str, session_id: str) -> None:
         """Give the lease up; if the store is unreachable it simply expires."""
         try:
-            self.store.release_lease(tenant, session_id, self.owner)
+            self.leases.release(tenant, session_id, self.owner)
         except StoreUnavailable as exc:
             self._on_store_error()
             log.warning("could not release the lease of %s/%s: %s", tenant, session_id, exc)

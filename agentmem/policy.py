@@ -11,11 +11,14 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from agentmem.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from agentmem.compaction import Compactor
 
 ENV_PREFIX = "AGENTMEM_"
 
@@ -36,8 +39,8 @@ class BudgetPolicy(BaseModel):
     fill_after_compaction: float = Field(
         0.8, gt=0, lt=1, description="a compaction leaves at most this share of max_live_tokens live: room for later "
                                      "turns (higher keeps more history and compacts more often; with reread=new each "
-                                     "compaction costs only the new text plus refresh_tokens; at target ratios up to 8, 0.8 keeps >= 0.9 of one "
-                                     "compaction's retention in benchmarks/online.py where 0.5 did not)")
+                                     "compaction costs only the new text plus refresh_tokens; why 0.8: "
+                                     "docs/benchmarks/online.md)")
     protect_system_prompt: bool = Field(True, description="never compact a leading system prompt")
     method: str = Field("am-fast", description="compaction method (agentmem.compaction.METHODS)")
     queries: str = Field("repeat+tail", description="reference queries a compaction scores and fits rows by "
@@ -119,16 +122,15 @@ class BudgetPolicy(BaseModel):
         filled = self.max_live_tokens - self.turn_room
         return min(filled, max(self.max_live_tokens - incoming, filled // 2))
 
-    def compaction_arguments(self, logical_tokens: int, protected: int = 0, incoming: int = 0) -> dict[str, object]:
-        """Keyword arguments of :func:`agentmem.compaction.compact` for a session that has read
-        ``logical_tokens``, ``protected`` of them a protected prefix, and is about to read
-        ``incoming`` more (see :meth:`compaction_target`).
+    def compactor(self) -> Compactor:
+        """The compactor this policy's sessions use: its ``method`` with its ``queries``, ``reread``
+        and :attr:`refresh`, as a session runs it (:meth:`~agentmem.compaction.Compactor.for_session`:
+        a session compacts again and again, so AM never fits its attention sinks). Sessions call
+        ``compact(engine, cache, policy.compactor(), target_tokens=policy.compaction_target(…),
+        keep_recent=policy.keep_recent, protect_prefix=…)``."""
+        from agentmem.compaction.methods import named
 
-        A session compacts again and again, so its attention sinks are never fitted
-        (``fit_sinks=False``, see :func:`agentmem.compaction.compact`)."""
-        return {"method": self.method, "queries": self.queries, "reread": self.reread, "fit_sinks": False,
-                "refresh_tokens": self.refresh, "keep_recent": self.keep_recent, "protect_prefix": protected,
-                "target_tokens": self.compaction_target(logical_tokens, protected, incoming)}
+        return named(self.method).for_session(queries=self.queries, reread=self.reread, refresh_tokens=self.refresh)
 
     @property
     def turn_room(self) -> int:
@@ -177,6 +179,8 @@ class BudgetPolicy(BaseModel):
         policies = {}
         for tenant, fields in data.items():
             name = check_tenant(tenant) if isinstance(tenant, str) else _not_a_tenant(path, tenant)
+            if fields.get("name", name) != name:  # a policy's name is the tenant it is listed under
+                raise InvalidInput(f"{path}, tenant {tenant!r}: name {fields['name']!r} is not the tenant's; remove it")
             try:
                 policies[name] = cls.create(**{"name": tenant, **fields})
             except InvalidInput as exc:

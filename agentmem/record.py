@@ -1,7 +1,8 @@
-"""What a store keeps for a session, and the store protocol the core programs against.
+"""What a store keeps for a session, and the two protocols the core programs against.
 
 The core never imports a concrete store: it calls ``agentmem.storage.open_store(url)`` and
-uses the :class:`CacheStore` protocol defined here.
+uses the :class:`CacheStore` protocol defined here for session records, and the store's
+:attr:`CacheStore.leases` (a :class:`LeaseStore`) for who serves a session.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, InstanceOf
 
 from agentmem.errors import InvalidInput
+from agentmem.keys import SessionKey
 
 # Tenants may not contain ':' (the separator in store keys) nor braces (Redis hash tags).
 _TENANT_RE = re.compile(r"[A-Za-z0-9._@-]{1,128}")
@@ -40,10 +42,10 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
-def check_key(tenant: str, session_id: str) -> tuple[str, str]:
+def check_key(tenant: str, session_id: str) -> SessionKey:
     """The session's key, after refusing a malformed tenant or session id before it reaches a query,
     a key name or the session registry."""
-    return check_tenant(tenant), check_session_id(session_id)
+    return SessionKey(check_tenant(tenant), check_session_id(session_id))
 
 
 def check_record_key(tenant: str, session_id: str, record: SessionRecord) -> None:
@@ -59,8 +61,7 @@ class SessionRecord(BaseModel):
     """One stored session: its metadata and its encoded cache (``blob``, see ``agentmem.storage.codec``).
 
     The token log lives only in the blob (its ``token_ids`` tensor, checked with the rest): a
-    copy in the metadata doubled it and made every listing parse it. Metadata written before
-    still holds one; it is ignored on read.
+    copy in the metadata would double it and make every listing parse it.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -121,6 +122,38 @@ class Lease(BaseModel):
 
 
 @runtime_checkable
+class LeaseStore(Protocol):
+    """Who serves a session: one owner at a time, for a bounded time, across processes.
+
+    Apart from the records: a lease says which process may write a session's next version, a
+    record what that version holds. Each store keeps its sessions' leases beside them (its
+    :attr:`CacheStore.leases`), so both are reached and lost together, and where a store
+    expires sessions by itself (Redis) a held lease keeps its session's keys.
+    """
+
+    def acquire(self, tenant: str, session_id: str, owner: str, ttl_seconds: float, *,
+                replacing: str | None = None) -> bool:
+        """Take (or renew) the session's lease for ``owner``; False while another owner holds it.
+
+        ``replacing`` names a holder to take the lease from even before it expires (one known
+        to be dead); if anyone else holds it by then, nothing changes.
+        """
+        ...
+
+    def renew(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
+        """Extend a lease ``owner`` holds; False (and nothing created) if it holds none."""
+        ...
+
+    def release(self, tenant: str, session_id: str, owner: str) -> None:
+        """Give up the lease if ``owner`` holds it; a lease of another owner is left alone."""
+        ...
+
+    def holder(self, tenant: str, session_id: str) -> Lease | None:
+        """The unexpired lease of the session, if any."""
+        ...
+
+
+@runtime_checkable
 class CacheStore(Protocol):
     """A spill tier for session records, scoped by tenant.
 
@@ -131,6 +164,9 @@ class CacheStore(Protocol):
     place (``SessionRecord.blob_head`` bytes are a chunk of their own); an unconditional one
     writes them all.
     """
+
+    leases: LeaseStore
+    """The leases of this store's sessions, on the same backend (and connection)."""
 
     def put(self, tenant: str, session_id: str, record: SessionRecord, *, expected_version: int | None = None) -> int: ...
     def get(self, tenant: str, session_id: str, *, into: Allocate = bytearray) -> SessionRecord:
@@ -158,22 +194,4 @@ class CacheStore(Protocol):
     def delete_tenant(self, tenant: str) -> int: ...
     def usage(self, tenant: str) -> StoreUsage: ...
     def prune(self, now: float | None = None) -> int: ...
-    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float, *,
-                      replacing: str | None = None) -> bool:
-        """Take (or renew) the session's lease for ``owner``; False while another owner holds it.
-
-        ``replacing`` names a holder to take the lease from even before it expires (one known
-        to be dead); if anyone else holds it by then, nothing changes.
-        """
-        ...
-
-    def lease_holder(self, tenant: str, session_id: str) -> Lease | None:
-        """The unexpired lease of the session, if any."""
-        ...
-
-    def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
-        """Extend a lease ``owner`` holds; False (and nothing created) if it holds none."""
-        ...
-
-    def release_lease(self, tenant: str, session_id: str, owner: str) -> None: ...
     def close(self) -> None: ...

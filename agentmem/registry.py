@@ -2,7 +2,7 @@
 which are being loaded, and which spilled handles callers may still hold.
 
 It only keeps the books, under one short lock, and never calls out while holding it: loading,
-spilling and evicting happen in the spill/load worker. A session's state is one of
+spilling and evicting happen in :mod:`agentmem.residency`. A session's state is one of
 
 - *live*: in memory, in LRU order; a spill of it holds the session's own lock, so a turn on it
   waits for the spill (and then brings it back) while other sessions go on;
@@ -22,23 +22,22 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from agentmem.errors import InvalidInput
+from agentmem.keys import SessionKey
 
 if TYPE_CHECKING:
     from agentmem.session import Session
-
-Key = tuple[str, str]
 
 
 class Registry:
     """Live sessions in LRU order, loads under way and spilled handles; see the module docstring. Thread-safe."""
 
     def __init__(self) -> None:
-        self._live: OrderedDict[Key, Session] = OrderedDict()
-        self._spilled: weakref.WeakValueDictionary[Key, Session] = weakref.WeakValueDictionary()
-        self._loaders: dict[Key, threading.Lock] = {}  # one per session being loaded
+        self._live: OrderedDict[SessionKey, Session] = OrderedDict()
+        self._spilled: weakref.WeakValueDictionary[SessionKey, Session] = weakref.WeakValueDictionary()
+        self._loaders: dict[SessionKey, threading.Lock] = {}  # one per session being loaded
         self._lock = threading.Lock()
 
-    def live_or_load(self, key: Key, load: Callable[[], Session]) -> tuple[Session, bool]:
+    def live_or_load(self, key: SessionKey, load: Callable[[], Session]) -> tuple[Session, bool]:
         """The live session of ``key`` (marked most recently used), else what ``load()`` returns.
 
         One thread per key runs ``load`` (without the registry lock: it does I/O); threads
@@ -56,7 +55,7 @@ class Registry:
             return load(), True
 
     @contextmanager
-    def exclusive(self, key: Key) -> Iterator[None]:
+    def exclusive(self, key: SessionKey) -> Iterator[None]:
         """Hold ``key``'s loader: no other load of ``key`` runs (or starts) until the block ends.
 
         A load (:meth:`live_or_load`) runs inside it, and so does a delete, which must not race
@@ -81,31 +80,31 @@ class Registry:
 
     def add(self, session: Session) -> None:
         """Make ``session`` live (most recently used); a live session of the same key is an error."""
-        key = (session.tenant, session.session_id)
+        key = session.key
         with self._lock:
             if key in self._live:
-                raise InvalidInput(f"session {session.session_id!r} of tenant {session.tenant!r} already exists")
+                raise InvalidInput(f"session {key.session_id!r} of tenant {key.tenant!r} already exists")
             self._live[key] = session
             self._spilled.pop(key, None)
 
-    def get(self, key: Key) -> Session | None:
+    def get(self, key: SessionKey) -> Session | None:
         with self._lock:
             return self._live.get(key)
 
     def is_live(self, session: Session) -> bool:
         """Whether this very object is the live session of its key (not a spilled or replaced handle)."""
         with self._lock:
-            return self._live.get((session.tenant, session.session_id)) is session
+            return self._live.get(session.key) is session
 
     def touch(self, session: Session) -> None:
         """Mark ``session`` most recently used."""
         with self._lock:
-            if self._live.get(key := (session.tenant, session.session_id)) is session:
+            if self._live.get(key := session.key) is session:
                 self._live.move_to_end(key)
 
     def park(self, session: Session) -> None:
         """``session`` was spilled: no longer live, its handle remembered for a resume to revive."""
-        key = (session.tenant, session.session_id)
+        key = session.key
         with self._lock:
             if self._live.get(key) is session:
                 del self._live[key]
@@ -114,21 +113,21 @@ class Registry:
     def remove(self, session: Session) -> None:
         """Forget ``session`` if it is the live one of its key (a stale copy dropped, say)."""
         with self._lock:
-            if self._live.get(key := (session.tenant, session.session_id)) is session:
+            if self._live.get(key := session.key) is session:
                 del self._live[key]
 
-    def forget(self, key: Key) -> Session | None:
+    def forget(self, key: SessionKey) -> Session | None:
         """Forget ``key`` entirely (deleted): its live session, if any, is returned."""
         with self._lock:
             self._spilled.pop(key, None)
             return self._live.pop(key, None)
 
-    def spilled(self, key: Key) -> Session | None:
+    def spilled(self, key: SessionKey) -> Session | None:
         """The handle of a spilled session a caller still holds, if any."""
         with self._lock:
             return self._spilled.get(key)
 
-    def busy(self, key: Key) -> bool:
+    def busy(self, key: SessionKey) -> bool:
         """Whether ``key`` is live or being loaded here (so this process keeps its lease)."""
         with self._lock:
             return key in self._live or key in self._loaders
@@ -138,7 +137,7 @@ class Registry:
         with self._lock:
             return [s for s in self._live.values() if tenant is None or s.tenant == tenant]
 
-    def keys(self) -> list[Key]:
+    def keys(self) -> list[SessionKey]:
         with self._lock:
             return list(self._live)
 

@@ -1,10 +1,16 @@
 """One live conversation: its turns, read incrementally into its cache and compacted within budget.
 
-A :class:`Session` is what callers hold; the :class:`~agentmem.sessions.SessionManager` that
-made it keeps it live, spills it and brings it back. Each turn reads only the tokens the cache
-does not hold yet (``engine.prompt_delta``), compacts the cache when it crosses the tenant's
+A :class:`Session` is what callers hold. Each turn reads only the tokens the cache does not
+hold yet (``engine.prompt_delta``), compacts the cache when it crosses the tenant's
 ``max_live_tokens`` (before reading, and during a long generation), and holds room in the
-manager's device budget for what its buffers grow by.
+device budget for what its buffers grow by.
+
+A session knows its keeper only as a :class:`SessionHost`, the few things a turn needs from
+outside (the engine, the tenant's policy, room in the device budget, compaction, the end of a
+turn), so it can be tested with a small fake host; the
+:class:`~agentmem.sessions.SessionManager` is the real one, and moves sessions between the
+device and the store through the public state methods (:meth:`Session.restore`,
+:meth:`Session.mark_stored`, :meth:`Session.unload`).
 """
 
 from __future__ import annotations
@@ -12,17 +18,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from agentmem.cache import SessionCache
-from agentmem.compaction import check_reachable
+from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine, stop_strings
 from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, InvalidInput
+from agentmem.keys import SessionKey
 from agentmem.policy import BudgetPolicy
-
-if TYPE_CHECKING:
-    from agentmem.sessions import SessionManager
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -58,22 +63,64 @@ class Reply:
     token_ids: list[int] = field(default_factory=list)
 
 
-class Session:
-    """One live conversation; calls on it are serialised by its lock."""
+class SessionHost(Protocol):
+    """What a :class:`Session` needs from whoever keeps it live (the :class:`~agentmem.sessions.SessionManager`)."""
 
-    def __init__(self, manager: SessionManager, tenant: str, session_id: str, cache: SessionCache,
-                 messages: list[dict[str, Any]], version: int, created_at: float) -> None:
-        self.manager, self.tenant, self.session_id = manager, tenant, session_id
+    engine: Engine
+
+    def policy_for(self, tenant: str) -> BudgetPolicy:
+        """The budget policy of ``tenant``'s sessions."""
+
+    def begin_turn(self, session: Session) -> None:
+        """Make ``session`` live again if it was spilled, and confirm it is this process's to use
+        (its lease); raises when it is not. Called under the session's lock."""
+
+    def room(self, need: int, session: Session) -> AbstractContextManager[None]:
+        """Hold ``need`` bytes of the device budget while ``session``'s cache grows by up to that much."""
+
+    def compact(self, cache: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0) -> SessionCache:
+        """``cache`` compacted under ``policy``, its first ``protect`` tokens kept raw, room left for
+        ``incoming`` tokens about to be read; the one place sessions compact."""
+
+    def turn_done(self, session: Session, usage: Usage) -> None:
+        """``session`` finished a turn that cost ``usage`` (called under its lock)."""
+
+    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
+        """A new live session ``key`` holding ``cache`` and ``messages`` (a fork)."""
+
+
+class Session:
+    """One live conversation; calls on it are serialised by its lock.
+
+    ``version`` and ``stored_bytes`` describe its last stored copy (0 when it was never stored);
+    the lease its host holds makes this object that copy's only writer.
+    """
+
+    def __init__(self, host: SessionHost, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]],
+                 version: int, created_at: float) -> None:
+        self._host, self.key = host, key
         self.cache, self._messages, self.version, self.created_at = cache, messages, version, created_at
         self.lock = threading.RLock()
         self.last_used = time.monotonic()
         self._last_reply_ids: list[int] = []
         self._tools: list[dict[str, Any]] | None = None  # tools the last turn was rendered with
-        self.stored_bytes = 0  # size of its blob in the store; the lease makes this copy the only writer
+        self.stored_bytes = 0
+
+    @property
+    def tenant(self) -> str:
+        return self.key.tenant
+
+    @property
+    def session_id(self) -> str:
+        return self.key.session_id
+
+    @property
+    def engine(self) -> Engine:
+        return self._host.engine
 
     @property
     def policy(self) -> BudgetPolicy:
-        return self.manager.policy_for(self.tenant)
+        return self._host.policy_for(self.tenant)
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -100,15 +147,14 @@ class Session:
         as part of the prompt, yielded first, and part of the stored reply).
         """
         with self.lock:
-            self.manager._revive(self)
-            self.manager._touch(self)
+            self._host.begin_turn(self)
             usage = Usage()
             conversation = self._conversation(message_or_messages)
             tools = list(tools) if tools else None
             keep, delta = self._plan(conversation, tools)
-            prefix = self.manager.engine.tokenizer(reply_prefix, add_special_tokens=False,
+            prefix = self.engine.tokenizer(reply_prefix, add_special_tokens=False,
                                                    split_special_tokens=True)["input_ids"] if reply_prefix else []
-            self.manager.engine.check_sampling(max_new_tokens, temperature, top_p, top_k)
+            self.engine.check_sampling(max_new_tokens, temperature, top_p, top_k)
             stop = stop_strings(stop)
             self._check_turn(keep, len(delta) + len(prefix), max_new_tokens, conversation, tools)  # before anything changes
             self._tools = tools
@@ -122,42 +168,58 @@ class Session:
             generated: list[int] = []
             shown, replied_from = "", self.cache.logical_length + len(delta)  # where the reply's tokens go
             growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
-            with self.manager._room(growth, keep=self):
+            with self._host.room(growth, self):
                 if reply_prefix:
                     yield reply_prefix
                 for token in self._generate(delta, usage, max_new_tokens, conversation, temperature=temperature,
                                             top_p=top_p, top_k=top_k, stop=stop, seed=seed):
                     generated.append(token)
-                    text = _visible(self.manager.engine, generated, stop)
+                    text = _visible(self.engine, generated, stop)
                     if len(text) > len(shown) and not text.endswith("\ufffd"):
                         yield text[len(shown):]
                         shown = text
-            text = _visible(self.manager.engine, generated, stop, final=True)
+            text = _visible(self.engine, generated, stop, final=True)
             if len(text) > len(shown):
                 yield text[len(shown):]
-            eos = self.manager.engine.eos_token_ids
-            stopped = text != _visible(self.manager.engine, generated, None)
+            eos = self.engine.eos_token_ids
+            stopped = text != _visible(self.engine, generated, None)
             usage.finish_reason = "stop" if generated and (generated[-1] in eos or stopped) else "length"
             if stopped:  # the caller got the reply up to its stop string: record that, and keep that
                 self._take_back(self._tokens_shown(generated, text), replied_from)
                 content = reply_prefix + text
             else:
-                content = reply_prefix + self.manager.engine.tokenizer.decode([t for t in generated if t not in eos])
+                content = reply_prefix + self.engine.tokenizer.decode([t for t in generated if t not in eos])
             self._messages = conversation + [{"role": "assistant", "content": content}]
             self._last_reply_ids = generated
             usage.generated_tokens = len(generated)
             usage.live_tokens, usage.logical_tokens = self.cache.physical_length, self.cache.logical_length
             usage.live_bytes = self.cache.allocated_nbytes
-            self.manager._record_turn(self, usage)
+            self._host.turn_done(self, usage)
             yield usage
 
     def fork(self, new_id: str) -> Session:
-        """A new session of the same tenant starting from this one's cache and messages."""
+        """A new session of the same tenant starting from this one's cache and messages.
+
+        The copy is taken under this session's lock; the new session is made live after it is
+        released, so that making room for it may spill this one."""
         with self.lock:
-            self.manager._revive(self)
-            forked = self.manager._adopt(self.tenant, new_id, self.cache.clone(), self.messages)
-        self.manager._enforce_device_budget(keep=forked)
-        return forked
+            self._host.begin_turn(self)
+            cache, messages = self.cache.clone(), self.messages
+        return self._host.adopt(SessionKey(self.tenant, new_id), cache, messages)
+
+    # ------------------------------------------------------------------------ what its keeper does
+
+    def restore(self, cache: SessionCache, messages: list[dict[str, Any]], version: int, stored_bytes: int) -> None:
+        """Take the state of a stored copy (a resume), replacing what this object held."""
+        self.cache, self._messages, self.version, self.stored_bytes = cache, list(messages), version, stored_bytes
+
+    def mark_stored(self, version: int, stored_bytes: int) -> None:
+        """This session's state was written to the store as ``version``, ``stored_bytes`` long."""
+        self.version, self.stored_bytes = version, stored_bytes
+
+    def unload(self, empty: SessionCache) -> None:
+        """Let go of the cache's device memory (spilled or dropped); ``empty`` stands in until a resume."""
+        self.cache = empty
 
     # ------------------------------------------------------------------------ internals
 
@@ -178,7 +240,7 @@ class Session:
         (from the start when that lies inside compacted rows); one the cache holds whole (a
         regenerated reply) re-reads its last token, whose logits generation needs.
         """
-        engine, held = self.manager.engine, self.cache.token_ids
+        engine, held = self.engine, self.cache.token_ids
         try:
             keep, delta = len(held), engine.prompt_delta(held, conversation, tools=tools)
         except HistoryDivergence as diverged:
@@ -203,12 +265,12 @@ class Session:
         if keep_tokens:
             self.cache.truncate(keep_tokens)
         else:
-            self.cache = self.manager.engine.new_cache()
+            self.cache = self.engine.new_cache()
         usage.dropped_tokens += held - keep_tokens
 
     def _tokens_shown(self, generated: list[int], text: str) -> int:
         """How many of ``generated`` decode to a prefix of ``text``, the reply cut before its stop string."""
-        decode, shown = self.manager.engine.tokenizer.decode, len(generated)
+        decode, shown = self.engine.tokenizer.decode, len(generated)
         while shown and not text.startswith(decode(generated[:shown], skip_special_tokens=True)):
             shown -= 1  # a stop string is a few tokens: this runs a few times
         return shown
@@ -236,7 +298,7 @@ class Session:
                 f"{where} would hold {kept} tokens of this conversation; "
                 f"{reading + max_new_tokens} more would exceed the policy's max_context_tokens={limit}"
             )
-        model_context = self.manager.engine.max_context
+        model_context = self.engine.max_context
         if kept + reading > model_context:
             raise ContextOverflow(
                 f"{where} would hold {kept} tokens of this conversation; "
@@ -276,9 +338,7 @@ class Session:
 
         Each compaction leaves room for what is about to be read and for ``reply`` tokens of the
         answer (within limits: see :meth:`~agentmem.policy.BudgetPolicy.compaction_target`), so
-        that a turn whose message crosses the budget compacts once, not again mid-reply (at a
-        512-row budget, ~100-token messages and 8-token replies compacted twice in 44 of
-        ``benchmarks/sessions.py``'s 500 turns). The stream gives the reply no more than the
+        that a turn whose message crosses the budget compacts once, not again mid-reply. The stream gives the reply no more than the
         policy's :attr:`~agentmem.policy.BudgetPolicy.turn_room`: a long ``max_new_tokens`` would
         otherwise squeeze the history for room most replies never use. A message longer than that room
         is read in pieces, compacting between them, as a reply that outgrows the budget is (see
@@ -293,8 +353,8 @@ class Session:
             room = min(limit - self.cache.physical_length, len(delta) - 1)
             if self.cache.physical_length + len(delta) <= limit or room < 1 or self.cache.physical_length >= before:
                 break
-            with self.manager._room(self.cache.bytes_to_append(room), keep=self):
-                self.manager.engine.prefill(delta[:room], self.cache)
+            with self._host.room(self.cache.bytes_to_append(room), self):
+                self.engine.prefill(delta[:room], self.cache)
             delta = delta[room:]
         return delta
 
@@ -317,7 +377,7 @@ class Session:
         :class:`~agentmem.errors.CompactionUnreachable` says so and the cache is unchanged.
         """
         with self.lock:
-            self.manager._revive(self)
+            self._host.begin_turn(self)
             policy = self.policy.with_overrides(**overrides)
             protect = self._system_tokens()
             check_reachable(self.cache, target_tokens=policy.compaction_target(self.cache.logical_length, protect),
@@ -326,7 +386,7 @@ class Session:
 
     def _compact_with(self, policy: BudgetPolicy, protect: int, incoming: int = 0) -> dict[str, Any]:
         before, began = self.cache.physical_length, time.perf_counter()
-        self.cache = self.manager._compact(policy, self.cache, protect, incoming)
+        self.cache = self._host.compact(self.cache, policy, protect, incoming)
         return {
             "rows_before": before, "rows_after": self.cache.physical_length,
             "logical_tokens": self.cache.logical_length, "seconds": round(time.perf_counter() - began, 4),
@@ -345,8 +405,7 @@ class Session:
         policy protects it (else 0)."""
         if not self.policy.protect_system_prompt or not messages or messages[0]["role"] != "system":
             return 0
-        engine = self.manager.engine
-        return len(engine.chat_delta(engine.new_cache(), list(messages[:1]), tools=tools))
+        return len(self.engine.prompt_delta([], list(messages[:1]), tools=tools))
 
     def _generate(self, prompt: list[int], usage: Usage, max_new_tokens: int, conversation: list[dict[str, Any]],
                   **sampling) -> Iterator[int]:
@@ -355,7 +414,7 @@ class Session:
         When a round of decoding fills the budget mid-reply, its last token is taken back out
         of the cache, the cache is compacted, and decoding resumes from that token.
         """
-        engine, limit = self.manager.engine, self.policy.max_live_tokens
+        engine, limit = self.engine, self.policy.max_live_tokens
         produced: list[int] = []
         while len(produced) < max_new_tokens:
             room = max(1, limit - self.cache.physical_length - len(prompt))
@@ -372,6 +431,15 @@ class Session:
                 self.cache.truncate(self.cache.logical_length - 1)
                 prompt = [produced[-1]]
                 self._compact(usage, conversation)
+
+
+def compact_under(policy: BudgetPolicy, engine: Engine, cache: SessionCache, protect: int,
+                  incoming: int = 0) -> SessionCache:
+    """``cache`` compacted as ``policy`` says: its compactor, down to its target for a session that
+    has read ``cache.logical_length`` tokens, ``protect`` of them a protected prefix, and is about
+    to read ``incoming`` more. The one place a session's compaction takes its settings from."""
+    return compact(engine, cache, policy.compactor(), keep_recent=policy.keep_recent, protect_prefix=protect,
+                   target_tokens=policy.compaction_target(cache.logical_length, protect, incoming))
 
 
 def _visible(engine: Engine, ids: list[int], stop: Sequence[str] | None, final: bool = False) -> str:

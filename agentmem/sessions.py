@@ -2,9 +2,11 @@
 
 :class:`SessionManager` is the facade callers use. Behind it each part has one job:
 
+- :mod:`agentmem.session` — one conversation's turns, against the small host interface
+  (:class:`~agentmem.session.SessionHost`) the manager implements;
 - :mod:`agentmem.registry` — which sessions are live (LRU order), loading or spilled;
 - :mod:`agentmem.ledger` — the device budget: reservations and the choice of victims, no I/O;
-- :mod:`agentmem.worker` — loading, spilling and evicting sessions, outside every shared lock;
+- :mod:`agentmem.residency` — loading, spilling and evicting sessions, outside every shared lock;
 - :mod:`agentmem.spill` and :mod:`agentmem.host_tier` — records between host memory and the store;
 - :mod:`agentmem.leases` — one live copy per session across processes, renewed in the background;
 - :mod:`agentmem.quota` — tenants' stored-bytes quotas.
@@ -24,22 +26,22 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from agentmem.cache import SessionCache
-from agentmem.compaction import compact
 from agentmem.engine import Engine
 from agentmem.errors import AgentMemError, InvalidInput, SessionBusy
 from agentmem.host_memory import read_buffer_for
 from agentmem.host_tier import HostTier
+from agentmem.keys import SessionKey
 from agentmem.leases import LeaseKeeper, process_owner
-from agentmem.ledger import DeviceLedger, Key
+from agentmem.ledger import DeviceLedger
 from agentmem.metrics import Metrics, prometheus_text
 from agentmem.policy import BudgetPolicy
 from agentmem.quota import StoreQuota
 from agentmem.record import CacheStore, check_key, check_tenant
 from agentmem.registry import Registry
-from agentmem.session import DEFAULT_MAX_NEW_TOKENS, Reply, Session, Usage
+from agentmem.residency import Residency
+from agentmem.session import DEFAULT_MAX_NEW_TOKENS, Reply, Session, Usage, compact_under
 from agentmem.spill import Spiller
 from agentmem.storage import open_store
-from agentmem.worker import SpillWorker
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "Reply", "Session", "SessionManager", "Usage"]
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 
 class SessionManager:
     """Live sessions of many tenants on one engine, spilled to and resumed from one store.
+
+    It is the :class:`~agentmem.session.SessionHost` of every session it makes.
 
     ``policies`` maps tenant → :class:`BudgetPolicy` (others get ``default_policy``);
     ``device_budget_bytes`` bounds the bytes of all live caches together. Live sessions hold
@@ -88,25 +92,23 @@ class SessionManager:
         host = None if host_budget_bytes is None else HostTier(host_budget_bytes,
                                                                 lambda tenant: self.policy_for(tenant).max_host_bytes)
         count_store_error = functools.partial(self.metrics.add, "store_errors")
-        self._spiller = Spiller(self.store, host, on_settled=lambda key: self._worker.written_behind(key),
+        self._spiller = Spiller(self.store, host, on_settled=lambda key: self._residency.written_behind(key),
                                 on_store_error=count_store_error, read_into=read_buffer_for(engine.device))
         self._leases = LeaseKeeper(self.store, self.owner, lease_seconds, held=self._held_keys,
                                    on_store_error=count_store_error)
-        self._worker = SpillWorker(engine, self._registry, ledger, self._spiller, self._leases,
-                                   StoreQuota(self.store, self.policy_for), self.policy_for, self.metrics,
-                                   new_session=functools.partial(Session, self), compact=self._compact,
-                                   lease_wait=lease_wait)
+        self._residency = Residency(self, self._registry, ledger, self._spiller, self._leases,
+                                    StoreQuota(self.store, self.policy_for), self.metrics, lease_wait)
 
     @property
     def lease_wait(self) -> float:
         """Seconds :meth:`session` waits for another process to release a session (settable)."""
-        return self._worker.lease_wait
+        return self._residency.lease_wait
 
     @lease_wait.setter
     def lease_wait(self, seconds: float) -> None:
         if not seconds >= 0:
             raise InvalidInput(f"lease_wait must be non-negative, got {seconds}")
-        self._worker.lease_wait = seconds
+        self._residency.lease_wait = seconds
 
     def policy_for(self, tenant: str) -> BudgetPolicy:
         return self.policies.get(tenant, self.default_policy)
@@ -126,9 +128,9 @@ class SessionManager:
         other sessions go on.
         """
         key = check_key(tenant, session_id)
-        session, loaded = self._registry.live_or_load(key, lambda: self._worker.load(key, create, rebuild))
+        session, loaded = self._registry.live_or_load(key, lambda: self._residency.load(key, create, rebuild))
         if loaded:
-            self._worker.enforce(keep=session)
+            self._residency.enforce(keep=session)
         return session
 
     def spill(self, tenant: str, session_id: str, *, durable: bool = True) -> int:
@@ -139,7 +141,7 @@ class SessionManager:
         the store in the background — nothing is acknowledged as durable until then; without a
         tier, or when the tier is full, the spill is durable anyway.
         """
-        return self._worker.spill(check_key(tenant, session_id), durable)
+        return self._residency.spill(check_key(tenant, session_id), durable)
 
     def prefetch(self, tenant: str, session_id: str) -> Future[None]:
         """Bring a stored session into the host-memory tier ahead of its turn (needs ``host_budget_bytes``).
@@ -180,7 +182,7 @@ class SessionManager:
                 live = self._registry.forget(key)
                 self._spiller.discard(key)
                 removed = self.store.delete(tenant, session_id)
-                self.store.release_lease(tenant, session_id, self.owner)
+                self._leases.release(tenant, session_id)
                 return removed or live is not None
 
     def release(self, tenant: str, session_id: str) -> None:
@@ -193,7 +195,7 @@ class SessionManager:
         session = self._registry.get(check_key(tenant, session_id))
         if session is not None:
             with session.lock:
-                self._worker.drop(session)
+                self._residency.drop(session)
 
     def list(self, tenant: str) -> list[dict[str, Any]]:
         """Every session of ``tenant``: stored ones with their size, live ones marked live."""
@@ -216,11 +218,10 @@ class SessionManager:
         return [out[k] for k in sorted(out)]
 
     def stats(self) -> dict[str, Any]:
+        """Every counter and gauge (:data:`agentmem.metrics.COUNTERS`, :data:`~agentmem.metrics.GAUGES`) now."""
         live = self._registry.sessions()
         gauges = {
             "live_sessions": len(live),
-            # What the live caches occupy, padding of compacted heads and spare capacity included
-            # (the device budget counts this), and the bytes of their rows alone.
             "live_bytes": sum(s.cache.allocated_nbytes for s in live),
             "live_row_bytes": sum(s.cache.nbytes for s in live),
             "live_tokens": sum(s.cache.physical_length for s in live),
@@ -231,9 +232,8 @@ class SessionManager:
         return {**self.metrics.snapshot(), **gauges}
 
     def prometheus(self) -> str:
-        stats = self.stats()
-        counters = self.metrics.snapshot()
-        return prometheus_text(counters, {k: v for k, v in stats.items() if k not in counters})
+        """:meth:`stats` in the Prometheus text format."""
+        return prometheus_text(self.stats)
 
     def close(self) -> None:
         """Spill every live session, stop renewing leases and close the store."""
@@ -250,53 +250,53 @@ class SessionManager:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------------ what sessions call
+    # ------------------------------------------------------------------------ the host of its sessions
 
-    def _held_keys(self) -> list[Key]:
-        """Sessions whose leases this process keeps: live ones, and those whose write behind is pending."""
-        live = self._registry.keys()
-        return live + sorted(set(self._spiller.pending()).difference(live))
-
-    def _handle(self, key: Key) -> Session | None:
-        """The session object callers hold for ``key``: the live one, else a spilled handle still held."""
-        return self._registry.get(key) or self._registry.spilled(key)
-
-    def _adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
-        """A new live session of ``tenant`` holding ``cache`` and ``messages`` (a fork)."""
-        return self._worker.adopt(*check_key(tenant, session_id), cache, messages)
-
-    def _revive(self, session: Session) -> None:
-        """Make a handle whose session was spilled (by the device budget, say) live again, in place."""
-        if self._registry.is_live(session):
-            return
-        if self.session(session.session_id, tenant=session.tenant, create=False) is not session:
-            raise InvalidInput(f"session {session.tenant}/{session.session_id} was replaced by another handle; "
-                               "get it again from manager.session()")
-
-    def _touch(self, session: Session) -> None:
-        """Mark ``session`` used and confirm its lease; a copy whose lease was lost is dropped, not served."""
+    def begin_turn(self, session: Session) -> None:
+        """Make a handle whose session was spilled (by the device budget, say) live again, in place;
+        mark it used and confirm its lease: a copy whose lease was lost is dropped, not served."""
+        if not self._registry.is_live(session):
+            if self.session(session.session_id, tenant=session.tenant, create=False) is not session:
+                raise InvalidInput(f"session {session.key} was replaced by another handle; "
+                                   "get it again from manager.session()")
         session.last_used = time.monotonic()
         self._registry.touch(session)
         if not self._leases.confirm(session.tenant, session.session_id):
             # Our lease lapsed (and another worker may have written since): this copy is stale.
-            self._worker.drop(session)
+            self._residency.drop(session)
             raise SessionBusy(f"session {session.session_id!r} of tenant {session.tenant!r} lost its lease (it "
                               "lapsed while this process stalled, or another worker took the session); its live "
                               "copy here was dropped")
 
-    def _room(self, need: int, keep: Session) -> AbstractContextManager[None]:
-        """Hold ``need`` bytes of the device budget while ``keep``'s cache grows by up to that much."""
-        return self._worker.room(need, (keep.tenant, keep.session_id))
+    def room(self, need: int, session: Session) -> AbstractContextManager[None]:
+        """Hold ``need`` bytes of the device budget while ``session``'s cache grows by up to that much."""
+        return self._residency.room(need, session.key)
 
-    def _record_turn(self, session: Session, usage: Usage) -> None:
+    def compact(self, cache: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0) -> SessionCache:
+        """``cache`` compacted as ``policy`` says (its compactor and target), counted."""
+        self.metrics.add("compactions")
+        return compact_under(policy, self.engine, cache, protect, incoming)
+
+    def turn_done(self, session: Session, usage: Usage) -> None:
+        """Count the turn, then spill idle sessions if the device budget is exceeded (``session`` stays)."""
         for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "dropped_tokens", "reprefilled_tokens"):
             self.metrics.add(name, getattr(usage, name))  # compactions are counted where they happen
         self.metrics.add("turns")
-        self._worker.enforce(keep=session)
+        self._residency.enforce(keep=session)
 
-    def _enforce_device_budget(self, keep: Session) -> None:
-        self._worker.enforce(keep=keep)
+    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
+        """A new live session holding ``cache`` and ``messages`` (a fork), within the device budget."""
+        session = self._residency.adopt(check_key(*key), cache, messages)
+        self._residency.enforce(keep=session)
+        return session
 
-    def _compact(self, policy: BudgetPolicy, cache: SessionCache, protect: int, incoming: int = 0) -> SessionCache:
-        self.metrics.add("compactions")
-        return compact(self.engine, cache, **policy.compaction_arguments(cache.logical_length, protect, incoming))
+    # ------------------------------------------------------------------------ internals
+
+    def _held_keys(self) -> list[SessionKey]:
+        """Sessions whose leases this process keeps: live ones, and those whose write behind is pending."""
+        live = self._registry.keys()
+        return live + sorted(set(self._spiller.pending()).difference(live))
+
+    def _handle(self, key: SessionKey) -> Session | None:
+        """The session object callers hold for ``key``: the live one, else a spilled handle still held."""
+        return self._registry.get(key) or self._registry.spilled(key)

@@ -115,8 +115,7 @@ def reading_costs(engine: Engine, ids: list[int]) -> tuple[dict[str, Costs], dic
     cache, out["prefill, engine"] = count(engine.prefill, ids)
     compacted = {}
     for method in METHODS:
-        compacted[method], out[f"compact {method} {RATIO}x"] = count(compact, engine, cache, method=method,
-                                                                     ratio=RATIO)
+        compacted[method], out[f"compact {method} {RATIO}x"] = count(compact, engine, cache, method, ratio=RATIO)
     return out, compacted
 
 
@@ -173,7 +172,7 @@ def long_rows(tokens: int, methods: list[str]) -> list[dict]:
     stages = {"prefill, engine": prefill}
     for method in methods:
         print(f"{tokens} tokens: {method}", file=sys.stderr, flush=True)
-        stages[f"compact {method} {RATIO}x"] = count(compact, engine, cache, method=method, ratio=RATIO)[1]
+        stages[f"compact {method} {RATIO}x"] = count(compact, engine, cache, method, ratio=RATIO)[1]
     flops = {stage: width_scaled_flops(c, narrow, SHAPES["llama-8b"]) for stage, c in stages.items()}
     return [{"stage": stage, "GFLOPs / layer (8B width)": flops[stage] / 1e9,
              "× prefill": flops[stage] / flops["prefill, engine"],

@@ -266,7 +266,7 @@ def measure_length(engine: Engine, run: Run, length: int, methods: list[str], co
         def compaction(method: str) -> None:
             from agentmem.compaction import compact  # imported here: an import that fails is a stop too
 
-            compact(engine, cache, method=method, ratio=10)
+            compact(engine, cache, method, ratio=10)
 
         for method in methods:
             run.stage(f"compaction {method}", length, cache_bytes, lambda method=method: compaction(method))

@@ -117,7 +117,7 @@ def main() -> None:
                 if method.startswith("summary") and ratio < SUMMARY_MIN_RATIO:
                     continue
                 start = time.perf_counter()
-                small = compact(engine, full, ratio=ratio, method=method, keep_recent=0)
+                small = compact(engine, full, method, ratio=ratio, keep_recent=0)
                 seconds = time.perf_counter() - start
                 nll = probe_nll(engine, small, probes)
                 kept = sum(sum(layer.rows_per_head) for layer in small.layers)

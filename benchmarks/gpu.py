@@ -102,7 +102,7 @@ def default_methods() -> list[str]:
     """``compact()``'s default method and ``global-eviction`` (read at run time: the default may change)."""
     from agentmem.compaction import compact
 
-    return list(dict.fromkeys([inspect.signature(compact).parameters["method"].default, "global-eviction"]))
+    return list(dict.fromkeys([inspect.signature(compact).parameters["compactor"].default, "global-eviction"]))
 
 
 def weight_limit_ms(model: torch.nn.Module) -> tuple[float, str]:
@@ -270,7 +270,7 @@ def compaction(engine: Engine, cache, method: str, ratio: float, device: torch.d
 
     bound = 0.5 * cache.nbytes + 2 * GIB
     with PeakMemory(device) as peak:
-        seconds, small = timed(device, lambda: compact(engine, cache, ratio=ratio, method=method,
+        seconds, small = timed(device, lambda: compact(engine, cache, method, ratio=ratio,
                                                        keep_recent=KEEP_RECENT, protect_prefix=4))
     result = {"compact s": seconds, "added peak MiB": peak.added / 2**20, "added / cache": peak.added / cache.nbytes,
               "within bound": peak.added <= bound, "kept MiB": small.nbytes / 2**20}

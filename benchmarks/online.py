@@ -47,7 +47,7 @@ import torch
 
 from agentmem import BudgetPolicy, Engine
 from agentmem.compaction import compact
-from agentmem.compaction.methods import REREAD
+from agentmem.compaction.scoring import REREAD
 from agentmem.models import EMBEDDED
 from common import (RESULTS, command_line, commands_after, machine, model_label, pyplot, save_figure, stdlib_text,
                     write_results)
@@ -174,11 +174,11 @@ def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy,
     for start in range(0, len(ids), TURN):
         turn = ids[start : start + TURN]
         if cache.physical_length + len(turn) > policy.max_live_tokens:
-            arguments = policy.compaction_arguments(cache.logical_length, incoming=len(turn))
+            target = policy.compaction_target(cache.logical_length, incoming=len(turn))
             began = time.perf_counter()
-            cache = compact(engine, cache, **arguments)
+            cache = compact(engine, cache, policy.compactor(), target_tokens=target, keep_recent=policy.keep_recent)
             seconds.append(time.perf_counter() - began)
-            schedule.append((cache.logical_length, arguments["target_tokens"]))
+            schedule.append((cache.logical_length, target))
             last = (cache.logical_length, cache.physical_length)
             if after_compaction is not None:
                 after_compaction(cache)
@@ -188,8 +188,8 @@ def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy,
 
 def compact_to(engine: Engine, cache, policy: BudgetPolicy, rows: int):
     """``cache`` compacted once to ``rows`` live rows with the policy's method, queries and ``keep_recent``."""
-    arguments = {**policy.compaction_arguments(cache.logical_length), "target_tokens": rows - policy.keep_recent}
-    return compact(engine, cache, **arguments)
+    return compact(engine, cache, policy.compactor(), target_tokens=rows - policy.keep_recent,
+                   keep_recent=policy.keep_recent)
 
 
 def compact_at(engine: Engine, ids: list[int], policy: BudgetPolicy, read: int, rows: int):

@@ -43,7 +43,9 @@ import torch
 
 from agentmem import Engine
 from agentmem.compaction.budgets import global_top
-from agentmem.compaction.methods import SINKS, Job
+from agentmem.compaction import GlobalEviction
+from agentmem.compaction.base import Job
+from agentmem.compaction.scoring import SINKS
 from agentmem.compaction.span import assemble, plan_span
 from agentmem.models import EMBEDDED
 from common import RESULTS, command_line, commands_after, machine, model_label, pyplot, save_figure, write_results
@@ -73,8 +75,8 @@ def one_compaction_scores(engine, full, policy, recent: int):
     """The plan of ``full`` with its last ``recent`` rows raw, and its span rows' scores ``(L, H, n)``
     under the policy's reference queries, the attention sinks made unbeatable (every method keeps them)."""
     plan = plan_span(full, protect_prefix=0, keep_recent=recent)
-    job = Job(engine, full, plan, plan.rows, policy.queries, None, 0)
-    scores = torch.stack(job.reference(max_queries=1).scores)  # raw cache: equal slots per layer
+    reference = GlobalEviction(queries=policy.queries).reference(Job(engine, full, plan, plan.rows), max_queries=1)
+    scores = torch.stack(reference.scores)  # raw cache: equal slots per layer
     scores[..., :SINKS] = torch.finfo(scores.dtype).max
     return plan, scores
 

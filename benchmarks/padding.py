@@ -29,7 +29,7 @@ from fidelity import CONTEXT, RATIOS, documents
 
 def measure(engine: Engine, ids: list[int], ratio: int) -> dict[str, float]:
     full = engine.prefill(ids[: CONTEXT - 1])
-    small = compact(engine, full, ratio=ratio, method="global-eviction", keep_recent=0)
+    small = compact(engine, full, "global-eviction", ratio=ratio, keep_recent=0)
     rows = sum(sum(sum(seg.head_rows) for seg in layer.layouts) for layer in small.layers)
     slots = sum(layer.prefix_length for layer in small.layers) * small.num_kv_heads
     return {"slots per row": slots / rows, "row MiB": small.nbytes / 2**20,

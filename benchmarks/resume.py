@@ -31,6 +31,7 @@ import argparse
 import json
 import sqlite3
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -46,11 +47,13 @@ from agentmem.host_memory import read_buffer_for
 from agentmem.host_tier import HostTier
 from agentmem.record import SessionRecord
 from agentmem.storage import STORAGE_CHOICES, data_offset, decode_cache, encode_cache, open_store, read_header
-from agentmem.storage.local_postgres import LocalPostgres
-from agentmem.storage.local_redis import LocalRedis
 from agentmem.storage.redis import _LAYOUT_FIELDS, _keys_of, _meta_key, _owners
 from common import (RESULTS, SHAPES, command_line, machine, median_seconds, model_label, pyplot, random_shape_engine,
                     save_figure, stdlib_text, write_results)
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the throwaway servers of tests/servers
+from servers.local_postgres import LocalPostgres  # noqa: E402
+from servers.local_redis import LocalRedis  # noqa: E402
 
 NEW_MESSAGE = "\nQuestion: what does the text above say about exceptions?"
 TURN_TOKENS = 128  # a turn's new tokens between two spills of a session
@@ -63,7 +66,7 @@ SQL_CHUNKS = ("SELECT c.data FROM agentmem_sessions s JOIN agentmem_manifests m 
 
 def compacted_10x(engine: Engine, cache: SessionCache) -> SessionCache:
     """The cache compacted 10x by Attention Matching (am-fast), the last 64 tokens kept raw."""
-    return compact(engine, cache, ratio=10, keep_recent=64, method="am-fast")
+    return compact(engine, cache, "am-fast", ratio=10, keep_recent=64)
 
 
 def sync(device: torch.device) -> None:

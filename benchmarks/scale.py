@@ -24,6 +24,7 @@ import os
 import random
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -250,7 +251,8 @@ def main() -> None:
     if args.plot_only:
         return replot()
 
-    from agentmem.storage.local_redis import LocalRedis, LocalRedisCluster
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the throwaway servers of tests/servers
+    from servers.local_redis import LocalRedis, LocalRedisCluster
     from common import command_line, machine, write_results
 
     common = dict(model=args.model, sessions=args.sessions, turns=args.turns, max_new_tokens=args.max_new_tokens,

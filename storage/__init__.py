@@ -6,6 +6,11 @@
 - ``redis://host:port/db``, ``rediss://…`` or ``unix://…`` — the Redis store on one server;
 - ``redis+cluster://host:port[,host:port…]`` or ``rediss+cluster://…`` — the same store on a
   Redis Cluster (see :mod:`agentmem.storage.redis_client`).
+
+Every store is a :class:`~agentmem.storage.base.StoreBase` (the write protocol, over a few
+primitives per backend) with its sessions' leases beside them as ``store.leases``; a new
+backend implements those primitives, is added to :func:`open_store`, and runs
+:mod:`agentmem.storage.conformance`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import TYPE_CHECKING
 from agentmem.errors import InvalidInput, StoreNotFound, StoreUnavailable
 from agentmem.home import default_store_url as default_url
 from agentmem.lazy import lazy_attributes
-from agentmem.record import CacheStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
+from agentmem.record import CacheStore, LeaseStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
 from agentmem.storage.redis_client import is_redis_url, redact
 
 if TYPE_CHECKING:
@@ -35,6 +40,7 @@ __all__ = [
     "STORAGE_CHOICES",
     "STORAGE_DTYPES",
     "CacheStore",
+    "LeaseStore",
     "SessionPage",
     "SessionRecord",
     "SessionSummary",

@@ -82,7 +82,7 @@ def plan_chunks(blob: bytes | bytearray | memoryview, chunk_bytes: int,
     """Which chunks of ``blob`` (cut by :func:`chunk_bounds`) to write over a version whose chunk
     ``i`` has digest ``published[i]``.
 
-    ``None`` marks a chunk of unknown digest (stored before digests were kept): it is rewritten.
+    ``None`` marks a published chunk that must not be shared (its Redis key is gone, say): it is rewritten.
     A kept chunk holds the very bytes the new one would (up to an XXH3-128 collision, and the
     codec's own checksums catch that on read), so the chunks read in order are the new blob.
     """

@@ -9,10 +9,9 @@ metadata entry, ``agentmem_header_xxh3``, checksums the whole safetensors header
 names, dtypes, shapes, offsets and our header) as serialised without that entry, so a damaged
 header is caught too. Every field is checked before anything is returned, and the blob can be
 inspected with any safetensors tool. Keeping it one file (not a header in front of one) lets a
-reader parse the stored bytes in place, without a copy. Blobs of format 1 (one SHA-256 of the
-data) and 2 are still read.
+reader parse the stored bytes in place, without a copy.
 
-The data region is laid out for incremental spills (format 3): compacted segments first, then
+The data region is laid out for incremental spills: compacted segments first, then
 the raw tail in blocks of ``TAIL_BLOCK`` tokens across layers, then the token log, with the
 header's room rounded up to a power of two. A spill after a turn that compacted nothing
 changes the header, the last tail block and what follows it; everything before keeps its bytes
@@ -50,6 +49,7 @@ from agentmem.host_memory import wait_for_copies
 from agentmem.record import Allocate
 from agentmem.storage.header import (
     CHECKSUM_CHUNK,
+    FORMAT_VERSION,
     HEADER_SUM_KEY,
     META_KEY,
     canonical,
@@ -58,7 +58,6 @@ from agentmem.storage.header import (
     read_header,
 )
 
-FORMAT_VERSION = 3  # 3: data laid out for stable offsets (padding tensors, header room); 1 and 2 still read
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp16": torch.float16,

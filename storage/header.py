@@ -9,7 +9,6 @@ importing torch for seconds.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import sys
@@ -23,7 +22,9 @@ from agentmem.storage.chunks import chunk_bounds, digests
 
 META_KEY = "agentmem"
 HEADER_SUM_KEY = "agentmem_header_xxh3"
-READABLE_FORMATS = (1, 2, 3)
+# The blob format agentmem writes and reads (3: data laid out for stable offsets). Earlier
+# numbers were development formats, never released: a blob of one is refused as unsupported.
+FORMAT_VERSION = 3
 CHECKSUM_CHUNK = 16 * 2**20
 HEADER_LIMIT = 64 * 2**20
 
@@ -49,12 +50,11 @@ def read_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
         raise CorruptSessionError(f"not an agentmem session blob (no valid header): {brief(exc)}") from exc
     if not isinstance(header, dict):
         raise CorruptSessionError("session blob header is not a JSON object")
-    if header.get("format_version") not in READABLE_FORMATS:
+    if header.get("format_version") != FORMAT_VERSION:
         raise CorruptSessionError(f"unsupported session blob format {repr(header.get('format_version'))[:40]}")
-    if header["format_version"] >= 2:
-        stored_sum = st_header["__metadata__"].pop(HEADER_SUM_KEY, None)
-        if stored_sum != xxhash.xxh3_64_hexdigest(canonical(st_header)):
-            raise CorruptSessionError("session blob header checksum mismatch: the header is damaged")
+    stored_sum = st_header["__metadata__"].pop(HEADER_SUM_KEY, None)
+    if stored_sum != xxhash.xxh3_64_hexdigest(canonical(st_header)):
+        raise CorruptSessionError("session blob header checksum mismatch: the header is damaged")
     header["_data_start"] = 8 + length
     header["_tensors"] = {name: entry for name, entry in st_header.items() if name != "__metadata__"}
     return header
@@ -69,8 +69,6 @@ def data_region_intact(blob: bytes | bytearray | memoryview, header: dict[str, A
 
 def data_intact(header: dict[str, Any], data: memoryview) -> bool:
     """Whether the data region matches the checksums its header recorded."""
-    if header["format_version"] == 1:
-        return hashlib.sha256(data).hexdigest() == header.get("data_sha256")
     checksum = header.get("checksum")
     if not isinstance(checksum, dict) or checksum.get("algorithm") != "xxh3_64" or checksum.get("chunk_bytes") != CHECKSUM_CHUNK:
         raise CorruptSessionError("session blob names an unknown checksum")

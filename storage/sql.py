@@ -7,17 +7,18 @@ PostgreSQL's ``bytea`` at 1 GB). A chunk row belongs to the write that staged it
 changed afterwards (on SQLite an UPDATE rewrites a whole 16 MiB row). Which chunks make up a
 version is its *manifest*: one small row per position naming the write whose chunk lies there
 and that chunk's digest, so a new version lists the chunks it shares with the replaced one
-instead of writing them again (see :mod:`agentmem.storage.chunks`). A put takes three steps,
-as on Redis: (1) stage the changed chunks, one short transaction each, so other writers
-interleave; (2) in one transaction, check the version (compare-and-set), that every staged
-chunk is there and that the chunks it shares are still the published version's, write its
-manifest and point the session row at it; (3) delete the chunks of the replaced version that
-the new one does not share, and the replaced manifest. A reader reads the row, the manifest and
-the chunks in one snapshot (SQLite WAL; REPEATABLE READ on PostgreSQL), so it sees the old
-version or the new one, never a mix. Chunks of a put that died before step 2 are removed by
-:meth:`SqlStore.prune` once they are ``ORPHAN_SECONDS`` old. Versions written by agentmem before
-manifests (chunk rows under the version's own ``write_id``, no manifest) are still read,
-replaced and deleted.
+instead of writing them again (see :mod:`agentmem.storage.chunks`).
+
+A put runs the three steps of :mod:`agentmem.storage.base`: (1) stage the changed chunks, one
+short transaction each, so other writers interleave; (2) in one transaction, check the version
+(compare-and-set), that every staged chunk is there and that the chunks it shares are still
+the published version's, write its manifest and point the session row at it; (3) delete the
+chunks of the replaced version that the new one does not share, and the replaced manifest. A
+reader reads the row, the manifest and the chunks in one snapshot (SQLite WAL; REPEATABLE READ
+on PostgreSQL), so it sees the old version or the new one, never a mix. Chunks of a put that
+died before step 2, and what a step 3 that could not run left, are removed by
+:meth:`SqlStore.prune` once they are ``ORPHAN_SECONDS`` old. Leases are rows of their own
+(:class:`SqlLeases`).
 
 One code path serves every dialect; the few differences are kept small and local:
 
@@ -26,7 +27,7 @@ One code path serves every dialect; the few differences are kept small and local
 - PostgreSQL runs at READ COMMITTED, where two writers can both read a row before either
   writes it: the rows a write decides on are read ``FOR UPDATE`` (SQLite ignores that, its
   lock is already held), a row created concurrently surfaces as an ``IntegrityError``, and
-  schema migrations take a transaction-scoped advisory lock so two first opens don't race.
+  creating the schema takes a transaction-scoped advisory lock so two first opens don't race.
   Session ids compare with the ``"C"`` collation, so listings page in byte order as on
   SQLite and Redis, whatever the database's locale. ``postgresql://`` URLs without a driver
   use psycopg 3 (the ``postgres`` extra).
@@ -35,16 +36,15 @@ One code path serves every dialect; the few differences are kept small and local
 from __future__ import annotations
 
 import sqlite3
-import threading
 import time
-import uuid
-from contextlib import closing
 from collections.abc import Callable
+from contextlib import AbstractContextManager, closing
+from types import TracebackType
 
 from sqlalchemy import (
     BigInteger,
-    and_,
     Column,
+    ColumnElement,
     Float,
     Index,
     Integer,
@@ -54,49 +54,40 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
     create_engine,
     delete,
     event,
     exists,
     func,
-    inspect,
     insert,
-    null,
+    inspect,
     or_,
     select,
-    text,
     update,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from agentmem.errors import CorruptStoreError, StoreNotFound, StoreUnavailable, VersionConflict, brief
-from agentmem.record import (
-    Allocate,
-    Lease,
-    SessionPage,
-    SessionRecord,
-    SessionSummary,
-    StoreUsage,
-    check_key,
-    check_record_key,
-    check_tenant,
-)
+from agentmem.record import Allocate, Lease, SessionSummary, StoreUsage
 from agentmem.storage.base import (
     ORPHAN_SECONDS,
+    LeaseBase,
+    Published,
+    StoreBase,
+    Stored,
+    Write,
     changed_during_write,
-    check_expected_version,
-    check_listing,
-    is_alive,
-    not_found,
-    page_of,
-    restore,
 )
-from agentmem.storage.chunks import ChunkPlan, chunk_bounds, plan_chunks, read_chunks, write_chunks
+from agentmem.storage.chunks import read_chunks, write_chunks
 
 BUSY_TIMEOUT_MS = 10_000
 _WRITE = "agentmem_write"  # execution option marking a write transaction
-_MIGRATION_LOCK = 0x61676D656D  # PostgreSQL advisory lock key ("agmem") held while migrating
+_SCHEMA_LOCK = 0x61676D656D  # PostgreSQL advisory lock key ("agmem") held while creating the schema
+# The schema agentmem 0.1.0 creates. Earlier numbers were development schemas, never released:
+# a database recording one is refused, as is one made by a newer agentmem.
+SCHEMA_VERSION = 4
 
 CHUNK_BYTES = 16 * 2**20
 _CHUNKS_IN_FLIGHT = 4  # chunk rows a read fetches per round trip
@@ -113,7 +104,7 @@ sessions_table = Table(
     Column("session_id", _SESSION_ID, primary_key=True),
     Column("version", Integer, nullable=False),
     Column("record", Text, nullable=False),
-    Column("write_id", String(32)),  # whose chunks hold the blob (NULL only mid-migration)
+    Column("write_id", String(32), nullable=False),  # the published write: its manifest lists the blob's chunks
     Column("nbytes", BigInteger, nullable=False),
     Column("logical_length", Integer, nullable=False),
     Column("updated_at", Float, nullable=False),
@@ -137,7 +128,7 @@ manifests_table = Table(
     Column("write_id", String(32), primary_key=True),  # the version's (the session row's ``write_id``)
     Column("seq", Integer, primary_key=True),
     Column("chunk_write_id", String(32), nullable=False),  # the write whose chunk row lies at ``seq``
-    Column("digest", String(32)),  # XXH3-128 of that chunk (NULL when unknown: it is rewritten, never shared)
+    Column("digest", String(32), nullable=False),  # XXH3-128 of that chunk
     Index("agentmem_manifests_chunk", "tenant", "session_id", "chunk_write_id", "seq"),
 )
 leases_table = Table(
@@ -149,82 +140,22 @@ leases_table = Table(
     Column("expires_at", Float, nullable=False),
 )
 
-# The schema as version 1 created it: migrations replay history, so they never use the
-# current definitions above for tables that have changed since.
-_history = MetaData()
-_sessions_v1 = Table(
-    "agentmem_sessions",
-    _history,
-    Column("tenant", String(128), primary_key=True),
-    Column("session_id", _SESSION_ID, primary_key=True),
-    Column("version", Integer, nullable=False),
-    Column("record", Text, nullable=False),
-    Column("blob", LargeBinary, nullable=False),
-    Column("nbytes", Integer, nullable=False),
-    Column("logical_length", Integer, nullable=False),
-    Column("updated_at", Float, nullable=False),
-    Column("expires_at", Float, nullable=True, index=True),
-)
 
-
-def _create_v1(conn: Connection) -> None:
-    _history.create_all(conn, tables=[_sessions_v1])
-
-
-def _add_leases_v2(conn: Connection) -> None:
-    metadata.create_all(conn, tables=[leases_table])
-
-
-def _chunk_blobs_v3(conn: Connection) -> None:
-    """Move every blob into chunk rows, drop the blob column, widen ``nbytes`` to 64 bits."""
-    metadata.create_all(conn, tables=[chunks_table])  # unchanged since version 3
-    conn.execute(text("ALTER TABLE agentmem_sessions ADD COLUMN write_id VARCHAR(32)"))
-    old = _sessions_v1.c
-    for tenant, session_id in conn.execute(select(old.tenant, old.session_id)).all():
-        blob = conn.execute(select(old.blob).where(old.tenant == tenant, old.session_id == session_id)).scalar_one()
-        write_id = uuid.uuid4().hex
-
-        def insert_chunk(seqs: list[int], data: list[memoryview]) -> None:
-            conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id,
-                                                     seq=seqs[0], data=data[0], staged_at=time.time()))
-
-        write_chunks(blob, chunk_bounds(len(blob), CHUNK_BYTES), insert_chunk)
-        conn.execute(update(sessions_table).where(*_key(tenant, session_id)).values(write_id=write_id))
-    conn.execute(text("ALTER TABLE agentmem_sessions DROP COLUMN blob"))
-    if conn.dialect.name == "postgresql":  # SQLite's INTEGER is already 64-bit
-        conn.execute(text("ALTER TABLE agentmem_sessions ALTER COLUMN nbytes TYPE BIGINT"))
-
-
-def _manifests_v4(conn: Connection) -> None:
-    """Give every published version a manifest of its own chunks (digests unknown: rewritten once)."""
-    metadata.create_all(conn, tables=[manifests_table])
-    t, c = sessions_table.c, chunks_table.c
-    conn.execute(insert(manifests_table).from_select(
-        ["tenant", "session_id", "write_id", "seq", "chunk_write_id", "digest"],
-        select(c.tenant, c.session_id, c.write_id, c.seq, c.write_id, null()).where(
-            exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id))))
-
-
-# Each entry brings the schema from version i to i + 1; append, never edit.
-MIGRATIONS: list[Callable[[Connection], None]] = [_create_v1, _add_leases_v2, _chunk_blobs_v3, _manifests_v4]
-
-
-class SqlStore:
-    """A :class:`~agentmem.record.CacheStore` on any SQLAlchemy URL."""
+class SqlStore(StoreBase):
+    """A :class:`~agentmem.record.CacheStore` on any SQLAlchemy URL: the primitives of
+    :class:`~agentmem.storage.base.StoreBase` as SQL, and :class:`SqlLeases` on the same engine."""
 
     def __init__(self, url: str, *, create: bool = True) -> None:
         """``create=False``: the database must hold an agentmem store already (else
         :class:`StoreNotFound`, and nothing is written to it): a reading command pointed at
         another application's database must not add tables to it."""
-        self.url = url
-        self.bytes_written = 0  # chunk bytes this store has staged (what shared chunks save shows here)
-        self._counting = threading.Lock()
+        super().__init__(url)
         try:
             if not create:
                 _require_store(url)
             self._engine = self._make_engine(url)
             self._writer = self._engine.execution_options(**{_WRITE: True})
-            self._migrate()
+            self._create_schema()
         except ImportError as exc:
             raise StoreUnavailable(
                 f"cannot open SQL store {_redact(url)}: its database driver {exc.name!r} is not installed"
@@ -232,6 +163,12 @@ class SqlStore:
             ) from exc
         except SQLAlchemyError as exc:
             raise _store_error(url, exc, f"cannot open SQL store {_redact(url)}") from exc
+        self.leases = SqlLeases(self)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """``CHUNK_BYTES``, read at each write (tests shrink it to make many chunks of a few bytes)."""
+        return CHUNK_BYTES
 
     @staticmethod
     def _make_engine(url: str) -> Engine:
@@ -256,172 +193,136 @@ class SqlStore:
 
         return engine
 
-    def _migrate(self) -> None:
+    def _create_schema(self) -> None:
+        """Create the tables in a database that has none; refuse one of another schema version."""
         with self._writer.begin() as conn:
             if conn.dialect.name == "postgresql":  # SQLite's BEGIN IMMEDIATE already serialises this
-                conn.execute(select(func.pg_advisory_xact_lock(_MIGRATION_LOCK)))
+                conn.execute(select(func.pg_advisory_xact_lock(_SCHEMA_LOCK)))
             metadata.create_all(conn, tables=[schema_table])
-            current = conn.execute(select(func.max(schema_table.c.version))).scalar() or 0
-            if current > len(MIGRATIONS):
-                raise StoreUnavailable(f"store schema version {current} is newer than this agentmem ({len(MIGRATIONS)})")
-            for version in range(current, len(MIGRATIONS)):
-                MIGRATIONS[version](conn)
-                conn.execute(insert(schema_table).values(version=version + 1))
+            found = conn.execute(select(func.max(schema_table.c.version))).scalar()
+            if found is None:
+                metadata.create_all(conn)
+                conn.execute(insert(schema_table).values(version=SCHEMA_VERSION))
+            elif found != SCHEMA_VERSION:
+                made_by = "a newer agentmem" if found > SCHEMA_VERSION else "a development build before agentmem 0.1.0"
+                raise StoreUnavailable(f"SQL store {_redact(self.url)} has schema version {found}, made by {made_by}; "
+                                       f"this agentmem reads version {SCHEMA_VERSION} only")
 
-    # --------------------------------------------------------------------------- protocol
+    def close(self) -> None:
+        self._engine.dispose()
 
-    def put(self, tenant: str, session_id: str, record: SessionRecord, *, expected_version: int | None = None) -> int:
-        check_record_key(tenant, session_id, record)
-        write_id = uuid.uuid4().hex
-        # Only a compare-and-set write shares chunks: an unconditional one must not fail because
-        # a concurrent writer replaced the version it would share with.
-        shared_from, published = (None, []) if expected_version is None else self._published_digests(tenant, session_id)
-        plan = plan_chunks(record.blob, CHUNK_BYTES, published, head=record.blob_head)
-        staged = self._stage(tenant, session_id, write_id, record.blob, plan)
-        with self._counting:
-            self.bytes_written += staged
-        try:
-            version, replaced = self._publish(tenant, session_id, record, write_id, plan, shared_from, expected_version)
-        except BaseException:
-            # Only if unpublished: a COMMIT that failed ambiguously may still have published them.
-            self._discard_unpublished(tenant, session_id, write_id)
-            raise
-        if replaced is not None:
-            self._discard_replaced(tenant, session_id, replaced, write_id)
-        return version
+    # ------------------------------------------------------------------------- primitives
 
-    def _published_digests(self, tenant: str, session_id: str) -> tuple[str | None, list[str | None]]:
-        """The live published version's write id and its chunks' digests by position (none if there is none)."""
+    def _published(self, tenant: str, session_id: str) -> Published | None:
         m = manifests_table.c
         with self._snapshot() as conn:
             write_id = conn.execute(select(sessions_table.c.write_id)
                                     .where(*_key(tenant, session_id), _alive(time.time()))).scalar()
             if write_id is None:
-                return None, []
-            rows = conn.execute(select(m.seq, m.digest).where(*_manifest_key(tenant, session_id, write_id))
+                return None
+            rows = conn.execute(select(m.chunk_write_id, m.digest).where(*_manifest_key(tenant, session_id, write_id))
                                 .order_by(m.seq)).all()
-        return write_id, [digest for _, digest in rows]
+        return Published(write_id=write_id, owners=[row.chunk_write_id for row in rows],
+                         digests=[row.digest for row in rows])
 
-    def _stage(self, tenant: str, session_id: str, write_id: str, blob: bytes, plan: ChunkPlan) -> int:
-        """Store the plan's fresh chunks under ``write_id``, one transaction per chunk; the bytes staged."""
+    def _stage(self, write: Write) -> int:
+        """One transaction per chunk, so other writers interleave with a large write."""
 
         def stage_chunk(seqs: list[int], data: list[memoryview]) -> None:
             with self._transaction() as conn:
-                conn.execute(insert(chunks_table).values(tenant=tenant, session_id=session_id, write_id=write_id,
-                                                         seq=seqs[0], data=data[0], staged_at=time.time()))
+                conn.execute(insert(chunks_table).values(tenant=write.tenant, session_id=write.session_id,
+                                                         write_id=write.write_id, seq=seqs[0], data=data[0],
+                                                         staged_at=time.time()))
 
-        return write_chunks(blob, plan.bounds, stage_chunk, positions=plan.fresh)
+        return write_chunks(write.record.blob, write.plan.bounds, stage_chunk, positions=write.plan.fresh)
 
-    def _publish(self, tenant: str, session_id: str, record: SessionRecord, write_id: str, plan: ChunkPlan,
-                 shared_from: str | None, expected_version: int | None) -> tuple[int, str | None]:
-        """Compare-and-set the session row onto ``write_id`` with its manifest; the new version and the replaced write id.
-
-        Locks the session row first, then chunk and manifest rows, as every writer here does.
-        """
-        key, c, m = _key(tenant, session_id), chunks_table.c, manifests_table.c
+    def _publish(self, write: Write) -> tuple[int, str | None]:
+        """Locks the session row first, then chunk and manifest rows, as every writer here does."""
+        tenant, session_id, record, plan = write.tenant, write.session_id, write.record, write.plan
+        key, t, c, m = _key(tenant, session_id), sessions_table.c, chunks_table.c, manifests_table.c
         values = {
             "record": record.metadata_json(),
-            "write_id": write_id,
+            "write_id": write.write_id,
             "nbytes": len(record.blob),
             "logical_length": record.logical_length,
             "updated_at": record.updated_at,
             "expires_at": record.expires_at,
         }
-        lost = StoreUnavailable(f"session {tenant}/{session_id}: chunks of this write were removed before it "
+        lost = StoreUnavailable(f"session {write.session}: chunks of this write were removed before it "
                                 "committed (a concurrent delete); write again")
         with self._transaction() as conn:
-            t = sessions_table.c
-            current = conn.execute(select(t.version, t.write_id, t.expires_at).where(*key).with_for_update()).first()
-            if current is not None and expected_version == 0 and not is_alive(current.expires_at, time.time()):
-                # Expired: get, version and list no longer show it, so a new session's write starts it
-                # anew (version 1) instead of conflicting with what nobody can read (prune would have
-                # removed it). A live holder's write (expecting its version) continues it as before.
-                _delete_version(conn, tenant, session_id, current.write_id)
-                conn.execute(delete(sessions_table).where(*key))
-                current = None
-            found = current.version if current else 0
-            check_expected_version(tenant, session_id, found, expected_version)
-            staged = conn.execute(select(c.seq).where(*_chunk_key(tenant, session_id, write_id)).with_for_update()).all()
+            row = conn.execute(select(t.version, t.write_id, t.expires_at).where(*key).with_for_update()).first()
+            stored = None if row is None else Stored(version=row.version, write_id=row.write_id,
+                                                     expires_at=row.expires_at)
+            version = self._next_version(write, stored)
+            staged = conn.execute(select(c.seq).where(*_chunk_key(tenant, session_id, write.write_id))
+                                  .with_for_update()).all()
             if len(staged) != len(plan.fresh):
                 raise lost
-            owners = dict.fromkeys(plan.fresh, write_id)
             if plan.kept:
-                if current is None or current.write_id != shared_from:
-                    raise changed_during_write(tenant, session_id)  # the chunks it meant to share may be gone
-                kept = conn.execute(select(m.seq, m.chunk_write_id).where(
-                    *_manifest_key(tenant, session_id, shared_from), m.seq.in_(plan.kept)).with_for_update()).all()
+                kept = conn.execute(select(m.seq).where(*_manifest_key(tenant, session_id, write.shared_from),
+                                                        m.seq.in_(plan.kept)).with_for_update()).all()
                 if len(kept) != len(plan.kept):
                     raise lost
-                owners.update(dict(kept))
             conn.execute(insert(manifests_table), [
-                {"tenant": tenant, "session_id": session_id, "write_id": write_id, "seq": seq,
-                 "chunk_write_id": owners[seq], "digest": plan.digests[seq]} for seq in range(plan.count)])
-            if current is None:
+                {"tenant": tenant, "session_id": session_id, "write_id": write.write_id, "seq": seq,
+                 "chunk_write_id": write.owners[seq], "digest": plan.digests[seq]} for seq in range(plan.count)])
+            if stored is None:
                 try:
-                    conn.execute(insert(sessions_table).values(tenant=tenant, session_id=session_id, version=1, **values))
+                    conn.execute(insert(sessions_table).values(tenant=tenant, session_id=session_id, version=version,
+                                                               **values))
                 except IntegrityError as exc:
-                    raise VersionConflict(f"session {tenant}/{session_id} was created concurrently") from exc
-                return 1, None
-            done = conn.execute(
-                update(sessions_table).where(*key, sessions_table.c.version == found).values(version=found + 1, **values)
-            )
+                    raise VersionConflict(f"session {write.session} was created concurrently") from exc
+                return version, None
+            done = conn.execute(update(sessions_table).where(*key, t.version == stored.version)
+                                .values(version=version, **values))
             if done.rowcount != 1:
-                raise changed_during_write(tenant, session_id)
-            return found + 1, current.write_id
+                raise changed_during_write(write)
+            return version, stored.write_id
 
-    def _discard_replaced(self, tenant: str, session_id: str, replaced: str, kept_by: str) -> None:
-        """Delete the replaced version's manifest and its chunks the version ``kept_by`` does not share;
-        if the store is down they are left for :meth:`prune`."""
-        try:
-            with self._transaction() as conn:
-                conn.execute(delete(chunks_table).where(
-                    *_session_chunks(tenant, session_id), _in_version(tenant, session_id, replaced),
-                    ~_in_manifest(tenant, session_id, kept_by)))
-                conn.execute(delete(manifests_table).where(*_manifest_key(tenant, session_id, replaced)))
-        except StoreUnavailable:
-            pass
+    def _discard_replaced(self, write: Write, replaced: str) -> None:
+        tenant, session_id = write.tenant, write.session_id
+        with self._transaction() as conn:
+            conn.execute(delete(chunks_table).where(*_session_chunks(tenant, session_id),
+                                                    _in_manifest(tenant, session_id, replaced),
+                                                    ~_in_manifest(tenant, session_id, write.write_id)))
+            conn.execute(delete(manifests_table).where(*_manifest_key(tenant, session_id, replaced)))
 
-    def _discard_unpublished(self, tenant: str, session_id: str, write_id: str) -> None:
-        """Delete the chunks ``write_id`` staged that no manifest lists (all of them, unless its
-        COMMIT went through after all); if the store is down they are left for :meth:`prune`."""
-        try:
-            with self._transaction() as conn:
-                conn.execute(delete(chunks_table).where(*_chunk_key(tenant, session_id, write_id), ~_listed()))
-        except StoreUnavailable:
-            pass
+    def _discard_unpublished(self, write: Write) -> None:
+        """Only chunks no manifest lists: all of them, unless the write's COMMIT went through after all."""
+        with self._transaction() as conn:
+            conn.execute(delete(chunks_table).where(*_chunk_key(write.tenant, write.session_id, write.write_id),
+                                                    ~_listed()))
 
-    def get(self, tenant: str, session_id: str, *, into: Allocate = bytearray) -> SessionRecord:
-        check_key(tenant, session_id)
-        t = sessions_table.c
+    def _read(self, tenant: str, session_id: str, into: Allocate,
+              now: float) -> tuple[str, bytearray | memoryview, int] | None:
+        t, m, c = sessions_table.c, manifests_table.c, chunks_table.c
         with self._snapshot() as conn:
             row = conn.execute(select(t.record, t.version, t.write_id, t.nbytes)
-                               .where(*_key(tenant, session_id), _alive(time.time()))).first()
+                               .where(*_key(tenant, session_id), _alive(now))).first()
             if row is None:
-                raise not_found(tenant, session_id)
+                return None
+            listed = _manifest_key(tenant, session_id, row.write_id)
+            count = conn.execute(select(func.count()).select_from(manifests_table).where(*listed)).scalar_one()
             # Streamed (a server-side cursor on PostgreSQL, whose client otherwise receives every
             # row before the first is read), so only a few chunks are in memory beside the blob;
             # in manifest order straight from its index (sorting would copy every chunk).
-            query, count = _version_chunks(conn, tenant, session_id, row.write_id)
-            chunks = conn.execute(query.execution_options(stream_results=True, max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
-            blob = read_chunks(chunks, row.nbytes, capacity=count * CHUNK_BYTES, session=f"{tenant}/{session_id}",
+            joined = manifests_table.join(chunks_table, and_(
+                c.tenant == m.tenant, c.session_id == m.session_id, c.write_id == m.chunk_write_id, c.seq == m.seq))
+            query: Select = select(c.data).select_from(joined).where(*listed).order_by(m.seq)
+            chunks = conn.execute(query.execution_options(stream_results=True,
+                                                          max_row_buffer=_CHUNKS_IN_FLIGHT)).scalars()
+            blob = read_chunks(chunks, row.nbytes, capacity=count * self.chunk_bytes, session=f"{tenant}/{session_id}",
                                recorded_in="its row", into=into)
-        return restore(tenant, session_id, row.record, blob, row.version)
+        return row.record, blob, row.version
 
-    def version(self, tenant: str, session_id: str) -> int:
-        return self.stamp(tenant, session_id)[0]
-
-    def stamp(self, tenant: str, session_id: str) -> tuple[int, float]:
-        check_key(tenant, session_id)
+    def _stamp(self, tenant: str, session_id: str, now: float) -> tuple[int, float] | None:
         t = sessions_table.c
         with self._connection() as conn:
-            found = conn.execute(select(t.version, t.updated_at)
-                                 .where(*_key(tenant, session_id), _alive(time.time()))).first()
-        if found is None:
-            raise not_found(tenant, session_id)
-        return found.version, found.updated_at
+            found = conn.execute(select(t.version, t.updated_at).where(*_key(tenant, session_id), _alive(now))).first()
+        return None if found is None else (found.version, found.updated_at)
 
-    def delete(self, tenant: str, session_id: str) -> bool:
-        check_key(tenant, session_id)
+    def _delete(self, tenant: str, session_id: str) -> bool:
         key = _key(tenant, session_id)
         with self._transaction() as conn:
             write_id = conn.execute(select(sessions_table.c.write_id).where(*key).with_for_update()).scalar()
@@ -430,47 +331,44 @@ class SqlStore:
             _delete_version(conn, tenant, session_id, write_id)
             return conn.execute(delete(sessions_table).where(*key)).rowcount > 0
 
-    def list(self, tenant: str, *, limit: int = 100, cursor: str | None = None) -> SessionPage:
-        check_listing(tenant, limit, cursor)
+    def _summaries(self, tenant: str, after: str | None, count: int, now: float) -> list[SessionSummary]:
         t = sessions_table.c
         query = (
             select(t.session_id, t.version, t.logical_length, t.nbytes, t.updated_at, t.expires_at)
-            .where(t.tenant == tenant, _alive(time.time()))
+            .where(t.tenant == tenant, _alive(now))
             .order_by(t.session_id)
-            .limit(limit + 1)
+            .limit(count)
         )
-        if cursor is not None:
-            query = query.where(t.session_id > cursor)
+        if after is not None:
+            query = query.where(t.session_id > after)
         with self._connection() as conn:
             rows = conn.execute(query).all()
-        return page_of([SessionSummary(tenant=tenant, **row._asdict()) for row in rows], limit)
+        return [SessionSummary(tenant=tenant, **row._asdict()) for row in rows]
 
-    def tenants(self) -> list[str]:
+    def _tenants(self, now: float) -> list[str]:
         t = sessions_table.c
-        query = select(t.tenant).where(_alive(time.time())).distinct().order_by(t.tenant)
+        query = select(t.tenant).where(_alive(now)).distinct().order_by(t.tenant)
         with self._connection() as conn:
             return list(conn.execute(query).scalars())
 
-    def delete_tenant(self, tenant: str) -> int:
+    def _delete_tenant(self, tenant: str) -> int:
         with self._transaction() as conn:
-            conn.execute(delete(chunks_table).where(chunks_table.c.tenant == check_tenant(tenant)))
+            conn.execute(delete(chunks_table).where(chunks_table.c.tenant == tenant))
             conn.execute(delete(manifests_table).where(manifests_table.c.tenant == tenant))
             return conn.execute(delete(sessions_table).where(sessions_table.c.tenant == tenant)).rowcount
 
-    def usage(self, tenant: str) -> StoreUsage:
+    def _usage(self, tenant: str, now: float) -> StoreUsage:
+        """One aggregate query instead of listing pages."""
         t = sessions_table.c
-        query = select(func.count(), func.coalesce(func.sum(t.nbytes), 0)).where(
-            t.tenant == check_tenant(tenant), _alive(time.time())
-        )
+        query = select(func.count(), func.coalesce(func.sum(t.nbytes), 0)).where(t.tenant == tenant, _alive(now))
         with self._connection() as conn:
             count, nbytes = conn.execute(query).one()
         return StoreUsage(sessions=count, bytes=nbytes)
 
-    def prune(self, now: float | None = None) -> int:
-        """Delete expired sessions (returns how many), manifests of versions no session points at,
-        and chunks no manifest or session holds that are older than ``ORPHAN_SECONDS`` (a put
-        that died between staging and publishing, or a clean-up that could not run)."""
-        now = time.time() if now is None else now
+    def _prune(self, now: float) -> int:
+        """Expired sessions, manifests of versions no session points at (a replaced one whose
+        clean-up could not run), and chunks no manifest lists that are older than
+        ``ORPHAN_SECONDS`` (a put that died between staging and publishing)."""
         t, c, m = sessions_table.c, chunks_table.c, manifests_table.c
         with self._transaction() as conn:
             expired = conn.execute(select(t.tenant, t.session_id, t.write_id)
@@ -480,20 +378,38 @@ class SqlStore:
                 conn.execute(delete(sessions_table).where(*_key(tenant, session_id)))
             conn.execute(delete(manifests_table).where(~exists().where(
                 t.tenant == m.tenant, t.session_id == m.session_id, t.write_id == m.write_id)))
-            unlisted_version = exists().where(t.tenant == c.tenant, t.session_id == c.session_id, t.write_id == c.write_id)
-            conn.execute(delete(chunks_table).where(c.staged_at <= now - ORPHAN_SECONDS, ~_listed(), ~unlisted_version))
+            conn.execute(delete(chunks_table).where(c.staged_at <= now - ORPHAN_SECONDS, ~_listed()))
             return len(expired)
 
-    def acquire_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float, *,
-                      replacing: str | None = None) -> bool:
-        check_key(tenant, session_id)
+    # -------------------------------------------------------------------------- internals
+
+    def _transaction(self) -> _Guard:
+        return _Guard(self._writer.begin, self.url)
+
+    def _connection(self) -> _Guard:
+        return _Guard(self._engine.connect, self.url)
+
+    def _snapshot(self) -> _Guard:
+        """A read transaction that sees one snapshot throughout: SQLite's deferred BEGIN in WAL
+        mode already does; PostgreSQL needs REPEATABLE READ (READ COMMITTED re-reads per statement)."""
+        if self._engine.dialect.name == "postgresql":
+            return _Guard(self._engine.execution_options(isolation_level="REPEATABLE READ").begin, self.url)
+        return _Guard(self._engine.begin, self.url)
+
+
+class SqlLeases(LeaseBase):
+    """Session leases as rows of ``agentmem_leases``, on the engine of the :class:`SqlStore` they belong to."""
+
+    def __init__(self, store: SqlStore) -> None:
+        self._store = store
+
+    def _acquire(self, tenant: str, session_id: str, owner: str, ttl_seconds: float, replacing: str | None) -> bool:
         now = time.time()
-        key = leases_table.c.tenant == tenant, leases_table.c.session_id == session_id
+        t = leases_table.c
+        key = t.tenant == tenant, t.session_id == session_id
         try:
-            with self._transaction() as conn:
-                row = conn.execute(
-                    select(leases_table.c.owner, leases_table.c.expires_at).where(*key).with_for_update()
-                ).first()
+            with self._store._transaction() as conn:
+                row = conn.execute(select(t.owner, t.expires_at).where(*key).with_for_update()).first()
                 if row is None:
                     conn.execute(insert(leases_table).values(tenant=tenant, session_id=session_id, owner=owner,
                                                              expires_at=now + ttl_seconds))
@@ -505,52 +421,33 @@ class SqlStore:
         except IntegrityError:
             return False  # another owner created the lease row between our read and our insert
 
-    def lease_holder(self, tenant: str, session_id: str) -> Lease | None:
-        check_key(tenant, session_id)
+    def _renew(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
         t = leases_table.c
-        with self._connection() as conn:
+        with self._store._transaction() as conn:
+            renewed = conn.execute(update(leases_table).where(t.tenant == tenant, t.session_id == session_id,
+                                                              t.owner == owner)
+                                   .values(expires_at=time.time() + ttl_seconds))
+            return renewed.rowcount == 1
+
+    def _release(self, tenant: str, session_id: str, owner: str) -> None:
+        t = leases_table.c
+        with self._store._transaction() as conn:
+            conn.execute(delete(leases_table).where(t.tenant == tenant, t.session_id == session_id, t.owner == owner))
+
+    def _holder(self, tenant: str, session_id: str) -> Lease | None:
+        t = leases_table.c
+        with self._store._connection() as conn:
             row = conn.execute(select(t.owner, t.expires_at).where(
                 t.tenant == tenant, t.session_id == session_id, t.expires_at > time.time())).first()
         return None if row is None else Lease(owner=row.owner, expires_at=row.expires_at)
-
-    def renew_lease(self, tenant: str, session_id: str, owner: str, ttl_seconds: float) -> bool:
-        check_key(tenant, session_id)
-        t = leases_table.c
-        with self._transaction() as conn:
-            renewed = conn.execute(update(leases_table).where(
-                t.tenant == tenant, t.session_id == session_id, t.owner == owner,
-            ).values(expires_at=time.time() + ttl_seconds))
-            return renewed.rowcount == 1
-
-    def release_lease(self, tenant: str, session_id: str, owner: str) -> None:
-        t = leases_table.c
-        with self._transaction() as conn:
-            conn.execute(delete(leases_table).where(t.tenant == tenant, t.session_id == session_id, t.owner == owner))
-
-    def close(self) -> None:
-        self._engine.dispose()
-
-    # -------------------------------------------------------------------------- internals
-
-    def _transaction(self):
-        return _Guard(self._writer.begin, self.url)
-
-    def _connection(self):
-        return _Guard(self._engine.connect, self.url)
-
-    def _snapshot(self):
-        """A read transaction that sees one snapshot throughout: SQLite's deferred BEGIN in WAL
-        mode already does; PostgreSQL needs REPEATABLE READ (READ COMMITTED re-reads per statement)."""
-        if self._engine.dialect.name == "postgresql":
-            return _Guard(self._engine.execution_options(isolation_level="REPEATABLE READ").begin, self.url)
-        return _Guard(self._engine.begin, self.url)
 
 
 class _Guard:
     """Open a connection or transaction, turning driver failures into :class:`StoreUnavailable`."""
 
-    def __init__(self, opener, url: str) -> None:
-        self._opener, self._url, self._ctx = opener, url, None
+    def __init__(self, opener: Callable[[], AbstractContextManager[Connection]], url: str) -> None:
+        self._opener, self._url = opener, url
+        self._ctx: AbstractContextManager[Connection] | None = None
 
     def __enter__(self) -> Connection:
         try:
@@ -559,7 +456,8 @@ class _Guard:
         except SQLAlchemyError as exc:
             raise _store_error(self._url, exc, f"SQL store {_redact(self._url)} unavailable") from exc
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
         try:
             self._ctx.__exit__(exc_type, exc, tb)
         except SQLAlchemyError as failure:
@@ -621,67 +519,47 @@ def engine_url(url: str) -> str:
     return f"postgresql+psycopg{sep}{rest}" if scheme in ("postgresql", "postgres") else url
 
 
-def _key(tenant: str, session_id: str):
+def _key(tenant: str, session_id: str) -> tuple[ColumnElement[bool], ...]:
     return sessions_table.c.tenant == tenant, sessions_table.c.session_id == session_id
 
 
-def _chunk_key(tenant: str, session_id: str, write_id: str):
+def _chunk_key(tenant: str, session_id: str, write_id: str) -> tuple[ColumnElement[bool], ...]:
     """The chunks ``write_id`` staged (published or not)."""
     c = chunks_table.c
     return c.tenant == tenant, c.session_id == session_id, c.write_id == write_id
 
 
-def _manifest_key(tenant: str, session_id: str, write_id: str):
+def _manifest_key(tenant: str, session_id: str, write_id: str) -> tuple[ColumnElement[bool], ...]:
     """The manifest rows of the version ``write_id`` published."""
     m = manifests_table.c
     return m.tenant == tenant, m.session_id == session_id, m.write_id == write_id
 
 
-def _session_chunks(tenant: str, session_id: str):
+def _session_chunks(tenant: str, session_id: str) -> tuple[ColumnElement[bool], ...]:
     return chunks_table.c.tenant == tenant, chunks_table.c.session_id == session_id
 
 
-def _listed(*in_version):
+def _listed(*in_version: ColumnElement[bool]) -> ColumnElement[bool]:
     """Whether a chunk row is listed in a manifest (one matching ``in_version``, default any)."""
     m, c = manifests_table.c, chunks_table.c
     return exists().where(m.tenant == c.tenant, m.session_id == c.session_id, m.chunk_write_id == c.write_id,
                           m.seq == c.seq, *in_version)
 
 
-def _in_manifest(tenant: str, session_id: str, write_id: str):
+def _in_manifest(tenant: str, session_id: str, write_id: str) -> ColumnElement[bool]:
     """Whether a chunk row is listed in the manifest of the version ``write_id``."""
     return _listed(*_manifest_key(tenant, session_id, write_id))
 
 
-def _in_version(tenant: str, session_id: str, write_id: str):
-    """Whether a chunk row belongs to the version ``write_id``: listed in its manifest, or staged by
-    it (all of a version stored before manifests, which has none)."""
-    return or_(_in_manifest(tenant, session_id, write_id), chunks_table.c.write_id == write_id)
-
-
-def _version_chunks(conn: Connection, tenant: str, session_id: str, write_id: str) -> tuple[Select, int]:
-    """The query for a version's chunk data in order, and how many chunks it lists: through its
-    manifest, or (a version stored before manifests) its own chunk rows."""
-    m, c = manifests_table.c, chunks_table.c
-    listed = conn.execute(select(func.count()).select_from(manifests_table)
-                          .where(*_manifest_key(tenant, session_id, write_id))).scalar_one()
-    if not listed:
-        own = _chunk_key(tenant, session_id, write_id)
-        return (select(c.data).where(*own).order_by(c.seq),
-                conn.execute(select(func.count()).select_from(chunks_table).where(*own)).scalar_one())
-    joined = manifests_table.join(chunks_table, and_(
-        c.tenant == m.tenant, c.session_id == m.session_id, c.write_id == m.chunk_write_id, c.seq == m.seq))
-    return select(c.data).select_from(joined).where(*_manifest_key(tenant, session_id, write_id)).order_by(m.seq), listed
-
-
 def _delete_version(conn: Connection, tenant: str, session_id: str, write_id: str) -> None:
     """Delete a session's chunks of the version ``write_id`` and every manifest row of the session."""
-    conn.execute(delete(chunks_table).where(*_session_chunks(tenant, session_id), _in_version(tenant, session_id, write_id)))
+    conn.execute(delete(chunks_table).where(*_session_chunks(tenant, session_id),
+                                            _in_manifest(tenant, session_id, write_id)))
     m = manifests_table.c
     conn.execute(delete(manifests_table).where(m.tenant == tenant, m.session_id == session_id))
 
 
-def _alive(now: float):
+def _alive(now: float) -> ColumnElement[bool]:
     return or_(sessions_table.c.expires_at.is_(None), sessions_table.c.expires_at > now)
 
 

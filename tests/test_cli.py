@@ -379,7 +379,7 @@ def test_commands_check_their_arguments_before_loading_the_model(engine, tmp_pat
 
 
 def test_doctor_fails_a_redis_without_aof_and_prints_the_whole_fingerprint(engine, tmp_path, monkeypatch):
-    from agentmem.storage.local_redis import LocalRedis
+    from servers.local_redis import LocalRedis
 
     monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
     with LocalRedis(tmp_path / "aof") as durable, \
@@ -453,7 +453,7 @@ def test_chat_says_when_a_turn_compacted_the_session(engine, tmp_path, monkeypat
 
 
 def test_doctor_checks_every_node_of_a_redis_cluster(engine, tmp_path, monkeypatch):
-    from agentmem.storage.local_redis import LocalRedisCluster
+    from servers.local_redis import LocalRedisCluster
 
     monkeypatch.setattr("agentmem.engine.Engine.load", lambda *a, **k: engine)
     with LocalRedisCluster(tmp_path / "cluster") as cluster:

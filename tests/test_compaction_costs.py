@@ -49,7 +49,7 @@ def _cache(tokenizer, layers: int, kv_heads: int) -> tuple[Engine, SessionCache]
 @functools.cache
 def _costs(tokenizer, layers: int, kv_heads: int, method: str) -> tuple[SessionCache, Costs]:
     engine, cache = _cache(tokenizer, layers, kv_heads)
-    return count(compact, engine, cache, method=method, **ARGUMENTS)
+    return count(compact, engine, cache, method, **ARGUMENTS)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def raw_and_compacted(engine: Engine, tokens: int = 150) -> tuple[SessionCache, 
     """A raw cache and a compaction of it whose layers keep different numbers of rows, with
     uneven heads (padding slots) and β drawn at random: eviction itself leaves every β at 0."""
     raw = engine.prefill(token_ids(tokens, seed=1))
-    evicted = compact(engine, raw, method="global-eviction", ratio=4, keep_recent=16)
+    evicted = compact(engine, raw, "global-eviction", ratio=4, keep_recent=16)
     compacted = with_random_beta(evicted)
     assert len({layer.prefix_length for layer in compacted.layers}) > 1
     assert any(len(set(seg.head_rows)) > 1 for layer in compacted.layers for seg in layer.layouts)

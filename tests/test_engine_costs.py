@@ -149,7 +149,7 @@ def test_decode_step_costs_at_most_a_static_cache_step(engine, raw_cache, static
 def test_decode_step_over_compacted_rows_costs_what_a_raw_step_does(engine, raw_cache, static_step):
     """With compacted rows (β, padded heads) a step costs exactly the operators of a step over raw
     rows: the β rows are built once per generation, and each step's mask is a view of them."""
-    compacted = compact(engine, raw_cache, method="global-eviction", ratio=4, keep_recent=64)
+    compacted = compact(engine, raw_cache, "global-eviction", ratio=4, keep_recent=64)
     assert compacted.is_compacted and compacted.layers[0].bias is not None
     per_step = _check_steps(*_engine_steps(engine, compacted), static_step)
     assert per_step == _check_steps(*_engine_steps(engine, raw_cache), static_step)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from agentmem.errors import InvalidInput
+from agentmem.keys import SessionKey
 from agentmem.ledger import DeviceLedger
 from agentmem.registry import Registry
 
@@ -88,7 +89,8 @@ class FakeSession:
     """What the registry reads of a session: its key and its cache's allocated bytes (weakly referable)."""
 
     def __init__(self, tenant: str, session_id: str, nbytes: int = 0) -> None:
-        self.tenant, self.session_id = tenant, session_id
+        self.key = SessionKey(tenant, session_id)
+        self.tenant = tenant
         self.cache = SimpleNamespace(allocated_nbytes=nbytes)
 
 

@@ -12,10 +12,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from pydoc_data.topics import topics
 
 from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.errors import BudgetExceeded, ContextOverflow, InvalidInput, SessionBusy, SessionNotFound
+from agentmem.storage.conformance import wait_until
 from helpers import tiny_model
 
 FACT = "For the record: my account number is 73914 and I live in Porto."
@@ -131,6 +133,11 @@ def test_policy_validation_and_loading(tmp_path):
     path.write_text("acme:\n  max_live_tokens: -1\n")
     with pytest.raises(InvalidInput, match="max_live_tokens"):
         BudgetPolicy.from_file(path)
+    path.write_text("acme:\n  name: globex\n")  # a policy cannot pass itself off as another tenant's
+    with pytest.raises(InvalidInput, match="'globex' is not the tenant's"):
+        BudgetPolicy.from_file(path)
+    path.write_text("acme:\n  name: acme\n")
+    assert BudgetPolicy.from_file(path)["acme"].name == "acme"
     env = {"AGENTMEM_MAX_LIVE_TOKENS": "1024", "AGENTMEM_TARGET_TOKENS": "200", "AGENTMEM_STORAGE_DTYPE": "int8"}
     policy = BudgetPolicy.from_env(env)
     assert (policy.max_live_tokens, policy.target_ratio, policy.target_tokens, policy.storage_dtype) == (
@@ -156,6 +163,27 @@ def test_lru_sessions_are_spilled_to_respect_the_device_budget(tiny, tmp_path):
         assert live == ["a", "b"]
         assert manager.stats()["spills"] == 2 and manager.stats()["resumes"] == 1
         assert manager.stats()["live_bytes"] <= budget
+
+
+def test_eviction_spills_the_victim_as_it_is_and_never_compacts_it(tiny, tmp_path):
+    """The turn that needs room does not pay for another session's compaction: the victim is
+    stored whole (it compacts at its own next turn if it must)."""
+    policy = BudgetPolicy(max_live_tokens=1024, keep_recent=8)  # compacts over budget; these sessions stay under
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=1) as probe:
+        one = probe.session("probe")
+        one.chat(filler(0), max_new_tokens=4)
+        per_session = one.cache.allocated_nbytes
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's2.db'}", device_budget_bytes=int(per_session * 1.5),
+                        default_policy=policy) as manager:
+        victim = manager.session("a")
+        victim.chat(filler(0), max_new_tokens=4)
+        rows, tokens = victim.cache.physical_length, victim.cache.token_ids
+        manager.session("b").chat(filler(1), max_new_tokens=4)  # needs the room "a" holds
+        assert [s["session_id"] for s in manager.list("default") if s["live"]] == ["b"]
+        assert manager.stats()["spills"] == 1 and manager.stats()["compactions"] == 0
+        resumed = manager.session("a")
+        assert resumed.cache.physical_length == rows == resumed.cache.logical_length
+        assert resumed.cache.token_ids == tokens
 
 
 def test_max_sessions_per_tenant_and_reject(tiny, tmp_path):
@@ -347,15 +375,17 @@ def test_a_killed_holder_blocks_its_session_only_until_its_short_lease_expires(e
     try:
         assert holder.stdout.readline().strip() == "ready"
         manager = SessionManager(engine, db)
-        time.sleep(3.0)  # longer than the holder's lease: only background renewal keeps it held
+        first = manager.store.leases.holder("acme", "busy")
+        # Past the lease the holder took: only background renewal keeps it held.
+        wait_until(lambda: time.time() > first.expires_at + 0.5, "the holder's first lease running out")
         with pytest.raises(SessionBusy, match="live in another process"):
             manager.session("busy", tenant="acme")
         holder.kill()  # SIGKILL: no spill, no release
         holder.wait()
         killed = time.monotonic()
-        manager.lease_wait = 30
+        manager.lease_wait = 60
         resumed = manager.session("busy", tenant="acme")
-        assert time.monotonic() - killed <= 2.0 + 0.5  # the dead holder's lease, plus polling
+        assert time.monotonic() - killed < 2.0 + 10  # the dead holder's lease, not the whole lease_wait
         assert resumed.messages[0]["content"] == "hello" and resumed.version == 1
         manager.close()
     finally:
@@ -376,7 +406,7 @@ def test_a_killed_holder_on_this_machine_is_replaced_at_once_whatever_its_lease(
         holder.wait()
         killed = time.monotonic()
         resumed = manager.session("busy", tenant="acme")
-        assert time.monotonic() - killed < 2.0  # not the 600 s lease
+        assert time.monotonic() - killed < 60  # not the 600 s lease
         assert resumed.version == 1 and [m["content"] for m in resumed.messages] == ["hello", resumed.messages[1]["content"]]
         manager.close()
     finally:
@@ -389,7 +419,7 @@ def test_a_holder_on_another_machine_is_waited_out_and_named(tiny, tmp_path):
         manager.session("s").chat("hi", max_new_tokens=2)
         manager.spill("default", "s")
         # A process on another host (or in another container): its pid means nothing here.
-        assert manager.store.acquire_lease("default", "s", "elsewhere:1:0123456789abcdef:cafe0000", 30)
+        assert manager.store.leases.acquire("default", "s", "elsewhere:1:0123456789abcdef:cafe0000", 30)
         with pytest.raises(SessionBusy, match=r"process 1 on host elsewhere, on another machine or container, not "
                                               r"checkable\); its lease ends in (29|30)\.\d s"):
             manager.session("s")
@@ -514,9 +544,13 @@ def test_metrics_in_prometheus_text_format(tiny, tmp_path):
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager:
         manager.session("m").chat("hello", max_new_tokens=3)
         text = manager.prometheus()
-    assert "# TYPE agentmem_turns_total counter\nagentmem_turns_total 1\n" in text
-    assert "# TYPE agentmem_live_sessions gauge\nagentmem_live_sessions 1\n" in text
-    assert "agentmem_generated_tokens_total 3" in text
+        stats = manager.stats()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert set(families) == {f"agentmem_{name}" for name in stats}  # every counter and gauge, nothing else
+    assert families["agentmem_turns"].type == "counter" and families["agentmem_live_sessions"].type == "gauge"
+    values = {s.name: s.value for f in families.values() for s in f.samples}
+    assert values["agentmem_turns_total"] == 1 and values["agentmem_generated_tokens_total"] == 3
+    assert values["agentmem_live_sessions"] == 1 and values["agentmem_live_bytes"] == stats["live_bytes"] > 0
 
 
 def test_compactions_are_counted_once(tiny, tmp_path):
@@ -664,13 +698,14 @@ def test_a_session_resumed_while_its_spill_releases_the_lease_keeps_its_lease(ti
     at that moment takes the lease after the release, never before it (which would lose it)."""
     from agentmem.storage import open_store
 
-    store = GatedStore(open_store(f"sqlite:///{tmp_path / 's.db'}"), "s", gated=("release_lease",))
+    store = open_store(f"sqlite:///{tmp_path / 's.db'}")
+    leases = store.leases = GatedStore(store.leases, "s", gated=("release",))
     with SessionManager(tiny, store) as manager:
         session = manager.session("s")
         session.chat("hello", max_new_tokens=2)
         spill = threading.Thread(target=lambda: manager.spill("default", "s"))
         spill.start()
-        assert store.entered.wait(30)  # the spill is giving the lease up
+        assert leases.entered.wait(30)  # the spill is giving the lease up
         errors = []
 
         def turn() -> None:
@@ -682,7 +717,7 @@ def test_a_session_resumed_while_its_spill_releases_the_lease_keeps_its_lease(ti
         first = threading.Thread(target=turn)
         first.start()
         time.sleep(0.3)  # the turn is under way (resuming, or waiting for the session)
-        store.gate.set()
+        leases.gate.set()
         spill.join(30)
         first.join(60)
         turn()  # the lease is still this manager's: a later turn is served too

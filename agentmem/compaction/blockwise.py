@@ -15,7 +15,7 @@ sized to at most ``BLOCK_ELEMENTS`` logits at once, keeping running statistics o
   ``max_q exp(logit − lse_q)`` folded into a running per-key maximum.
 
 Precision: the matrix products run in the inputs' dtype and the statistics in float32. A bf16
-cache's products are bf16 products (tensor cores on a GPU, about 15x an fp32 product there,
+cache's products are bf16 products (tensor cores on a GPU, far faster than an fp32 product there,
 accumulating in fp32 inside the product); each logit tile is converted to float32 as it is
 scaled, and the exponentials, sums and log-sum-exps run in float32. The bias (β) and the
 shift are added in float32 after the product, never rounded to bf16 (β's steps would be ~0.016

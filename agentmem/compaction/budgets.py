@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from agentmem.compaction.span import Selection
+from agentmem.cache import to_device
+from agentmem.compaction.span import Selection, best_slots
 from agentmem.errors import InvalidInput
 
 
@@ -30,6 +31,16 @@ def global_top(scores: list[torch.Tensor], total: int) -> list[Selection]:
     counts = torch.cat([mask.sum(1) for mask in masks]).tolist()
     heads = scores[0].shape[0]
     return [Selection.of_mask(mask, counts[i * heads : (i + 1) * heads]) for i, mask in enumerate(masks)]
+
+
+def per_head_top(
+    scores: list[torch.Tensor], counts: list[list[int]], total: int, proportions: torch.Tensor | None
+) -> list[Selection]:
+    """Each head's best rows under :func:`proportional` budgets of ``total`` rows (one top-k per layer)."""
+    budget = proportional(counts, total, proportions)
+    table = to_device(budget, scores[0].device)
+    return [Selection.of_mask(best_slots(layer_scores, layer_counts, max(layer_budget)), layer_budget)
+            for layer_scores, layer_budget, layer_counts in zip(scores, budget, table)]
 
 
 def proportional(counts: list[list[int]], total: int, proportions: torch.Tensor | None) -> list[list[int]]:

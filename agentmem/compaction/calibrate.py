@@ -2,8 +2,9 @@
 
 For a few calibration texts, the global (KVzip-style) selection at a given ratio decides how
 many rows each (layer, KV head) keeps; the average share per head is the model's budget
-profile. ``compact(..., head_budgets="calibrated")`` then splits any budget by it, which
-needs no per-context scoring across layers. The embedded model's profile ships in the package.
+profile. ``AttentionMatching(head_budgets="calibrated")`` (or ``GlobalEviction``) then splits
+any budget by it, which needs no per-context scoring across layers. The embedded model's
+profile ships in the package.
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ Sources (``queries=``):
 - ``context``: the span's tokens read a second time, without the instruction;
 - ``self-study``: the model writes a question and answer about the text; their queries;
 - ``tail``: the span's last ``TAIL_TOKENS`` tokens read again, without an instruction: the
-  queries a *continuation* asks of the span's end, which copying queries under-ask (adding it
-  to ``repeat`` cut ``am``'s next-token NLL at 10x from 1.058x to 1.032x the full cache's over
-  8 documents, recall within −0.03 to +0.01: ``benchmarks/results/fidelity.md``);
+  queries a *continuation* asks of the span's end, which copying queries under-ask (what adding
+  it to ``repeat`` changes: ``docs/benchmarks/fidelity.md``);
 - mixes joined by ``+`` (``repeat+tail``, the default). ``tail`` reads its fixed few tokens;
   the other sources share the budget.
 """
@@ -188,7 +187,7 @@ def collect_reference(
 
     ``refresh`` ``(first, end)``: older text read as well, as the ``repeat`` source reads it,
     so that its rows are scored by queries of the cache as it is now (see
-    :meth:`~agentmem.compaction.methods.Job.refresh_range`).
+    :meth:`~agentmem.compaction.scoring.ScoringCompactor.refresh_range`).
 
     ``max_queries`` caps the sample per KV head; it is also capped so that all layers'
     samples fit in ``SAMPLE_BYTES``. Queries reading a token position in ``held_out`` score

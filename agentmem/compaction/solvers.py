@@ -17,9 +17,8 @@ non-negative least squares on ``Σ_i exp(q·K_i·s + b_i − lse_span)·w_i ≈ 
 ridge fit toward the kept rows' own values: ``C_v = V_S + argmin ‖P·Δ − (Y − P·V_S)‖² + λ‖Δ‖²``
 with ``λ = s · mean diag(PᵀP)`` for each ``s`` in :data:`RIDGE_STRENGTHS`. Unregularised fits
 collapse when a head keeps many rows; a fixed ``s = 1`` holds back heads that keep few rows
-seen by many queries, where the fit is well determined (at 50x over 8 documents, choosing ``s``
-per head lifted recall over selection alone from +0.03 to +0.07 on prose and +0.05 to +0.10 on
-code).
+seen by many queries, where the fit is well determined, so ``s`` is chosen per head
+(``docs/benchmarks/fidelity.md``).
 
 Every fitted part is judged by the layer's true attention output on held-out queries (see
 :func:`output_error`) and dropped where it does not beat the unfitted choice, head by head on
@@ -232,8 +231,7 @@ def choose_fits(
     tests) fitted values usually help, and a per-row β often hurts unless values are refitted
     with it — hence the validation. A layer whose heads keep up to :data:`MAX_FIT_ROWS` rows
     each is fitted; in any other every head keeps its rows as they are (fitting the heads under
-    the cap there too gave less recall over selection alone on the 4 prose fidelity documents
-    at 10x, +0.041 against +0.045, at more cost). Rows on ``fixed`` span slots ``(H, n)`` keep
+    the cap there too kept less of the text, at more cost). Rows on ``fixed`` span slots ``(H, n)`` keep
     their β and values in every candidate; the fits of the others account for them.
     """
     if not can_fit(train, rows):

@@ -53,7 +53,7 @@ def test_a_session_is_stored_at_exit_and_the_next_process_resumes_it(tmp_path, m
     try:
         record = backend.get("default", "at-exit")
         assert record.logical_length == first["usage"]["total_tokens"] and len(record.messages) == 2
-        assert backend.lease_holder("default", "at-exit") is None  # released, not left to expire
+        assert backend.leases.holder("default", "at-exit") is None  # released, not left to expire
     finally:
         backend.close()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agentmem import Engine
-from agentmem.storage.local_redis import LocalRedis
 from helpers import tiny_model
+from servers.local_redis import LocalRedis, LocalRedisCluster
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,6 @@ def local_redis(tmp_path):
 
 @pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory):
-    from agentmem.storage.local_redis import LocalRedisCluster
-
     with LocalRedisCluster(tmp_path_factory.mktemp("cluster")) as cluster:
         yield cluster
 

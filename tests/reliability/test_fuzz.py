@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -22,24 +23,64 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.f
                     st.text(max_size=20), st.sampled_from(["am", "window", "fp16", "int8", "compact", "reject"]))
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
                                                                                           max_size=3), max_leaves=5)
-policy_docs = st.dictionaries(st.text(max_size=12), st.one_of(values, st.dictionaries(st.sampled_from(FIELDS), values,
-                                                                                    max_size=6)), max_size=4)
+# Fields a policy may well hold (so that many documents load, and what loads is checked), mixed
+# with anything at all under any name.
+plausible = st.fixed_dictionaries({}, optional={
+    "max_live_tokens": st.integers(64, 10**6), "keep_recent": st.integers(1, 63),
+    "target_ratio": st.floats(1, 64), "target_tokens": st.none(),
+    "fill_after_compaction": st.floats(0.05, 0.95), "method": st.sampled_from(["am", "am-fast", "window"]),
+    "storage_dtype": st.sampled_from(["auto", "fp16", "int8"]), "ttl_seconds": st.none() | st.floats(1e-3, 1e9),
+    "max_stored_bytes": st.none() | st.integers(1, 2**40), "on_over_budget": st.sampled_from(["compact", "reject"]),
+})
+tenants = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789._@-", min_size=1, max_size=12)
+policy_docs = st.dictionaries(tenants | st.text(max_size=12),
+                              values | st.dictionaries(st.sampled_from(FIELDS), values, max_size=6) | plausible,
+                              max_size=4)
 # Derandomized: CI explores the same examples every run, so a failure is reproducible, never flaky.
 fuzz = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+def written(tmp_path_factory, doc: object, as_json: bool, raw: str | None = None) -> Path:
+    """A policy file holding ``raw``, else ``doc`` as JSON or YAML."""
+    path = tmp_path_factory.mktemp("policy") / ("p.json" if as_json else "p.yaml")
+    path.write_text(raw if raw is not None else (json.dumps(doc, default=str) if as_json else yaml.safe_dump(doc)))
+    return path
+
+
+def assert_reads_back(loaded: dict[str, BudgetPolicy], path: Path) -> None:
+    """Nothing is lost or changed on the way: the policies written back to a file load as the same policies."""
+    again = path.with_name("again.yaml")
+    again.write_text(yaml.safe_dump({tenant: policy.model_dump() for tenant, policy in loaded.items()}))
+    assert BudgetPolicy.from_file(again) == loaded
+
+
 @fuzz
 @given(doc=policy_docs, as_json=st.booleans(), raw=st.one_of(st.none(), st.text(max_size=200)))
 def test_policy_files_load_or_raise_invalid_input(tmp_path_factory, doc, as_json, raw):
-    path = tmp_path_factory.mktemp("policy") / ("p.json" if as_json else "p.yaml")
-    text = raw if raw is not None else (json.dumps(doc, default=str) if as_json else yaml.safe_dump(doc))
-    path.write_text(text)
+    path = written(tmp_path_factory, doc, as_json, raw)
     try:
         loaded = BudgetPolicy.from_file(path)
     except InvalidInput:
         return
-    assert all(isinstance(p, BudgetPolicy) for p in loaded.values())
+    text = path.read_text()
+    assert set(loaded) == set(json.loads(text) if as_json else yaml.safe_load(text))  # every tenant, no other
+    assert_reads_back(loaded, path)
+
+
+@fuzz
+@given(doc=st.dictionaries(tenants, plausible, max_size=4), as_json=st.booleans())
+def test_a_policy_file_that_loads_holds_every_field_as_written(tmp_path_factory, doc, as_json):
+    path = written(tmp_path_factory, doc, as_json)
+    try:
+        loaded = BudgetPolicy.from_file(path)
+    except InvalidInput as exc:  # only a combination no policy may hold (keep_recent not below max_live_tokens)
+        assert "keep_recent" in str(exc), exc
+        return
+    assert set(loaded) == set(doc)
+    for tenant, fields in doc.items():
+        assert loaded[tenant].name == tenant and loaded[tenant].model_dump(include=set(fields)) == fields
+    assert_reads_back(loaded, path)
 
 
 contents = st.one_of(st.text(max_size=60), st.lists(st.sampled_from(SPECIAL) | st.text(max_size=8), max_size=6).map("".join),

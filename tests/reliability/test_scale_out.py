@@ -13,10 +13,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import scale  # noqa: E402
 
-from agentmem.storage.local_postgres import LocalPostgres  # noqa: E402
-from agentmem.storage.local_redis import LocalRedisCluster  # noqa: E402
+from servers.local_postgres import LocalPostgres  # noqa: E402
+from servers.local_redis import LocalRedisCluster  # noqa: E402
 
-RUN = dict(model="tiny", sessions=12, turns=3, max_new_tokens=4, lease_seconds=1.0)
+# Leases long enough that renewal (every third) keeps them on a loaded machine; a killed worker's
+# are taken at once (it ran on this machine), so their length costs the kill tests nothing.
+RUN = dict(model="tiny", sessions=12, turns=3, max_new_tokens=4, lease_seconds=5.0)
 
 
 def test_workers_on_redis_survive_a_kill_losing_only_unacknowledged_turns(local_redis):

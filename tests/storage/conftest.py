@@ -1,5 +1,5 @@
-"""Real store servers for the contract suite: a SQLite file, PostgreSQL, a redis-server and a
-3-node Redis Cluster, each started on free loopback ports the first time a test asks for it."""
+"""Real store servers for the storage tests: PostgreSQL, a redis-server and a 3-node Redis
+Cluster, each started on free loopback ports the first time a test asks for it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentmem.storage.local_postgres import LocalPostgres
-from agentmem.storage.local_redis import LocalRedis, LocalRedisCluster
+from servers.local_postgres import LocalPostgres
+from servers.local_redis import LocalRedis, LocalRedisCluster
 
 _databases = itertools.count()
 
@@ -32,19 +32,22 @@ def postgres_server() -> Iterator[LocalPostgres]:
         yield server
 
 
-@pytest.fixture(params=["sqlite", "postgres", "redis", "redis-cluster"])
-def store_url(request, tmp_path) -> Iterator[str]:
-    """An empty store of each kind; servers start only when a test of their kind runs."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'sessions.db'}"
-    elif request.param == "postgres":
-        yield request.getfixturevalue("postgres_server").create_database(f"test_{next(_databases)}")
-    elif request.param == "redis":
-        server = request.getfixturevalue("redis_server")
-        with server.client() as client:
-            client.flushdb()
-        yield server.url
-    else:
-        cluster = request.getfixturevalue("redis_cluster")
-        cluster.flush()
-        yield cluster.url
+@pytest.fixture
+def postgres_url(postgres_server: LocalPostgres) -> str:
+    """An empty database of its own on the session's PostgreSQL server."""
+    return postgres_server.create_database(f"test_{next(_databases)}")
+
+
+@pytest.fixture
+def empty_redis_url(redis_server: LocalRedis) -> str:
+    """The session's redis-server, emptied."""
+    with redis_server.client() as client:
+        client.flushdb()
+    return redis_server.url
+
+
+@pytest.fixture
+def empty_cluster_url(redis_cluster: LocalRedisCluster) -> str:
+    """The session's Redis Cluster, every node emptied."""
+    redis_cluster.flush()
+    return redis_cluster.url

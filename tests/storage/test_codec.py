@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import struct
+from collections.abc import Callable
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentmem import CompactedSegment, Engine, LayerCache, SessionCache
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
 from agentmem.storage import decode_cache, encode_cache, read_header
+from agentmem.storage.header import FORMAT_VERSION, HEADER_SUM_KEY, META_KEY, canonical
 
 from helpers import tiny_model
 
@@ -79,15 +80,15 @@ def test_recorded_scores_are_stored_exactly_in_every_dtype(cache, dtype):
     assert all(torch.isfinite(a).all() for a in scores)
 
 
-def test_caches_exported_before_scores_were_recorded_load_unscored(cache):
+@pytest.mark.parametrize("part", ["scores", "positions", "beta"])
+def test_a_segment_missing_a_part_is_damage(cache, part):
     tensors, meta = cache.to_tensors()
-    older = {name: t for name, t in tensors.items() if not name.endswith(".scores")}
-    restored = SessionCache.from_tensors(older, meta)
-    assert all(seg.scores.eq(-math.inf).all() for layer in restored.layers for seg in layer.segments)
-    assert torch.equal(restored.layers[0].segment(0).beta, cache.layers[0].segment(0).beta)
+    damaged = {name: t for name, t in tensors.items() if not name.endswith(f"segments.0.{part}")}
+    with pytest.raises(CorruptSessionError, match="do not match their layout"):
+        SessionCache.from_tensors(damaged, meta)
 
 
-def test_caches_exported_before_queries_were_kept_load_without_them(cache):
+def test_segments_that_kept_no_queries_load_without_them(cache):
     tensors, meta = cache.to_tensors()
     older = {name: t for name, t in tensors.items() if not name.endswith(".queries")}
     for layer in meta["layers"]:
@@ -169,31 +170,29 @@ def test_auto_storage_keeps_the_cache_dtype_bit_exactly(cache):
         assert_close(typed, decode_cache(blob), 0)
 
 
-def as_format_1(blob: bytes, edit_tensors=lambda st_header, data: None) -> bytes:
-    """``blob`` rewritten as format 1 wrote it: one SHA-256 of the data, no header checksum.
-
-    ``edit_tensors(st_header, data)`` may change the safetensors tensor table first.
-    """
+def re_signed(blob: bytes, edit: Callable[[dict, dict, bytes], None]) -> bytes:
+    """``blob`` after ``edit(st_header, header, data)`` changed its safetensors header or ours, with
+    the header checksum recomputed: what a writer with a bug would store, every checksum valid."""
     (length,) = struct.unpack("<Q", blob[:8])
     st_header = json.loads(blob[8 : 8 + length])
-    header = json.loads(st_header["__metadata__"]["agentmem"])
     data = blob[8 + length :]
-    del header["checksum"]
-    header.update(format_version=1, data_sha256=hashlib.sha256(data).hexdigest())
-    st_header["__metadata__"] = {"agentmem": json.dumps(header)}
-    edit_tensors(st_header, data)
-    head = json.dumps(st_header).encode()
+    del st_header["__metadata__"][HEADER_SUM_KEY]
+    header = json.loads(st_header["__metadata__"][META_KEY])
+    edit(st_header, header, data)
+    st_header["__metadata__"][META_KEY] = json.dumps(header)
+    st_header["__metadata__"][HEADER_SUM_KEY] = xxhash.xxh3_64_hexdigest(canonical(st_header))
+    head = canonical(st_header)
     head += b" " * (-len(head) % 8)
     return struct.pack("<Q", len(head)) + head + data
 
 
-def test_format_1_blobs_with_a_sha256_are_still_read(cache):
-    old = as_format_1(encode_cache(cache, dtype="fp32"))
-    assert_close(cache, decode_cache(old), 0)
-    damaged = bytearray(old)
-    damaged[-1] ^= 1
-    with pytest.raises(CorruptSessionError, match="checksum"):
-        decode_cache(bytes(damaged))
+def test_a_blob_of_another_format_version_is_refused(cache):
+    """No released agentmem wrote another format (development builds did): such a blob is refused, not guessed at."""
+    blob = bytes(encode_cache(cache, dtype="fp32"))
+    assert_close(cache, decode_cache(re_signed(blob, lambda st_header, header, data: None)), 0)
+    for version in (1, 2, FORMAT_VERSION + 1):
+        with pytest.raises(CorruptSessionError, match=f"unsupported session blob format {version}"):
+            decode_cache(re_signed(blob, lambda st_header, header, data, v=version: header.update(format_version=v)))
 
 
 def test_a_blob_decodes_the_same_from_any_kind_of_buffer(cache):
@@ -219,12 +218,13 @@ def test_a_decoded_cache_shares_no_memory_with_its_blob(cache):
 
 
 def test_a_tensor_entry_pointing_outside_the_data_is_refused(cache):
-    """Format 1 has no header checksum, so the tensor table itself must be checked against the data."""
-    def past_the_end(st_header, data):
+    """A checksum says the header is as written, not that it is right: the tensor table itself is
+    checked against the data."""
+    def past_the_end(st_header, header, data):
         st_header["token_ids"]["data_offsets"][1] = len(data) + 8  # past the end of the data region
 
-    with pytest.raises(CorruptSessionError):
-        decode_cache(as_format_1(encode_cache(cache, dtype="fp32"), past_the_end))
+    with pytest.raises(CorruptSessionError, match="does not fit the data region"):
+        decode_cache(re_signed(bytes(encode_cache(cache, dtype="fp32")), past_the_end))
 
 
 def test_blob_is_a_plain_safetensors_file(cache):

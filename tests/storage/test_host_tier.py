@@ -13,7 +13,7 @@ from agentmem.host_tier import HostTier
 from agentmem.storage import open_store
 from helpers import tiny_model
 
-from records import record
+from agentmem.storage.conformance import record
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,11 @@ from collections.abc import Iterator
 import pytest
 
 import agentmem.storage.redis as redis_store
-from agentmem.errors import CorruptSessionError, SessionNotFound
+from agentmem.errors import CorruptSessionError, SessionNotFound, VersionConflict
 from agentmem.storage import open_store
+from agentmem.storage.conformance import record
 from agentmem.storage.redis import RedisStore, _index_key, _meta_key, _writes_key
 from agentmem.storage.redis_client import Client, connect
-
-from records import record
 
 
 class Crash(Exception):
@@ -32,16 +31,9 @@ def die_at(monkeypatch, store: RedisStore, step: str, *, after_running_it: bool)
     monkeypatch.setattr(store, step, die)
 
 
-@pytest.fixture(params=["redis", "redis-cluster"])
+@pytest.fixture(params=["empty_redis_url", "empty_cluster_url"])
 def redis_url(request) -> str:
-    if request.param == "redis":
-        server = request.getfixturevalue("redis_server")
-        with server.client() as client:
-            client.flushdb()
-        return server.url
-    cluster = request.getfixturevalue("redis_cluster")
-    cluster.flush()
-    return cluster.url
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture
@@ -129,8 +121,8 @@ def test_cluster_spreads_sessions_over_every_node_and_never_crosses_slots(redis_
         for sid in ids[:5]:
             assert store.put(tenant, sid, record(tenant, sid, bytes(300)), expected_version=1) == 2
             assert store.get(tenant, sid).blob == bytes(300)
-            assert store.acquire_lease(tenant, sid, "worker", 30)
-            store.release_lease(tenant, sid, "worker")
+            assert store.leases.acquire(tenant, sid, "worker", 30)
+            store.leases.release(tenant, sid, "worker")
         pages = [store.list(tenant, limit=7)]
         while pages[-1].next_cursor:
             pages.append(store.list(tenant, limit=7, cursor=pages[-1].next_cursor))
@@ -153,11 +145,13 @@ def test_a_new_version_leaves_no_chunk_of_the_old_one_but_those_it_shares(redis_
     try:
         store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcccc"))
         store.put("acme", "s1", record("acme", "s1", b"aaaaXXXXcccczz"), expected_version=1)  # shares 0 and 2
-        blob_keys = lambda: sorted(k.decode() for k in raw.scan_iter(match="am:{acme:s1}:blob:*"))  # noqa: E731
+        def blob_keys() -> list[str]:
+            return sorted(k.decode() for k in raw.scan_iter(match="am:{acme:s1}:blob:*"))
+
         keys = blob_keys()
         assert len(keys) == 4 and len({key.split(":")[-2] for key in keys}) == 2  # two writes hold them
         assert all(raw.ttl(key) == -1 for key in keys)  # shared ones too: made permanent with the version
-        with pytest.raises(redis_store.VersionConflict):
+        with pytest.raises(VersionConflict):
             store.put("acme", "s1", record("acme", "s1", b"aaaaYYYY"), expected_version=1)
         assert blob_keys() == keys and store.get("acme", "s1").blob == b"aaaaXXXXcccczz"
         assert store.delete("acme", "s1") and blob_keys() == []
@@ -224,8 +218,29 @@ def test_a_lease_is_held_even_when_its_session_keys_cannot_be_kept(redis_url, ra
     try:
         store.put("acme", "s1", record("acme", "s1", ttl_seconds=5))
         raw.hset(_meta_key("acme", "s1"), "chunk_writes", "[not json")
-        assert store.acquire_lease("acme", "s1", "worker-a", 30)
-        assert store.renew_lease("acme", "s1", "worker-a", 30)
-        assert store.lease_holder("acme", "s1").owner == "worker-a"
+        assert store.leases.acquire("acme", "s1", "worker-a", 30)
+        assert store.leases.renew("acme", "s1", "worker-a", 30)
+        assert store.leases.holder("acme", "s1").owner == "worker-a"
+    finally:
+        store.close()
+
+
+def test_cleanup_after_a_publish_whose_reply_was_lost_keeps_its_chunks(redis_url, raw, monkeypatch):
+    """A put whose EXEC went through but whose reply never came cleans up as a failed one: it must
+    not delete the chunks the session now consists of, only those of a write never published."""
+    monkeypatch.setattr(redis_store, "CHUNK_BYTES", 4)
+    store = open_store(redis_url)
+    try:
+        published = store._plan("acme", "s1", record("acme", "s1", b"aaaabbbb"), None)
+        store._stage(published)
+        store._publish(published)
+        store._discard_unpublished(published)
+        assert store.get("acme", "s1").blob == b"aaaabbbb"
+        kept = sorted(raw.scan_iter(match="am:{acme:s1}:blob:*"))
+        unpublished = store._plan("acme", "s1", record("acme", "s1", b"ccccdddd"), None)
+        store._stage(unpublished)
+        store._discard_unpublished(unpublished)
+        assert sorted(raw.scan_iter(match="am:{acme:s1}:blob:*")) == kept
+        assert raw.smembers(_writes_key("acme", "s1")) == set()
     finally:
         store.close()

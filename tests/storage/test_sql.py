@@ -1,74 +1,31 @@
-"""SQL store specifics: the chunked-blob schema migration and the clean-up of dead puts."""
+"""SQL store specifics: its schema, the clean-up of dead puts, shared chunk rows, and damage as typed errors."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
-from sqlalchemy import create_engine, insert, select
+from sqlalchemy import create_engine, insert, inspect, select
 
-from agentmem.errors import CorruptSessionError
-from agentmem.storage import open_store
-from agentmem.storage import sql
-from agentmem.storage.chunks import plan_chunks
+from agentmem.errors import CorruptSessionError, StoreUnavailable, VersionConflict
+from agentmem.storage import open_store, sql
+from agentmem.storage.conformance import record
 from agentmem.storage.sql import ORPHAN_SECONDS, chunks_table, engine_url
-
-from records import record
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def sql_url(request, tmp_path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'sessions.db'}"
-    return request.getfixturevalue("postgres_server").create_database(f"sql_{time.monotonic_ns()}")
-
-
-def schema_at(conn, version: int) -> None:
-    """The schema exactly as agentmem ``version`` left it: its migrations replayed and recorded."""
-    for migrate in sql.MIGRATIONS[:version]:
-        migrate(conn)
-    sql.metadata.create_all(conn, tables=[sql.schema_table])
-    conn.execute(insert(sql.schema_table), [{"version": v} for v in range(1, version + 1)])
-
-
-def insert_version_without_manifest(conn, version: int, staged_at: float) -> None:
-    """Session acme/s1 = b"aaaabbbb" as agentmem 3 stored it: a row and 4-byte chunks under its write id."""
-    old = record("acme", "s1", b"aaaabbbb")
-    conn.execute(insert(sql.sessions_table).values(
-        tenant="acme", session_id="s1", version=version, record=old.metadata_json(), write_id="w" * 32, nbytes=8,
-        logical_length=old.logical_length, updated_at=old.updated_at, expires_at=None))
-    conn.execute(insert(chunks_table), [
-        {"tenant": "acme", "session_id": "s1", "write_id": "w" * 32, "seq": i, "data": d, "staged_at": staged_at}
-        for i, d in enumerate([b"aaaa", b"bbbb"])])
-
-
-def test_a_version_2_database_is_migrated_to_chunks_without_losing_a_blob(sql_url):
-    old = record("acme", "s1", bytes(range(256)) * 300)
-    engine = create_engine(engine_url(sql_url))
-    with engine.begin() as conn:  # the schema and one row exactly as agentmem 2 left them
-        schema_at(conn, 2)
-        conn.execute(insert(sql._sessions_v1).values(
-            tenant="acme", session_id="s1", version=4, record=old.metadata_json(), blob=old.blob,
-            nbytes=len(old.blob), logical_length=old.logical_length, updated_at=old.updated_at, expires_at=None))
-    engine.dispose()
-    store = open_store(sql_url)
-    try:
-        got = store.get("acme", "s1")
-        assert got.blob == old.blob and got.version == 4
-        assert store.put("acme", "s1", record("acme", "s1", b"new"), expected_version=4) == 5
-        assert store.get("acme", "s1").blob == b"new"
-        with store._engine.connect() as conn:  # the replaced version's chunks are gone
-            assert conn.execute(select(chunks_table.c.data)).scalars().all() == [b"new"]
-    finally:
-        store.close()
+    return request.getfixturevalue("postgres_url")
 
 
 def test_chunks_of_a_put_that_died_before_publishing_are_pruned(sql_url):
     store = open_store(sql_url)
     try:
         store.put("acme", "kept", record("acme", "kept", b"published"))
-        dead = b"staged but never published"
-        store._stage("acme", "dead", "deadbeef" * 4, dead, plan_chunks(dead, sql.CHUNK_BYTES))
+        store._stage(store._plan("acme", "dead", record("acme", "dead", b"staged but never published"), None))
         assert store.prune(now=time.time()) == 0  # too young to be an orphan: a put may be under way
         with store._engine.connect() as conn:
             assert len(conn.execute(select(chunks_table.c.write_id)).all()) == 2
@@ -81,18 +38,16 @@ def test_chunks_of_a_put_that_died_before_publishing_are_pruned(sql_url):
 
 
 def test_a_put_whose_staged_chunks_were_deleted_fails_and_changes_nothing(sql_url, monkeypatch):
-    from agentmem.errors import StoreUnavailable
-
     store = open_store(sql_url)
     try:
         store.put("acme", "s1", record("acme", "s1", b"v1"))
         stage = store._stage
 
-        def stage_then_lose(tenant, session_id, write_id, blob, plan):
-            staged = stage(tenant, session_id, write_id, blob, plan)
+        def stage_then_lose(write):
+            staged = stage(write)
             store.delete_tenant("globex")  # unrelated tenant: nothing of ours may vanish
             with store._transaction() as conn:
-                conn.execute(chunks_table.delete().where(chunks_table.c.write_id == write_id))
+                conn.execute(chunks_table.delete().where(chunks_table.c.write_id == write.write_id))
             return staged
 
         monkeypatch.setattr(store, "_stage", stage_then_lose)
@@ -110,9 +65,13 @@ def test_cleanup_after_a_failed_publish_never_deletes_published_chunks(sql_url):
         with store._engine.connect() as conn:
             write_id = conn.execute(select(sql.sessions_table.c.write_id)).scalar_one()
         # What put() does when its COMMIT failed ambiguously: the write may have been published.
-        store._discard_unpublished("acme", "s1", write_id)
+        published = replace(store._plan("acme", "s1", record("acme", "s1", b"published"), None), write_id=write_id)
+        store._discard_unpublished(published)
         assert store.get("acme", "s1").blob == b"published"
-        store._discard_unpublished("acme", "s1", "f" * 32)  # an unpublished write's chunks go
+        unpublished = store._plan("acme", "s1", record("acme", "s1", b"never published"), None)
+        store._stage(unpublished)
+        store._discard_unpublished(unpublished)  # an unpublished write's chunks go
+        assert len(chunk_rows(store)) == 1 and store.get("acme", "s1").blob == b"published"
     finally:
         store.close()
 
@@ -200,56 +159,19 @@ def test_a_put_whose_shared_version_was_replaced_meanwhile_fails_and_leaves_noth
         store.put("acme", "s1", record("acme", "s1", b"aaaabbbb"))
         stage = store._stage
 
-        def stage_then_lose_the_race(tenant, session_id, write_id, blob, plan):
-            assert plan.kept == [0]
-            staged = stage(tenant, session_id, write_id, blob, plan)
+        def stage_then_lose_the_race(write):
+            assert write.plan.kept == [0]
+            staged = stage(write)
             other = open_store(sql_url)
             other.put("acme", "s1", record("acme", "s1", b"ccccdddd"))  # another writer wins meanwhile
             other.close()
             return staged
 
         monkeypatch.setattr(store, "_stage", stage_then_lose_the_race)
-        with pytest.raises(sql.VersionConflict):
+        with pytest.raises(VersionConflict):
             store.put("acme", "s1", record("acme", "s1", b"aaaaXXXX"), expected_version=1)
         assert store.get("acme", "s1").blob == b"ccccdddd" and store.version("acme", "s1") == 2
         assert sorted(seq for _, seq in chunk_rows(store)) == [0, 1]  # only the winner's chunks remain
-    finally:
-        store.close()
-
-
-def test_a_version_3_database_gains_manifests_and_rewrites_unknown_chunks_once(sql_url, monkeypatch):
-    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
-    engine = create_engine(engine_url(sql_url))
-    with engine.begin() as conn:  # the schema and one chunked session exactly as agentmem 3 left them
-        schema_at(conn, 3)
-        insert_version_without_manifest(conn, version=2, staged_at=time.time())
-    engine.dispose()
-    store = open_store(sql_url)
-    try:
-        assert manifest_of(store, "s1") == [("w" * 32, 0), ("w" * 32, 1)]
-        assert store.get("acme", "s1").blob == b"aaaabbbb" and store.version("acme", "s1") == 2
-        before = store.bytes_written
-        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"), expected_version=2)
-        assert store.bytes_written - before == 10  # no digests were kept: every chunk is written once
-        before = store.bytes_written
-        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbccdd"), expected_version=3)
-        assert store.bytes_written - before == 4 and store.get("acme", "s1").blob == b"aaaabbbbccdd"
-        assert len(chunk_rows(store)) == 3
-    finally:
-        store.close()
-
-
-def test_a_version_written_without_a_manifest_is_read_replaced_and_never_pruned_as_an_orphan(sql_url, monkeypatch):
-    """What an agentmem of before manifests, still running during an upgrade, writes: chunk rows only."""
-    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
-    store = open_store(sql_url)
-    try:
-        with store._transaction() as conn:
-            insert_version_without_manifest(conn, version=1, staged_at=time.time() - 2 * ORPHAN_SECONDS)
-        store.prune()
-        assert store.get("acme", "s1").blob == b"aaaabbbb"
-        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcc"), expected_version=1)
-        assert store.get("acme", "s1").blob == b"aaaabbbbcc" and len(chunk_rows(store)) == 3  # the old rows are gone
     finally:
         store.close()
 
@@ -294,3 +216,42 @@ def test_a_damaged_sqlite_file_is_one_line_saying_what_to_do_not_an_outage(tmp_p
     message = str(caught.value)
     assert "\n" not in message and len(message) < 400 and "[SQL" not in message and "sqlalche.me" not in message
     assert str(path) in message and f"sqlite3 {path} .recover" in message
+
+
+def test_a_new_database_records_this_schema_version_once(sql_url):
+    open_store(sql_url).close()
+    store = open_store(sql_url)  # opening it again changes nothing
+    try:
+        with store._engine.connect() as conn:
+            assert conn.execute(select(sql.schema_table.c.version)).scalars().all() == [sql.SCHEMA_VERSION]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("found", [sql.SCHEMA_VERSION - 1, sql.SCHEMA_VERSION + 1])
+def test_a_database_of_another_schema_version_is_refused_and_left_as_it_was(sql_url, found):
+    """No released agentmem wrote an older schema (development builds did), and a newer one may
+    store what this one cannot read: either is refused, naming both versions, and nothing is added."""
+    engine = create_engine(engine_url(sql_url))
+    try:
+        with engine.begin() as conn:
+            sql.metadata.create_all(conn, tables=[sql.schema_table])
+            conn.execute(insert(sql.schema_table).values(version=found))
+        with pytest.raises(StoreUnavailable, match=f"schema version {found},.*reads version {sql.SCHEMA_VERSION} only"):
+            open_store(sql_url)
+        with engine.connect() as conn:
+            assert inspect(conn).get_table_names() == [sql.schema_table.name]
+    finally:
+        engine.dispose()
+
+
+def test_a_new_session_over_an_expired_one_leaves_none_of_its_chunks(sql_url, monkeypatch):
+    monkeypatch.setattr(sql, "CHUNK_BYTES", 4)
+    store = open_store(sql_url)
+    try:
+        store.put("acme", "s1", record("acme", "s1", b"aaaabbbbcccc", updated_at=time.time() - 100, ttl_seconds=50))
+        assert store.put("acme", "s1", record("acme", "s1", b"xxxxbbbb"), expected_version=0) == 1
+        assert store.get("acme", "s1").blob == b"xxxxbbbb"
+        assert chunk_rows(store) == sorted(manifest_of(store, "s1"), key=lambda row: (row[1], row[0]))
+    finally:
+        store.close()

@@ -1,4 +1,4 @@
-"""Throwaway Redis servers on free loopback ports, for tests, benchmarks and demos.
+"""Throwaway Redis servers on free loopback ports, for tests and benchmarks.
 
 - :class:`LocalRedis` — one ``redis-server``;
 - :class:`LocalRedisCluster` — a 3-master Redis Cluster (no replicas), the smallest cluster

@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server on a free loopback port, for tests, benchmarks and demos.
+"""A throwaway PostgreSQL server on a free loopback port, for tests and benchmarks.
 
 ``initdb`` makes a fresh cluster in a private temporary folder and ``pg_ctl`` runs it,
 listening on 127.0.0.1 only, with ``trust`` authentication for the ``postgres`` superuser
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from agentmem.errors import StoreUnavailable
-from agentmem.storage.local_redis import free_port
+from servers.local_redis import free_port
 
 SYSTEM_USER = "postgres"
 

@@ -1,10 +1,14 @@
-"""The spill/load worker: moves sessions between the device and the store, and evicts to keep budgets.
+"""Residency: which sessions are on the device — loading, adopting, spilling, evicting and dropping them.
 
-Everything slow — store reads and writes, encoding and decoding, compaction before a spill,
-lease waits — happens here, outside every manager-wide lock: the registry and the ledger are
-only consulted and updated, each under its own short lock. A spill holds the spilled
-session's own lock (a turn on it waits, then brings it back); a load is the one loader of its
-key (threads asking for that session wait for it); turns on other sessions go on meanwhile.
+Everything slow — store reads and writes, encoding and decoding, lease waits — happens here,
+outside every manager-wide lock: the registry and the ledger are only consulted and updated,
+each under its own short lock. A spill holds the spilled session's own lock (a turn on it
+waits, then brings it back); a load is the one loader of its key (threads asking for that
+session wait for it); turns on other sessions go on meanwhile.
+
+Eviction spills a victim as it is, never compacting it first: the turn that needs the room
+would otherwise wait for another session's compaction. A victim over its own budget is
+compacted by its own next turn.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from agentmem.cache import SessionCache
-from agentmem.engine import Engine
 from agentmem.errors import (
     AgentMemError,
     BudgetExceeded,
@@ -28,43 +31,41 @@ from agentmem.errors import (
     VersionConflict,
 )
 from agentmem.host_memory import read_buffer_for
+from agentmem.keys import SessionKey
 from agentmem.leases import LeaseKeeper
-from agentmem.ledger import DeviceLedger, Key
+from agentmem.ledger import DeviceLedger
 from agentmem.metrics import Metrics
 from agentmem.policy import BudgetPolicy
 from agentmem.quota import StoreQuota
 from agentmem.record import SessionRecord
 from agentmem.registry import Registry
-from agentmem.session import Session
+from agentmem.session import Session, SessionHost
 from agentmem.spill import Spiller
 from agentmem.storage import data_offset, decode_cache, decoded_nbytes, encode_cache, read_header
 
 log = logging.getLogger(__name__)
 
 ROOM_POLL_SECONDS = 0.25  # a thread waiting for device room looks again at least this often
-NewSession = Callable[[str, str, SessionCache, list[dict[str, Any]], int, float], Session]
-Compact = Callable[[BudgetPolicy, SessionCache, int], SessionCache]
 
 
-class SpillWorker:
-    """Loads, adopts, spills, evicts and drops sessions of one manager; see the module docstring.
+class Residency:
+    """Loads, adopts, spills, evicts and drops the sessions of one host; see the module docstring.
 
-    ``ledger`` is None when the manager has no device budget. ``new_session`` builds a
-    :class:`Session` bound to the manager; ``compact`` compacts a cache under a policy,
-    counting it.
+    Sessions it makes are kept by ``host``. ``ledger`` is None when there is no device budget.
     """
 
-    def __init__(self, engine: Engine, registry: Registry, ledger: DeviceLedger | None, spiller: Spiller,
-                 leases: LeaseKeeper, quota: StoreQuota, policy_for: Callable[[str], BudgetPolicy], metrics: Metrics,
-                 new_session: NewSession, compact: Compact, lease_wait: float) -> None:
-        self.engine, self.registry, self.ledger, self.spiller = engine, registry, ledger, spiller
-        self.leases, self.quota, self.policy_for, self.metrics = leases, quota, policy_for, metrics
-        self._new_session, self._compact = new_session, compact
+    def __init__(self, host: SessionHost, registry: Registry, ledger: DeviceLedger | None, spiller: Spiller,
+                 leases: LeaseKeeper, quota: StoreQuota, metrics: Metrics, lease_wait: float) -> None:
+        self.host, self.engine, self.registry, self.ledger, self.spiller = host, host.engine, registry, ledger, spiller
+        self.leases, self.quota, self.metrics = leases, quota, metrics
         self.lease_wait = lease_wait
+
+    def policy_for(self, tenant: str) -> BudgetPolicy:
+        return self.host.policy_for(tenant)
 
     # ------------------------------------------------------------------------ bringing sessions live
 
-    def load(self, key: Key, create: bool, rebuild: bool = False) -> Session:
+    def load(self, key: SessionKey, create: bool, rebuild: bool = False) -> Session:
         """Resume ``key`` from the host tier or the store, or start it empty; the caller is its one loader.
 
         A stored cache that is damaged is :class:`CorruptSessionError` naming the session and
@@ -81,7 +82,7 @@ class SpillWorker:
             if not create:
                 self.leases.release(tenant, session_id)
                 raise
-            return self.adopt(tenant, session_id, self.engine.new_cache(), [], leased=True)
+            return self.adopt(key, self.engine.new_cache(), [], leased=True)
         except BaseException:
             self.leases.release(tenant, session_id)
             raise
@@ -90,10 +91,8 @@ class SpillWorker:
             # wait for room hold no memory the budget does not count.
             with self.room(self._decoded_nbytes(record, rebuild), key):
                 cache = self._decode(record, rebuild)
-                session = self.registry.spilled(key) or self._new_session(tenant, session_id, cache, [], 0,
-                                                                          record.created_at)
-                session.cache, session._messages, session.version = cache, list(record.messages), record.version
-                session.stored_bytes = len(record.blob)
+                session = self.registry.spilled(key) or Session(self.host, key, cache, [], 0, record.created_at)
+                session.restore(cache, record.messages, record.version, len(record.blob))
                 self._register(session)
         except BaseException:
             self.leases.release(tenant, session_id)
@@ -130,33 +129,34 @@ class SpillWorker:
             f"{record.session_id} --rebuild --tenant {record.tenant}) to re-read the conversation, or delete it "
             f"(agentmem sessions delete {record.session_id} --tenant {record.tenant})")
 
-    def adopt(self, tenant: str, session_id: str, cache: SessionCache, messages: list[dict[str, Any]],
-              *, leased: bool = False) -> Session:
+    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]], *,
+              leased: bool = False) -> Session:
         """A new live session holding ``cache``.
 
         Unless the caller holds its lease already (a load that found nothing stored), it takes the
         lease and refuses an ID the store holds (or a write behind is storing): a new session
         there would be refused at its first spill, or dropped by an eviction, with all its turns.
         """
-        if self.registry.get((tenant, session_id)) is not None:
+        tenant, session_id = key
+        if self.registry.get(key) is not None:
             raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists")
         if not leased:
-            if self.registry.busy((tenant, session_id)):  # being loaded here: its loader holds the lease
+            if self.registry.busy(key):  # being loaded here: its loader holds the lease
                 raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists (being resumed)")
-            self.spiller.wait((tenant, session_id))
+            self.spiller.wait(key)
             self.leases.take(tenant, session_id, self.lease_wait)
         try:
-            if not leased and self._stored(tenant, session_id):
+            if not leased and self._stored(key):
                 raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists (stored); "
                                    "choose another id, or delete it first")
-            return self._register(self._new_session(tenant, session_id, cache, messages, 0, time.time()))
+            return self._register(Session(self.host, key, cache, messages, 0, time.time()))
         except BaseException:
             self.leases.release(tenant, session_id)  # taken for this adoption, here or by the loader
             raise
 
-    def _stored(self, tenant: str, session_id: str) -> bool:
+    def _stored(self, key: SessionKey) -> bool:
         try:
-            self.spiller.store.version(tenant, session_id)
+            self.spiller.store.version(*key)
         except SessionNotFound:
             return False
         return True
@@ -177,7 +177,7 @@ class SpillWorker:
 
     # ------------------------------------------------------------------------ spilling
 
-    def spill(self, key: Key, durable: bool) -> int:
+    def spill(self, key: SessionKey, durable: bool) -> int:
         """Drop ``key``'s live session from the device; the version it is stored as (see ``SessionManager.spill``)."""
         session = self.registry.get(key)
         spilled = self.registry.spilled(key) if session is None else None
@@ -210,7 +210,7 @@ class SpillWorker:
             else:
                 version = put(record, session.version)
                 self.spiller.cache(record.model_copy(update={"version": version}))
-            session.version, session.stored_bytes = version, len(record.blob)
+            session.mark_stored(version, len(record.blob))
             if not behind:  # else the lease is kept until the write lands (written_behind)
                 # Released while the session is still live here, so no load of it in this
                 # process can take the lease (ours already) before this release drops it.
@@ -219,13 +219,13 @@ class SpillWorker:
             self.metrics.add("spills")
             return version
 
-    def settle(self, key: Key) -> None:
+    def settle(self, key: SessionKey) -> None:
         """Return once any write behind of ``key`` has landed; raise what dropped it, if something did."""
         failure = self.spiller.wait(key)
         if failure is not None:
             raise failure
 
-    def written_behind(self, key: Key) -> None:
+    def written_behind(self, key: SessionKey) -> None:
         """A write behind landed (or failed): the quota stops holding its bytes, and the lease is
         given up unless the session is live or loading again."""
         self.quota.release(key)
@@ -247,7 +247,7 @@ class SpillWorker:
         The cache goes first, so the live bytes counted never exceed what is held; waiters
         for room look again.
         """
-        session.cache = self.engine.new_cache()
+        session.unload(self.engine.new_cache())
         unregister(session)
         if self.ledger is not None:
             self.ledger.freed()
@@ -267,7 +267,7 @@ class SpillWorker:
     # ------------------------------------------------------------------------ the device budget
 
     @contextmanager
-    def room(self, need: int, key: Key) -> Iterator[None]:
+    def room(self, need: int, key: SessionKey) -> Iterator[None]:
         """Hold ``need`` bytes of the device budget while ``key``'s cache grows (or loads) by up to that much.
 
         Idle sessions are spilled to make room (never ``key``'s, nor any holding room); when
@@ -293,17 +293,17 @@ class SpillWorker:
             return
         if self.policy_for(keep.tenant).on_over_budget == "reject" and len(self.registry.keys()) == 1:
             return  # nothing else to spill; the session's own budget is its policy's business
-        self.evict(0, keep=(keep.tenant, keep.session_id))
+        self.evict(0, keep=keep.key)
 
-    def evict(self, need: int, keep: Key) -> bool:
+    def evict(self, need: int, keep: SessionKey) -> bool:
         """Spill the ledger's victims, least recently used first, until ``need`` more bytes fit; whether any
         were spilled. Victims busy in another thread, or refused by their quota, are passed over for the
         next; a store outage stops eviction (sessions stay live, over budget) rather than failing the turn."""
-        tried: set[Key] = set()
+        tried: set[SessionKey] = set()
         evicted = False
         while True:
             lru = [(k, s.cache.allocated_nbytes) for s in self.registry.sessions()
-                   if (k := (s.tenant, s.session_id)) != keep and k not in tried]
+                   if (k := s.key) != keep and k not in tried]
             victims = self.ledger.victims(lru, need)
             if not victims:
                 return evicted
@@ -334,31 +334,25 @@ class SpillWorker:
         log.error("cannot spill while the store is unavailable: %s", exc)
 
     def _spill_idle(self, victim: Session) -> bool:
-        """Spill ``victim`` behind (compacting first where its policy says so) if no thread is using it.
+        """Spill ``victim`` behind, as it is, if no thread is using it.
 
         Returns whether it left the device: False if it is busy or its spill was refused (it
-        stays live, whole). A stale copy (another worker wrote or deleted the session since) is
-        dropped. :class:`StoreUnavailable` propagates, the victim kept whole.
+        stays live). A stale copy (another worker wrote or deleted the session since) is
+        dropped. :class:`StoreUnavailable` propagates, the victim kept live.
         """
         if not victim.lock.acquire(blocking=False):
             return False  # busy in another thread: not idle
-        original = victim.cache
         try:
-            policy = self.policy_for(victim.tenant)
-            if policy.on_over_budget == "compact" and victim.cache.physical_length > policy.keep_recent:
-                victim.cache = self._compact(policy, victim.cache, victim._system_tokens())
-            self.spill((victim.tenant, victim.session_id), durable=False)  # behind, where a host tier is
+            self.spill(victim.key, durable=False)  # behind, where a host tier is
             return True
         except StoreUnavailable:
-            victim.cache = original  # compacted only to be spilled: keep it whole while it stays live
-            raise
+            raise  # not a refusal of this victim: the caller stops evicting
         except (VersionConflict, SessionNotFound) as exc:
-            log.error("dropping the stale live copy of %s/%s: %s", victim.tenant, victim.session_id, exc)
+            log.error("dropping the stale live copy of %s: %s", victim.key, exc)
             self.drop(victim)
             return True
         except AgentMemError as exc:  # e.g. its tenant's store quota is full
-            victim.cache = original
-            log.warning("cannot spill %s/%s: %s", victim.tenant, victim.session_id, exc)
+            log.warning("cannot spill %s: %s", victim.key, exc)
             return False
         finally:
             victim.lock.release()

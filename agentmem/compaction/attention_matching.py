@@ -1,0 +1,167 @@
+"""Attention Matching (arXiv 2602.16284): rows chosen by attention or OMP, then β and values fitted.
+
+The fits themselves are in :mod:`~agentmem.compaction.solvers`; this module chooses the rows,
+samples the queries the fits are solved and validated on, and checks the result end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from agentmem.compaction import budgets, solvers
+from agentmem.compaction.base import Job, check_count
+from agentmem.compaction.queries import REPEAT_PROMPT, LayerQueries, sample_positions
+from agentmem.compaction.scoring import Chosen, GlobalSelection, sink_slots
+from agentmem.compaction.solvers import SpanAttention
+from agentmem.compaction.span import LayerChoice, LayerSpan, Selection, assemble
+from agentmem.errors import InvalidInput
+
+VALIDATION_TOKENS = 256  # span tokens the end-to-end check re-reads (at most a quarter of the span)
+SELECTIONS = ("attention", "omp")
+
+
+@dataclass(frozen=True)
+class AttentionMatching(GlobalSelection):
+    """AM: global (or calibrated) budgets, rows by attention or OMP, validated β and value fits.
+
+    ``selection``: ``"attention"`` keeps the rows :class:`GlobalSelection` chooses; ``"omp"``
+    re-chooses each layer's rows greedily on the attention-mass residual of the fits' queries
+    (thorough, slower). Rows are scored by every reference query; ``max_queries`` caps (per KV
+    head, at random) the sample the fits are solved and validated on (``None``: every query),
+    of which ``holdout`` is held out to choose between the fits. Layers are fitted one at a time,
+    and the model itself then chooses between the fitted rows and the same rows unfitted
+    (:func:`end_to_end_choice`).
+
+    ``fit_sinks``: whether the attention sinks (the session's first rows) may be fitted like
+    any row; ``None``: only with ``reread="all"``. Every later query puts much of its attention
+    on them, so sinks fitted to the queries of one compaction shift what all the text read
+    after it attends to: a session, which compacts again and again as it reads, keeps them as
+    they are (:meth:`for_session`), while one compaction of a whole text gains from fitting
+    them at high ratios. The measurements: ``docs/benchmarks/online.md`` and
+    ``docs/benchmarks/fidelity.md``.
+    """
+
+    selection: Literal["attention", "omp"] = "attention"
+    max_queries: int | None = None
+    fit_sinks: bool | None = None
+    holdout: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.selection not in SELECTIONS:
+            raise InvalidInput(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+        if self.max_queries is not None:
+            check_count("max_queries", self.max_queries)
+            if not self.max_queries:
+                raise InvalidInput("max_queries must be positive (None: every query)")
+        if self.fit_sinks is not None and not isinstance(self.fit_sinks, bool):
+            raise InvalidInput(f"fit_sinks must be True, False or None, got {self.fit_sinks!r}")
+        if not (isinstance(self.holdout, (int, float)) and not isinstance(self.holdout, bool)
+                and 0 < self.holdout < 1):
+            raise InvalidInput(f"holdout must be a share between 0 and 1, got {self.holdout!r}")
+
+    @property
+    def sinks_fitted(self) -> bool:
+        """Whether the attention sinks are fitted (``fit_sinks``, or its default for ``reread``)."""
+        return self.reread == "all" if self.fit_sinks is None else self.fit_sinks
+
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int) -> AttentionMatching:
+        return replace(super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens),
+                       fit_sinks=False)
+
+    def choose(self, job: Job) -> Chosen:
+        omp = self.selection == "omp"
+        proportions = self.proportions(job.engine)
+        fitting = omp or fits_possible(job, proportions)  # OMP chooses rows on the sample even where none can be fitted
+        if not fitting:
+            job.stats.skipped.append(
+                f"the fits' query sample: no layer can keep at most {solvers.MAX_FIT_ROWS} rows on every head")
+        reference = self.reference(job, self.max_queries if fitting else 1, held_out=held_out(job) if fitting else ())
+        selection = self.select(job, reference.scores, proportions)
+        fitted = [self._fitted_layer(job, span, queries, rows)
+                  for span, queries, rows in zip(job.plan.layers, reference.queries, selection)]
+        if not job.stats.fitted_layers:
+            job.stats.skipped.append("the end-to-end check: no layer was fitted, so both candidates are the same rows")
+            return fitted, reference
+        job.stats.fit_queries = max(queries.q.shape[1] for queries in reference.queries)
+        unfitted = [span.unfitted(choice.rows) for span, choice in zip(job.plan.layers, fitted)]  # OMP's rows, with OMP
+        return end_to_end_choice(job, [fitted, unfitted]), reference
+
+    def _fitted_layer(self, job: Job, span: LayerSpan, queries: LayerQueries, rows: Selection) -> LayerChoice:
+        """One layer's choice: its rows (re-chosen by OMP with ``selection="omp"``) fitted where they
+        can be (:func:`~agentmem.compaction.solvers.choose_fits`), counted in ``job.stats``."""
+        omp = self.selection == "omp"
+        if not (sum(rows.counts) and queries.q.shape[1] and (omp or solvers.fits_rows(rows.counts))):
+            return span.unfitted(rows)  # nothing of the span kept, no query to fit on, or rows too many to fit
+        order = self.permutation(job, queries.q.shape[1])
+        cut = max(1, int(len(order) * self.holdout))
+        train = SpanAttention.of(span, queries.take(order[cut:]), job.scale)
+        held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
+        if omp:
+            rows = solvers.omp_select(train, rows.counts)
+        job.stats.fitted_layers += int(solvers.can_fit(train, rows))
+        fixed = None if self.sinks_fitted else sink_slots(job, span)
+        return solvers.choose_fits(span, train, held, rows, fixed=fixed)
+
+
+def fits_possible(job: Job, proportions: torch.Tensor | None) -> bool:
+    """Whether any layer could keep at most :data:`~agentmem.compaction.solvers.MAX_FIT_ROWS`
+    rows on every head, the condition for AM to fit it, judged before any query is read.
+
+    With calibrated budgets (``proportions``) the rows each head keeps are known now. With
+    global ones a layer keeps at least what the other layers cannot hold; one that must keep
+    more than its heads hold under the cap has a head over it whatever the scores.
+    """
+    if proportions is not None:
+        return any(sum(b) and solvers.fits_rows(b) for b in budgets.proportional(job.counts, job.total, proportions))
+    rows = job.plan.rows
+    return any(job.total - (rows - span.rows) <= sum(min(c, solvers.MAX_FIT_ROWS) for c in span.counts)
+               for span in job.plan.layers)
+
+
+def validation_text(job: Job) -> list[int]:
+    """The text the end-to-end check samples: the whole span's.
+
+    In an incremental compaction that includes text not re-read: every row is re-fitted, old
+    ones too, so the check must see whether the old text survives the new fits (judged on the
+    new text alone, fits that served it would be chosen while the old text's recall fell). It
+    reads only the sample, a bounded cost.
+    """
+    return job.cache.token_ids[job.plan.start : job.plan.end]
+
+
+def validation_positions(job: Job) -> list[int]:
+    """Positions of :func:`validation_text` the end-to-end check re-reads."""
+    length = job.plan.end - job.plan.start
+    return sample_positions(length, min(VALIDATION_TOKENS, length // 4))
+
+
+def held_out(job: Job) -> list[int]:
+    """The token positions the end-to-end check re-reads: the fits never see queries reading them."""
+    return [job.plan.start + p for p in validation_positions(job)]
+
+
+def end_to_end_choice(job: Job, candidates: list[list[LayerChoice]]) -> list[LayerChoice]:
+    """The candidate under which the model best re-reads the span (lowest NLL), judged end to end.
+
+    Per-head fits are validated on each layer's attention output, but errors compound
+    through the layers: on verbatim-heavy text (code) unfitted rows sometimes serve the whole
+    model better. Scoring "repeat the text above" plus chunks of the span under each
+    candidate settles it with the model's own likelihood, for ~2 short scoring passes and one
+    host read. The re-read passages are held out of the fits' queries: fits judged on the
+    queries they were solved on would win by overfitting.
+    """
+    tokenize = lambda text: job.engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    text, positions = validation_text(job), validation_positions(job)
+    probe = tokenize(REPEAT_PROMPT) + [text[i] for i in positions]
+    room = job.engine.max_context - job.cache.logical_length
+    if len(candidates) == 1 or not positions or room < len(probe):
+        return candidates[0]
+    job.stats.end_to_end_checked = True
+    # Built with room for the probe: reading it does not copy each candidate's buffers to grow them.
+    nll = torch.stack([-job.engine.score(assemble(job.cache, job.plan, c, spare=len(probe)), probe).mean()
+                       for c in candidates])
+    return candidates[int(nll.argmin())]  # the first of equals, as min() would
