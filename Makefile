@@ -1,4 +1,5 @@
-# Two entry points, each setting up what it needs first: `make demo` and `make test`.
+# Entry points, each setting up what it needs first: `make demo`, `make test` (the fast set) and
+# `make test-all` (everything, what CI runs).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,7 +23,7 @@ TORCH_WHEEL = $(firstword $(foreach d,$(FIND_LINKS),$(wildcard $(d)/torch-$(TORC
 # no other index is asked for torch), else PyTorch's CPU wheel index. TORCH=cuda: PyPI's default.
 TORCH_INSTALL = $(if $(filter cuda,$(TORCH)),torch==$(TORCH_VERSION),$(or $(TORCH_WHEEL),--index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION)))
 
-.PHONY: demo test bench setup
+.PHONY: demo test test-all bench setup
 
 setup: $(STAMP)
 
@@ -40,6 +41,9 @@ demo: $(STAMP)
 	$(VENV)/bin/agentmem demo
 
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -155,6 +155,7 @@ class StoreConformance:
         store.put("acme", "big", record("acme", "big", b"small"))
         assert store.get("acme", "big").blob == b"small"
 
+    @pytest.mark.slow  # writes and reads 2 GiB: in the slow set (make test-all)
     def test_a_session_over_2_gib_round_trips_bit_exactly(self, store):
         self.needs("checks_sessions_over_2_gib")
         size = 2**31 + 12_345  # past every 32-bit size field and SQLite's / PostgreSQL's 1 GB value limits

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -9,6 +11,21 @@ from agentmem import Engine
 from agentmem.models import embedded_model_dir
 from device_guard import HostTensorGuard
 from helpers import TINY_CONFIGS, tiny_model
+
+
+TESTS = Path(__file__).parent
+# The slow set, besides tests on the embedded model: the fault suite, the examples (each a
+# process loading the embedded model), the standard LangChain suites and the at-exit process test.
+SLOW_PATHS = ("reliability", "test_examples.py", "adapters/test_langchain_standard.py",
+              "adapters/test_langchain_exit.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the slow set: ``make test`` leaves it out, ``make test-all`` and CI run it."""
+    for item in items:
+        where = item.path.relative_to(TESTS).as_posix()
+        if "engine" in getattr(item, "fixturenames", ()) or where.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)
