@@ -17,8 +17,11 @@ import json
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Literal
 
+from agentmem.adapters.shared import shared_manager
+from agentmem.storage.redis_client import redact
 from langchain_core.caches import BaseCache
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -39,17 +42,15 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field, SecretStr, model_validator
 
-from agentmem.adapters.shared import shared_manager
 from agentmem.chat import ROLES
 from agentmem.errors import InvalidInput
 from agentmem.home import DEFAULT_TENANT
 from agentmem.models import EMBEDDED
-from agentmem.settings import settings
 from agentmem.policy import BudgetPolicy
 from agentmem.record import check_session_id, check_tenant
 from agentmem.session import DEFAULT_MAX_NEW_TOKENS
 from agentmem.sessions import Session, SessionManager, Usage
-from agentmem.storage.redis_client import redact
+from agentmem.settings import AdapterSettings, Locations, read
 from agentmem.tools import forced_call_prefix, format_tool_call, parse_tool_calls
 
 _GENERATION_KEYS = frozenset({"temperature", "max_tokens", "top_p", "top_k", "seed"})
@@ -66,8 +67,8 @@ class ChatAgentMem(BaseChatModel):
     (model, store) share one engine and one session manager in a process.
     """
 
-    model: str = Field(default_factory=lambda: settings().model or EMBEDDED)
-    store: str | None = Field(default_factory=lambda: settings().store)
+    model: str = Field(default_factory=lambda: read(AdapterSettings).MODEL or EMBEDDED)
+    store: str | None = Field(default_factory=lambda: read(Locations).STORE)
     tenant: str = DEFAULT_TENANT
     session_id: str | None = None
     policy: BudgetPolicy | None = None

@@ -21,13 +21,14 @@ import concurrent.futures.thread  # noqa: F401 - registers its shutdown hook bef
 import logging
 import threading
 
+from agentmem.storage import default_url
+from agentmem.storage.redis_client import redact
+
 from agentmem.engine import Engine
 from agentmem.errors import InvalidInput
 from agentmem.policy import BudgetPolicy, configured_policies
 from agentmem.sessions import SessionManager
-from agentmem.settings import settings
-from agentmem.storage import default_url
-from agentmem.storage.redis_client import redact
+from agentmem.settings import AdapterSettings, read
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()  # guards the dicts below; never held while a model loads
@@ -95,7 +96,7 @@ def shared_manager(model: str, store: str | None, tenant: str, policy: BudgetPol
 
 def host_budget_bytes() -> int:
     """The shared managers' host-memory tier: ``$AGENTMEM_HOST_BUDGET_BYTES``, default 512 MiB."""
-    return settings().host_budget_bytes
+    return read(AdapterSettings).HOST_BUDGET_BYTES
 
 
 def close_shared() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agentmem.errors import InvalidInput
-from agentmem.settings import settings
+from agentmem.settings import Locations, read
 
 DEFAULT_TENANT = "default"
 """The tenant of every entry point that is not given one."""
@@ -18,7 +18,7 @@ DEFAULT_TENANT = "default"
 
 def agentmem_home() -> Path:
     """``$AGENTMEM_HOME``, default ``~/.cache/agentmem``: converted models and the default SQLite store."""
-    home = settings().home  # read first: Path.home() fails where HOME and passwd lack the user
+    home = read(Locations).HOME  # read first: Path.home() fails where HOME and passwd lack the user
     if home is not None:
         return home.expanduser()
     try:
@@ -35,4 +35,4 @@ def default_policies_path() -> Path:
 
 def default_store_url() -> str:
     """``$AGENTMEM_STORE`` if set, else SQLite at ``$AGENTMEM_HOME/sessions.db``."""
-    return settings().store or f"sqlite:///{agentmem_home() / 'sessions.db'}"
+    return read(Locations).STORE or f"sqlite:///{agentmem_home() / 'sessions.db'}"

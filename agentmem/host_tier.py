@@ -16,9 +16,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agentmem.keys import SessionKey
 from agentmem.record import SessionRecord
-
-Key = tuple[str, str]
 
 
 @dataclass
@@ -33,7 +32,7 @@ class HostTier:
     def __init__(self, budget_bytes: int, tenant_budget: Callable[[str], int | None]) -> None:
         self.budget_bytes = budget_bytes
         self._tenant_budget = tenant_budget
-        self._entries: OrderedDict[Key, Entry] = OrderedDict()
+        self._entries: OrderedDict[SessionKey, Entry] = OrderedDict()
         self._held: Counter[str] = Counter()  # bytes per tenant
         self._lock = threading.Lock()
 
@@ -54,14 +53,14 @@ class HostTier:
             self._held[record.tenant] += size
             return True
 
-    def get(self, key: Key) -> Entry | None:
+    def get(self, key: SessionKey) -> Entry | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
             return entry
 
-    def mark_clean(self, key: Key, version: int) -> None:
+    def mark_clean(self, key: SessionKey, version: int) -> None:
         """The store now holds this entry's record as ``version``."""
         with self._lock:
             entry = self._entries.get(key)
@@ -69,11 +68,11 @@ class HostTier:
                 entry.record = entry.record.model_copy(update={"version": version})
                 entry.dirty = False
 
-    def discard(self, key: Key) -> None:
+    def discard(self, key: SessionKey) -> None:
         with self._lock:
             self._remove(key)
 
-    def dirty_keys(self) -> list[Key]:
+    def dirty_keys(self) -> list[SessionKey]:
         with self._lock:
             return [key for key, entry in self._entries.items() if entry.dirty]
 
@@ -84,7 +83,7 @@ class HostTier:
     def _bytes(self, tenant: str | None) -> int:
         return sum(self._held.values()) if tenant is None else self._held[tenant]
 
-    def _remove(self, key: Key) -> None:
+    def _remove(self, key: SessionKey) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._held[key[0]] -= len(entry.record.blob)

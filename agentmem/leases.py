@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Iterator, Literal
 
 from agentmem.errors import SessionBusy, StoreUnavailable
-from agentmem.record import CacheStore, Lease, LeaseStore
+from agentmem.record import Lease, LeaseStore
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +38,15 @@ log = logging.getLogger(__name__)
 class LeaseKeeper:
     """Takes, renews (in a background thread) and releases the leases of one process's sessions.
 
-    The leases are ``store.leases``, kept beside the sessions they guard. ``held`` returns the
-    ``(tenant, session_id)`` keys whose leases to keep; ``on_store_error`` counts renewals and
-    releases that failed because the store was unreachable (the live copies keep serving).
+    ``leases`` is the store's lease interface (``store.leases``), kept beside the sessions they
+    guard. ``held`` returns the ``(tenant, session_id)`` keys whose leases to keep;
+    ``on_store_error`` counts renewals and releases that failed because the store was
+    unreachable (the live copies keep serving).
     """
 
-    def __init__(self, store: CacheStore, owner: str, seconds: float, held: Callable[[], Iterable[tuple[str, str]]],
+    def __init__(self, leases: LeaseStore, owner: str, seconds: float, held: Callable[[], Iterable[tuple[str, str]]],
                  on_store_error: Callable[[], None]) -> None:
-        self.leases: LeaseStore = store.leases
+        self.leases = leases
         self.owner, self.seconds = owner, seconds
         self._held, self._on_store_error = held, on_store_error
         self._stop = threading.Event()

@@ -54,7 +54,7 @@ def embedded_model_dir() -> Path:
     if (target / "config.json").is_file():
         return target
     gguf_dir = _embedded_gguf_dir()
-    log.warning("converting the embedded model to safetensors under %s (once, ~20 s)", target)
+    log.warning("converting the embedded model to safetensors under %s (once)", target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:

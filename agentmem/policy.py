@@ -125,9 +125,8 @@ class BudgetPolicy(BaseModel):
     def compactor(self) -> Compactor:
         """The compactor this policy's sessions use: its ``method`` with its ``queries``, ``reread``
         and :attr:`refresh`, as a session runs it (:meth:`~agentmem.compaction.Compactor.for_session`:
-        a session compacts again and again, so AM never fits its attention sinks). Sessions call
-        ``compact(engine, cache, policy.compactor(), target_tokens=policy.compaction_target(…),
-        keep_recent=policy.keep_recent, protect_prefix=…)``."""
+        a session compacts again and again, so AM never fits its attention sinks); sessions run it
+        through :func:`agentmem.session.compact_under`, with :meth:`compaction_target`."""
         from agentmem.compaction.methods import named
 
         return named(self.method).for_session(queries=self.queries, reread=self.reread, refresh_tokens=self.refresh)

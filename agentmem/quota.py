@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from agentmem.errors import BudgetExceeded
-from agentmem.host_tier import Key
+from agentmem.keys import SessionKey
 from agentmem.policy import BudgetPolicy
 from agentmem.record import CacheStore, SessionRecord
 
@@ -29,7 +29,7 @@ class StoreQuota:
         self._writes: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._holding: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
-        self._held: dict[Key, int] = {}  # bytes queued writes will add, by session
+        self._held: dict[SessionKey, int] = {}  # bytes queued writes will add, by session
 
     def check(self, record: SessionRecord, replaced_bytes: int) -> None:
         """Raise :class:`BudgetExceeded` if writing ``record`` over ``replaced_bytes`` would overfill the
@@ -50,7 +50,7 @@ class StoreQuota:
         if self._policy_for(record.tenant).max_stored_bytes is not None:
             self._hold(record, replaced_bytes, queued=True)
 
-    def release(self, key: Key) -> None:
+    def release(self, key: SessionKey) -> None:
         """The session's queued writes landed or failed: the store counts what they added, or they added nothing."""
         with self._lock:
             self._held.pop(key, None)

@@ -98,7 +98,7 @@ class Session:
 
     def __init__(self, host: SessionHost, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]],
                  version: int, created_at: float) -> None:
-        self._host, self.key = host, key
+        self._host, self.key = host, SessionKey(*key)
         self.cache, self._messages, self.version, self.created_at = cache, messages, version, created_at
         self.lock = threading.RLock()
         self.last_used = time.monotonic()

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 class SessionManager:
     """Live sessions of many tenants on one engine, spilled to and resumed from one store.
 
-    It is the :class:`~agentmem.session.SessionHost` of every session it makes.
+    Its sessions reach it only through a :class:`~agentmem.session.SessionHost` it makes for them.
 
     ``policies`` maps tenant → :class:`BudgetPolicy` (others get ``default_policy``);
     ``device_budget_bytes`` bounds the bytes of all live caches together. Live sessions hold
@@ -94,9 +94,9 @@ class SessionManager:
         count_store_error = functools.partial(self.metrics.add, "store_errors")
         self._spiller = Spiller(self.store, host, on_settled=lambda key: self._residency.written_behind(key),
                                 on_store_error=count_store_error, read_into=read_buffer_for(engine.device))
-        self._leases = LeaseKeeper(self.store, self.owner, lease_seconds, held=self._held_keys,
+        self._leases = LeaseKeeper(self.store.leases, self.owner, lease_seconds, held=self._held_keys,
                                    on_store_error=count_store_error)
-        self._residency = Residency(self, self._registry, ledger, self._spiller, self._leases,
+        self._residency = Residency(_SessionHost(self), self._registry, ledger, self._spiller, self._leases,
                                     StoreQuota(self.store, self.policy_for), self.metrics, lease_wait)
 
     @property
@@ -250,46 +250,6 @@ class SessionManager:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------------ the host of its sessions
-
-    def begin_turn(self, session: Session) -> None:
-        """Make a handle whose session was spilled (by the device budget, say) live again, in place;
-        mark it used and confirm its lease: a copy whose lease was lost is dropped, not served."""
-        if not self._registry.is_live(session):
-            if self.session(session.session_id, tenant=session.tenant, create=False) is not session:
-                raise InvalidInput(f"session {session.key} was replaced by another handle; "
-                                   "get it again from manager.session()")
-        session.last_used = time.monotonic()
-        self._registry.touch(session)
-        if not self._leases.confirm(session.tenant, session.session_id):
-            # Our lease lapsed (and another worker may have written since): this copy is stale.
-            self._residency.drop(session)
-            raise SessionBusy(f"session {session.session_id!r} of tenant {session.tenant!r} lost its lease (it "
-                              "lapsed while this process stalled, or another worker took the session); its live "
-                              "copy here was dropped")
-
-    def room(self, need: int, session: Session) -> AbstractContextManager[None]:
-        """Hold ``need`` bytes of the device budget while ``session``'s cache grows by up to that much."""
-        return self._residency.room(need, session.key)
-
-    def compact(self, cache: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0) -> SessionCache:
-        """``cache`` compacted as ``policy`` says (its compactor and target), counted."""
-        self.metrics.add("compactions")
-        return compact_under(policy, self.engine, cache, protect, incoming)
-
-    def turn_done(self, session: Session, usage: Usage) -> None:
-        """Count the turn, then spill idle sessions if the device budget is exceeded (``session`` stays)."""
-        for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "dropped_tokens", "reprefilled_tokens"):
-            self.metrics.add(name, getattr(usage, name))  # compactions are counted where they happen
-        self.metrics.add("turns")
-        self._residency.enforce(keep=session)
-
-    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
-        """A new live session holding ``cache`` and ``messages`` (a fork), within the device budget."""
-        session = self._residency.adopt(check_key(*key), cache, messages)
-        self._residency.enforce(keep=session)
-        return session
-
     # ------------------------------------------------------------------------ internals
 
     def _held_keys(self) -> list[SessionKey]:
@@ -300,3 +260,53 @@ class SessionManager:
     def _handle(self, key: SessionKey) -> Session | None:
         """The session object callers hold for ``key``: the live one, else a spilled handle still held."""
         return self._registry.get(key) or self._registry.spilled(key)
+
+
+class _SessionHost:
+    """The :class:`~agentmem.session.SessionHost` of a manager's sessions: what a session may ask of
+    its manager, kept off the manager's own API (which is what callers use)."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self._manager = manager
+        self.engine = manager.engine
+
+    def policy_for(self, tenant: str) -> BudgetPolicy:
+        return self._manager.policy_for(tenant)
+
+    def begin_turn(self, session: Session) -> None:
+        """Make a handle whose session was spilled (by the device budget, say) live again, in place;
+        mark it used and confirm its lease: a copy whose lease was lost is dropped, not served."""
+        if not self._manager._registry.is_live(session):
+            if self._manager.session(session.session_id, tenant=session.tenant, create=False) is not session:
+                raise InvalidInput(f"session {session.key} was replaced by another handle; "
+                                   "get it again from manager.session()")
+        session.last_used = time.monotonic()
+        self._manager._registry.touch(session)
+        if not self._manager._leases.confirm(session.tenant, session.session_id):
+            # Our lease lapsed (and another worker may have written since): this copy is stale.
+            self._manager._residency.drop(session)
+            raise SessionBusy(f"session {session.session_id!r} of tenant {session.tenant!r} lost its lease (it "
+                              "lapsed while this process stalled, or another worker took the session); its live "
+                              "copy here was dropped")
+
+    def room(self, need: int, session: Session) -> AbstractContextManager[None]:
+        """Hold ``need`` bytes of the device budget while ``session``'s cache grows by up to that much."""
+        return self._manager._residency.room(need, session.key)
+
+    def compact(self, cache: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0) -> SessionCache:
+        """``cache`` compacted as ``policy`` says (its compactor and target), counted."""
+        self._manager.metrics.add("compactions")
+        return compact_under(policy, self.engine, cache, protect, incoming)
+
+    def turn_done(self, session: Session, usage: Usage) -> None:
+        """Count the turn, then spill idle sessions if the device budget is exceeded (``session`` stays)."""
+        for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "dropped_tokens", "reprefilled_tokens"):
+            self._manager.metrics.add(name, getattr(usage, name))  # compactions are counted where they happen
+        self._manager.metrics.add("turns")
+        self._manager._residency.enforce(keep=session)
+
+    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
+        """A new live session holding ``cache`` and ``messages`` (a fork), within the device budget."""
+        session = self._manager._residency.adopt(check_key(*key), cache, messages)
+        self._manager._residency.enforce(keep=session)
+        return session

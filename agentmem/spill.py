@@ -18,7 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from agentmem.errors import AgentMemError, SessionNotFound, StoreUnavailable
-from agentmem.host_tier import HostTier, Key
+from agentmem.host_tier import HostTier
+from agentmem.keys import SessionKey
 from agentmem.record import Allocate, CacheStore, SessionRecord
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,13 @@ Put = Callable[[SessionRecord, "int | None"], int]  # writes a record (compare-a
 class Spiller:
     """See the module docstring. ``on_settled(key)`` runs once a write behind has landed or failed."""
 
-    def __init__(self, store: CacheStore, host: HostTier | None, on_settled: Callable[[Key], None],
+    def __init__(self, store: CacheStore, host: HostTier | None, on_settled: Callable[[SessionKey], None],
                  on_store_error: Callable[[], None], *, read_into: Allocate = bytearray) -> None:
         self.store, self.host, self._read_into = store, host, read_into
         self._on_settled, self._on_store_error = on_settled, on_store_error
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentmem-write-behind")
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agentmem-prefetch")
-        self._pending: dict[Key, Future[AgentMemError | None]] = {}
+        self._pending: dict[SessionKey, Future[AgentMemError | None]] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
 
@@ -56,13 +57,13 @@ class Spiller:
         if self.host is not None:
             self.host.put(record, dirty=False)
 
-    def pending(self) -> list[Key]:
+    def pending(self) -> list[SessionKey]:
         with self._lock:
             for key in [key for key, future in self._pending.items() if future.done()]:
                 del self._pending[key]
             return list(self._pending)
 
-    def wait(self, key: Key) -> AgentMemError | None:
+    def wait(self, key: SessionKey) -> AgentMemError | None:
         """Return once no write behind of ``key`` is pending: the error that dropped it, if one did."""
         with self._lock:
             future = self._pending.get(key)
@@ -74,7 +75,7 @@ class Spiller:
                 del self._pending[key]
         return failure
 
-    def read(self, key: Key) -> SessionRecord:
+    def read(self, key: SessionKey) -> SessionRecord:
         """The newest record of ``key``: the host tier's if it is that, else the store's."""
         entry = self.host.get(key) if self.host is not None else None
         if entry is not None and (entry.dirty or self._still_stored(key, entry.record)):
@@ -83,7 +84,7 @@ class Spiller:
         self.cache(record)
         return record
 
-    def prefetch(self, key: Key) -> Future[None]:
+    def prefetch(self, key: SessionKey) -> Future[None]:
         """Bring ``key``'s record into the host tier in the background (nothing if it is there, fresh)."""
         def fetch() -> None:
             entry = self.host.get(key)
@@ -92,7 +93,7 @@ class Spiller:
 
         return self._readers.submit(fetch)
 
-    def discard(self, key: Key) -> None:
+    def discard(self, key: SessionKey) -> None:
         self.wait(key)
         if self.host is not None:
             self.host.discard(key)
@@ -103,7 +104,7 @@ class Spiller:
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True, cancel_futures=True)
 
-    def _still_stored(self, key: Key, record: SessionRecord) -> bool:
+    def _still_stored(self, key: SessionKey, record: SessionRecord) -> bool:
         """Whether the store holds ``record``'s version: the same number and the same write (a
         session deleted and written again elsewhere starts over at version 1)."""
         try:
@@ -111,7 +112,7 @@ class Spiller:
         except SessionNotFound:
             return False
 
-    def _write(self, key: Key, record: SessionRecord, expected_version: int | None, put: Put) -> AgentMemError | None:
+    def _write(self, key: SessionKey, record: SessionRecord, expected_version: int | None, put: Put) -> AgentMemError | None:
         """Store ``record``; None once it landed, else the error that dropped it (never acknowledged
         as durable, so dropping loses nothing a caller was promised)."""
         deadline = time.monotonic() + GIVE_UP_SECONDS

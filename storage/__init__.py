@@ -15,13 +15,13 @@ backend implements those primitives, is added to :func:`open_store`, and runs
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentmem.errors import InvalidInput, StoreNotFound, StoreUnavailable
 from agentmem.home import default_store_url as default_url
 from agentmem.lazy import lazy_attributes
+from agentmem.settings import Locations, read
 from agentmem.record import CacheStore, LeaseStore, SessionPage, SessionRecord, SessionSummary, StoreUsage
 from agentmem.storage.redis_client import is_redis_url, redact
 
@@ -65,7 +65,7 @@ def open_store(url: str | None = None, *, create: bool = True) -> CacheStore:
     :class:`StoreNotFound` naming the path, instead of a new empty database (and its folders)
     that would report "0 sessions" for a mistyped path.
     """
-    source = " (from $AGENTMEM_STORE)" if url is None and os.environ.get("AGENTMEM_STORE") else ""
+    source = " (from $AGENTMEM_STORE)" if url is None and read(Locations).STORE else ""
     url = url or default_url()
     if not isinstance(url, str) or "://" not in url and not url.startswith("sqlite:"):
         raise InvalidInput(f"store URL {url!r}{source} is not a URL; try sqlite:///path/sessions.db or "
@@ -103,7 +103,7 @@ def open_existing_store(url: str | None = None) -> CacheStore | None:
     try:
         return open_store(url, create=False)
     except StoreNotFound:
-        if url is not None or os.environ.get("AGENTMEM_STORE"):
+        if url is not None or read(Locations).STORE:
             raise
         return None
 

@@ -248,7 +248,8 @@ class StoreBase(ABC):
         """Delete the chunks of the version ``replaced`` that ``write``'s version does not share.
 
         Needed only by a backend whose :meth:`_publish` leaves that to a later step."""
-        raise NotImplementedError(f"{type(self).__name__}._publish returned a replaced version to discard")
+        raise TypeError(f"{type(self).__name__}._publish returned a replaced version to discard, but the "
+                        "backend does not define _discard_replaced")
 
     @abstractmethod
     def _discard_unpublished(self, write: Write) -> None:

@@ -42,7 +42,7 @@ def digests(data: bytes | bytearray | memoryview, bounds: list[tuple[int, int]],
             hexdigest: Callable[[memoryview], str] = xxhash.xxh3_128_hexdigest) -> list[str]:
     """``hexdigest`` of every chunk of ``data`` within ``bounds``, on several cores.
 
-    xxhash releases the GIL, so the chunks hash in parallel at memory speed (tens of GB/s).
+    xxhash releases the GIL, so the chunks hash in parallel at memory speed.
     """
     view = memoryview(data)
 

@@ -4,7 +4,7 @@ The blob is a standard safetensors file holding the packed tensors of
 :meth:`SessionCache.to_tensors`; its ``__metadata__`` carries ``agentmem``, our header as
 JSON: format version, model fingerprint, storage and cache dtypes, segment layout, logical
 length, and the checksums of the data region — XXH3-64 of every ``CHECKSUM_CHUNK`` bytes,
-verified in parallel at memory speed (tens of GB/s, against ~1.7 GB/s for SHA-256). A second
+verified in parallel at memory speed (a non-cryptographic hash, many times faster than SHA-256). A second
 metadata entry, ``agentmem_header_xxh3``, checksums the whole safetensors header (tensor
 names, dtypes, shapes, offsets and our header) as serialised without that entry, so a damaged
 header is caught too. Every field is checked before anything is returned, and the blob can be

@@ -7,10 +7,13 @@ source or a ``BudgetPolicy`` field description changes, run ``python benchmarks/
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -155,3 +158,35 @@ def test_the_readme_commands_exist():
     for target in ("demo", "test"):
         assert re.search(rf"^{target}:", makefile, re.MULTILINE), f"make {target} is gone"
         assert f"make {target}" in readme
+
+
+# Measurements belong in benchmarks/results and docs/, where a command regenerates them; code says
+# why, not how fast it was once. A time, a rate or a speed-up in a docstring or comment is one.
+MEASURED = re.compile(r"\d(?:[\d,.]*\d)?\s?(?:ms|µs|GB/s|MB/s|GiB/s|tokens/s|turns/s|seconds|s\b)"
+                      r"|\d(?:[\d,.]*\d)?\s?x\b(?! ?\d)|\d(?:[\d,.]*\d)?×")
+NOT_MEASURED = {  # figures that are settings, formats or other projects' documented facts
+    ("agentmem/leases.py", "30 s"),  # the default lease
+    ("agentmem/demo.py", "5,000x"), ("agentmem/demo.py", "0.2x"),  # how the demo writes a ratio
+    ("storage/redis.py", "1 s"),  # what Redis documents for appendfsync everysec
+}
+
+
+def docstrings_and_comments(path: Path) -> list[str]:
+    source = path.read_text()
+    found = [ast.get_docstring(node, clean=False) or "" for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    found += [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    return found
+
+
+def test_no_measured_figures_in_docstrings_or_comments():
+    figures = [(path.relative_to(ROOT).as_posix(), match.group())
+               for folder in ("agentmem", "storage", "adapters") for path in sorted((ROOT / folder).rglob("*.py"))
+               for text in docstrings_and_comments(path) for match in MEASURED.finditer(text)]
+    assert [f for f in figures if f not in NOT_MEASURED] == []
+
+
+def test_the_measured_figure_pattern_finds_figures():
+    text = "took 4.2 s, 1.5 ms a step, 55 GB/s, 3.4x faster, 1,000x, 10×; not 1e-4, 2x2 or 0x1f"
+    found = [m.group() for m in MEASURED.finditer(text)]
+    assert found == ["4.2 s", "1.5 ms", "55 GB/s", "3.4x", "1,000x", "10×"]

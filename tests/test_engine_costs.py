@@ -50,13 +50,13 @@ def sdpa_copy(engine: Engine):
 
 
 @pytest.fixture(scope="module")
-def engine(tokenizer) -> Engine:
+def wide_engine(tokenizer) -> Engine:
     return build_engine(tokenizer)
 
 
 @pytest.fixture(scope="module")
-def reference(engine):
-    return sdpa_copy(engine)
+def reference(wide_engine):
+    return sdpa_copy(wide_engine)
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +65,15 @@ def ids() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def raw_cache(engine, ids) -> SessionCache:
-    return engine.prefill(ids)
+def raw_cache(wide_engine, ids) -> SessionCache:
+    return wide_engine.prefill(ids)
 
 
-def test_prefill_costs_at_most_transformers_sdpa_forward(engine, reference, ids):
+def test_prefill_costs_at_most_transformers_sdpa_forward(wide_engine, reference, ids):
     """Prefill of 1,024 tokens: operators and FLOPs within 5% of transformers' sdpa forward of the
     same tokens (one pass into its own cache, final hidden states on both sides), all FLOPs in
     bf16, and no host sync (transformers' packed-sequence check would be one per forward)."""
-    cache, costs = count(engine.prefill, ids)
+    cache, costs = count(wide_engine.prefill, ids)
     with torch.inference_mode():
         _, plain = count(reference.model, torch.tensor([ids]), use_cache=True)
     assert cache.logical_length == TOKENS
@@ -97,11 +97,11 @@ def test_prefill_operators_per_layer_at_most_transformers(tokenizer, ids):
     assert engine_per_layer <= transformers_per_layer, added
 
 
-def test_a_chunk_read_on_top_of_earlier_rows_builds_its_mask_once(engine, ids):
+def test_a_chunk_read_on_top_of_earlier_rows_builds_its_mask_once(wide_engine, ids):
     """The causal mask of a chunk read after earlier rows is built once per forward, for every
     layer (two operators: fill, triangle), with no host sync."""
-    cache = engine.prefill(ids[:768])
-    _, costs = count(engine.prefill, ids[768:], cache)
+    cache = wide_engine.prefill(ids[:768])
+    _, costs = count(wide_engine.prefill, ids[768:], cache)
     assert costs.host_syncs == 0, costs.syncs
     assert costs.ops["scaled_dot_product_attention.default"] == SHAPE["num_hidden_layers"]
     assert costs.ops["triu_.default"] == 1 and costs.ops["full.default"] == 1, costs.ops
@@ -140,16 +140,16 @@ def _check_steps(short: Costs, long: Costs, static_step: Costs) -> float:
     return per_step
 
 
-def test_decode_step_costs_at_most_a_static_cache_step(engine, raw_cache, static_step):
+def test_decode_step_costs_at_most_a_static_cache_step(wide_engine, raw_cache, static_step):
     """A decode step over 1,024 raw rows launches no more operators than transformers' eager
     StaticCache step (which attends over its fixed capacity), and syncs only to read its token."""
-    _check_steps(*_engine_steps(engine, raw_cache), static_step)
+    _check_steps(*_engine_steps(wide_engine, raw_cache), static_step)
 
 
-def test_decode_step_over_compacted_rows_costs_what_a_raw_step_does(engine, raw_cache, static_step):
+def test_decode_step_over_compacted_rows_costs_what_a_raw_step_does(wide_engine, raw_cache, static_step):
     """With compacted rows (β, padded heads) a step costs exactly the operators of a step over raw
     rows: the β rows are built once per generation, and each step's mask is a view of them."""
-    compacted = compact(engine, raw_cache, "global-eviction", ratio=4, keep_recent=64)
+    compacted = compact(wide_engine, raw_cache, "global-eviction", ratio=4, keep_recent=64)
     assert compacted.is_compacted and compacted.layers[0].bias is not None
-    per_step = _check_steps(*_engine_steps(engine, compacted), static_step)
-    assert per_step == _check_steps(*_engine_steps(engine, raw_cache), static_step)
+    per_step = _check_steps(*_engine_steps(wide_engine, compacted), static_step)
+    assert per_step == _check_steps(*_engine_steps(wide_engine, raw_cache), static_step)

@@ -21,18 +21,22 @@ def modules() -> dict[str, Path]:
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The package's modules ``name`` imports anywhere in its source (top level, functions, TYPE_CHECKING).
 
-    ``from package import submodule`` counts as an import of the submodule alone."""
+    ``from package import submodule`` counts as an import of the submodule; of a name the package
+    defines, of the package. A string that is exactly a module's name counts too: modules named
+    for a lazy import (``lazy_attributes``, ``import_module``) are dependencies all the same."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and node.value in known and "." in node.value:  # not a bare "agentmem"
+            found.add(node.value)
+        elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level:
                 base = name.split(".")[: len(name.split(".")) - node.level + (path.name == "__init__.py")]
                 module = ".".join(base + ([module] if module else []))
-            submodules = [f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in known]
-            found.update(submodules or [module])
+            for alias in node.names:
+                found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
     return {m for m in found if m in known and m != name}
 
 
@@ -82,5 +86,7 @@ def test_imports_resolve_relative_and_type_checking_imports(tmp_path):
     source = tmp_path / "mod.py"
     source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from agentmem.session import Session\n"
                       "def f():\n    from agentmem import residency\n")
-    known = {"agentmem", "agentmem.session", "agentmem.residency", "agentmem.mod"}
+    known = {"agentmem", "agentmem.session", "agentmem.residency", "agentmem.mod", "agentmem.cache"}
     assert imports("agentmem.mod", source, known) == {"agentmem.session", "agentmem.residency"}
+    source.write_text("from agentmem import residency, Engine\nHOMES = {'X': 'agentmem.cache'}\n")
+    assert imports("agentmem.mod", source, known) == {"agentmem", "agentmem.residency", "agentmem.cache"}

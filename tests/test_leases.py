@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-from types import SimpleNamespace
 
 import pytest
 
@@ -105,7 +104,7 @@ def store_errors() -> list[None]:
 @pytest.fixture
 def keeper(leases, store_errors):
     """A keeper of this process's leases of 30 s that renews none in the background, counting store errors."""
-    keeper = LeaseKeeper(SimpleNamespace(leases=leases), process_owner(), 30, held=list,
+    keeper = LeaseKeeper(leases, process_owner(), 30, held=list,
                          on_store_error=lambda: store_errors.append(None))
     yield keeper
     keeper.stop()
@@ -157,7 +156,7 @@ def test_release_gives_the_lease_up_to_the_next_taker(leases, keeper):
 
 
 def test_held_leases_are_renewed_in_the_background_until_stopped(leases):
-    keeper = LeaseKeeper(SimpleNamespace(leases=leases), process_owner(), 0.3, held=lambda: [("acme", "s1")],
+    keeper = LeaseKeeper(leases, process_owner(), 0.3, held=lambda: [("acme", "s1")],
                          on_store_error=lambda: None)
     try:
         keeper.take("acme", "s1", wait=0)

@@ -58,8 +58,7 @@ class ScoringCompactor(Compactor):
     at most, no more than the rows a head keeps): the next ``"new"`` compaction judges earlier
     rows by their recorded scores and by those queries (rotated to its own window), so a
     compaction costs the live rows plus the new tokens. Rows whose compaction kept no queries
-    (``reread="all"``, :class:`~agentmem.compaction.eviction.Window`, a cache stored before
-    queries were kept) are re-read. ``"all"`` is the default, as one compaction needs no kept
+    (``reread="all"``, :class:`~agentmem.compaction.eviction.Window`) are re-read. ``"all"`` is the default, as one compaction needs no kept
     queries; sessions compact with their policy's ``reread`` (:meth:`for_session`).
 
     Rows keep the best score any compaction gave them, and those go stale as the text around
@@ -138,14 +137,9 @@ class ScoringCompactor(Compactor):
             return job.plan.refresh_cursor if self.incremental(job) else 0
         return refresh[1] if refresh[1] < job.plan.raw_start else job.plan.start
 
-    def read_tokens(self, job: Job) -> list[int]:
-        """The span text the reference queries re-read (from :meth:`read_start` to the span's end;
-        :meth:`refresh_range` is read as well)."""
-        return job.cache.token_ids[self.read_start(job) : job.plan.end]
-
     def reference(self, job: Job, max_queries: int | None = None, held_out: Sequence[int] = ()) -> Reference:
-        """Scores of every span row under reference queries re-reading :meth:`read_tokens` (and
-        :meth:`refresh_range`), and a query sample.
+        """Scores of every span row under reference queries re-reading the span text from
+        :meth:`read_start` to its end (and :meth:`refresh_range`), and a query sample.
 
         Rows no query looks at cannot be judged, so the queries read every token of that text
         (rows whose text was not re-read lose to new ones). In an incremental compaction the
