@@ -3,7 +3,7 @@
 :class:`SessionManager` is the facade callers use. Behind it each part has one job:
 
 - :mod:`agentmem.session` — one conversation's turns, against the small host interface
-  (:class:`~agentmem.session.SessionHost`) the manager implements;
+  (:class:`~agentmem.session.SessionHost`) the manager gives its sessions;
 - :mod:`agentmem.registry` — which sessions are live (LRU order), loading or spilled;
 - :mod:`agentmem.ledger` — the device budget: reservations and the choice of victims, no I/O;
 - :mod:`agentmem.residency` — loading, spilling and evicting sessions, outside every shared lock;
