@@ -259,6 +259,54 @@ class _CountingFileHandler(logging.FileHandler):
         super().emit(record)
 
 
+@app.command()
+@clean_errors
+def serve(
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    port: int = typer.Option(8000, help="port to listen on"),
+    store: Optional[str] = StoreOpt,
+    model: str = ModelOpt,
+    device: Optional[str] = DeviceOpt,
+    dtype: str = DtypeOpt,
+    policies: Optional[Path] = PoliciesOpt,
+    api_keys: Optional[Path] = typer.Option(None, "--api-keys", help="YAML or JSON file mapping each API key to its "
+                                                                     "tenant (without it: open, tenant 'default')"),
+) -> None:
+    """Serve sessions over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models, /metrics).
+
+    The session ID travels in the X-Session-Id header (or metadata.session_id, or user); the
+    tenant comes from the API key. Live sessions are spilled to the store when it stops.
+    """
+    keys = _load_api_keys(api_keys)
+    loaded, default = _load_policies(policies)
+    options = _engine_options(device, dtype)
+    try:
+        from agentmem.server import serve as run
+    except ImportError as exc:
+        raise InvalidInput(f"agentmem serve needs FastAPI and uvicorn: pip install 'agentmem[serve]' ({exc})") from exc
+    from agentmem.sessions import SessionManager
+
+    run(SessionManager(_load_engine(model, options), store, policies=loaded, default_policy=default),
+        host=host, port=port, api_keys=keys)
+
+
+def _load_api_keys(path: Path | None) -> dict[str, str] | None:
+    """The API key → tenant map of ``agentmem serve --api-keys``, checked."""
+    if path is None:
+        return None
+    import yaml
+
+    from agentmem.record import check_tenant
+
+    try:
+        data = yaml.safe_load(path.read_text())  # JSON is YAML
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidInput(f"cannot read API keys from {path}: {exc}") from exc
+    if not isinstance(data, dict) or not data or not all(isinstance(k, str) and k for k in data):
+        raise InvalidInput(f"{path} must map API keys (strings) to tenant names")
+    return {key: check_tenant(tenant) for key, tenant in data.items()}
+
+
 @contextmanager
 def _log_to_file() -> Iterator[None]:
     """During a chat, agentmem's warnings go to ``$AGENTMEM_HOME/agentmem.log``, not into the streamed

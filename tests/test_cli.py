@@ -650,3 +650,26 @@ def test_stats_sums_what_the_store_holds_per_tenant(engine, tmp_path):
     assert all(r["stored_bytes"] > 0 for r in every)
     table = runner.invoke(app, ["stats", "--all-tenants", "--store", store])
     assert table.exit_code == 0 and " MiB" in table.stdout
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("- just\n- a list\n", "must map API keys"),
+    ("key-1: 'bad tenant!'\n", "invalid tenant"),
+    ("key-1: [unclosed\n", "cannot read API keys"),
+])
+def test_serve_checks_its_api_keys_before_loading_a_model(tmp_path, monkeypatch, content, problem):
+    import agentmem.cli
+
+    monkeypatch.setattr(agentmem.cli, "_load_engine", lambda *a: pytest.fail("the model was loaded"))
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(content)
+    result = CliRunner().invoke(app, ["serve", "--api-keys", str(keys)])
+    assert result.exit_code == 1 and problem in result.output
+
+
+def test_serve_maps_each_key_to_its_tenant(tmp_path):
+    from agentmem.cli import _load_api_keys
+
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"sk-a": "acme", "sk-b": "globex"}')
+    assert _load_api_keys(keys) == {"sk-a": "acme", "sk-b": "globex"}

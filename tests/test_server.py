@@ -1,0 +1,211 @@
+"""``agentmem serve``: the OpenAI-compatible server, called by the official ``openai`` client over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.server import SESSION_HEADER, create_app
+from helpers import tiny_model
+
+KEYS = {"key-acme": "acme", "key-globex": "globex"}
+HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer) -> Engine:
+    return Engine(tiny_model("llama"), tokenizer)
+
+
+@pytest.fixture
+def manager(tiny, tmp_path) -> Iterator[SessionManager]:
+    policies = {"tight": BudgetPolicy(max_live_tokens=32, keep_recent=8, on_over_budget="reject")}
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", policies=policies) as manager:
+        yield manager
+
+
+@pytest.fixture
+def url(manager) -> Iterator[str]:
+    """A real server on a free loopback port, serving ``manager`` with KEYS and a key of the tight tenant."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = create_app(manager, api_keys={**KEYS, "key-tight": "tight"})
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        thread.join(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(30)
+
+
+def client(url: str, key: str = "key-acme") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def test_a_session_resumes_its_cache_across_requests_and_reports_cached_tokens(url, tiny, manager):
+    api = client(url)
+    name = api.models.list().data[0].id
+    first = api.chat.completions.create(model=name, messages=HELLO, max_tokens=4,
+                                        extra_headers={SESSION_HEADER: "chat-1"})
+    reply = first.choices[0].message.content
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and first.usage.completion_tokens == 4
+    history = HELLO + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    second = api.chat.completions.create(model=name, messages=history, max_tokens=4, user="chat-1")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # The first turn's prompt and reply were not read again: only the new message was.
+    assert cached >= first.usage.prompt_tokens and second.usage.prompt_tokens - cached < 16
+    assert [s["session_id"] for s in manager.list("acme")] == ["chat-1"]
+    assert manager.session("chat-1", tenant="acme").messages[-1]["content"] == second.choices[0].message.content
+
+
+def test_streaming_sends_the_reply_a_plain_request_gets_and_ends_with_usage(url):
+    api = client(url)
+    name = api.models.list().data[0].id
+    plain = api.chat.completions.create(model=name, messages=HELLO, max_tokens=6)
+    chunks = list(api.chat.completions.create(model=name, messages=HELLO, max_tokens=6, stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content  # greedy, stateless: the same reply
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_stateless_requests_leave_no_session(url, manager):
+    api = client(url)
+    name = api.models.list().data[0].id
+    api.chat.completions.create(model=name, messages=HELLO, max_tokens=2)
+    list(api.chat.completions.create(model=name, messages=HELLO, max_tokens=2, stream=True))
+    assert manager.list("acme") == [] and manager.stats()["live_sessions"] == 0
+
+
+def test_async_clients_run_sessions_concurrently(url, manager):
+    async def run() -> list[str]:
+        api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="key-acme", max_retries=0)
+        name = (await api.models.list()).data[0].id
+        replies = await asyncio.gather(*(api.chat.completions.create(
+            model=name, messages=HELLO, max_tokens=3, extra_headers={SESSION_HEADER: f"a-{i}"}) for i in range(4)))
+        return [r.choices[0].message.content for r in replies]
+
+    replies = asyncio.run(run())
+    assert len(set(replies)) == 1  # the same prompt, greedy: the same reply in every session
+    assert [s["session_id"] for s in manager.list("acme")] == ["a-0", "a-1", "a-2", "a-3"]
+
+
+def test_a_key_sees_only_its_tenants_sessions(url, manager):
+    name = client(url).models.list().data[0].id
+    client(url).chat.completions.create(model=name, messages=HELLO, max_tokens=2, user="mine")
+    auth = {"Authorization": "Bearer key-globex"}
+    assert httpx.get(f"{url}/v1/sessions/mine", headers=auth).status_code == 404
+    client(url, "key-globex").chat.completions.create(model=name, messages=HELLO, max_tokens=2, user="mine")
+    assert [s["session_id"] for s in manager.list("globex")] == ["mine"]  # its own session of that name
+    assert httpx.get(f"{url}/v1/sessions/mine", headers={"Authorization": "Bearer key-acme"}).json()["live"]
+    assert httpx.delete(f"{url}/v1/sessions/mine", headers=auth).json()["deleted"]
+    assert [s["session_id"] for s in manager.list("acme")] == ["mine"]  # untouched
+
+
+def test_errors_are_openai_shaped_with_their_status(url):
+    name = client(url).models.list().data[0].id
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client(url, "wrong").models.list()
+    assert caught.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.BadRequestError, match="serves model"):
+        client(url).chat.completions.create(model="gpt-4o", messages=HELLO)
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client(url).chat.completions.create(model=name, messages=HELLO, n=2)
+    with pytest.raises(openai.BadRequestError, match="invalid session id"):
+        client(url).chat.completions.create(model=name, messages=HELLO, user="no spaces allowed")
+    missing = httpx.delete(f"{url}/v1/sessions/nobody", headers={"Authorization": "Bearer key-acme"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "session_not_found"
+    long = [{"role": "user", "content": "word " * 60}]
+    for stream in (False, True):  # refused before the response starts: a status, not an event in a stream
+        with pytest.raises(openai.RateLimitError) as caught:
+            result = client(url, "key-tight").chat.completions.create(model=name, messages=long, max_tokens=2,
+                                                                      user="t", stream=stream)
+            list(result) if stream else None
+        assert caught.value.status_code == 429 and caught.value.body["code"] == "budget_exceeded"
+
+
+def test_health_models_and_prometheus_metrics(url):
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    name = client(url).models.list().data[0].id
+    client(url).chat.completions.create(model=name, messages=HELLO, max_tokens=2, user="m")
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    turns = next(s.value for s in families["agentmem_turns"].samples)
+    assert turns == 1 and families["agentmem_live_sessions"].samples[0].value == 1
+
+
+def test_a_langgraph_agent_through_chat_openai_keeps_its_session(url, manager):
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    name = client(url).models.list().data[0].id
+    model = ChatOpenAI(base_url=f"{url}/v1", api_key="key-acme", model=name, max_tokens=4, temperature=0,
+                       default_headers={SESSION_HEADER: "graph-1"}, max_retries=0)
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", lambda state: {"messages": [model.invoke(state["messages"])]})
+    graph.add_edge(START, "agent")
+    agent = graph.compile()
+    first = agent.invoke({"messages": [HumanMessage("Hello there, how are you today?")]})
+    second = agent.invoke({"messages": first["messages"] + [HumanMessage("And then?")]})
+    usage = second["messages"][-1].usage_metadata
+    assert usage["input_token_details"]["cache_read"] >= first["messages"][-1].usage_metadata["input_tokens"]
+    assert [s["session_id"] for s in manager.list("acme")] == ["graph-1"]
+    assert len(manager.session("graph-1", tenant="acme").messages) == 4
+
+
+CALL = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """The engine "says" the given texts, one per turn (read into the cache as generated tokens are)."""
+    replies: list[str] = []
+
+    def stream(self, cache, prompt_ids, *, max_new_tokens, **sampling):
+        said = self.tokenizer(replies.pop(0), add_special_tokens=False)["input_ids"]
+        tokens = (said + sorted(self.eos_token_ids)[:1])[:max_new_tokens]
+        self.prefill(list(prompt_ids) + tokens, cache)
+        yield from tokens
+
+    monkeypatch.setattr(Engine, "stream", stream)
+    return replies
+
+
+def test_tool_calls_round_trip_as_openai_tool_calls(url, scripted, manager):
+    scripted += [CALL, CALL, "2 + 3 is 5."]
+    api = client(url)
+    name = api.models.list().data[0].id
+    ask = [{"role": "user", "content": "What is 2+3?"}]
+    reply = api.chat.completions.create(model=name, messages=ask, tools=[ADD], max_tokens=64, user="tools")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    call = choice.message.tool_calls[0]
+    assert (call.function.name, call.function.arguments) == ("add", '{"a": 2, "b": 3}')
+    chunks = list(api.chat.completions.create(model=name, messages=ask, tools=[ADD], max_tokens=64, stream=True))
+    streamed = [d.tool_calls[0] for c in chunks if c.choices and (d := c.choices[0].delta).tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [("add", '{"a": 2, "b": 3}')]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    # The call goes back with its result: the session reads the result alone and answers.
+    history = ask + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    answer = api.chat.completions.create(model=name, messages=history, tools=[ADD], max_tokens=64, user="tools")
+    assert answer.choices[0].message.content == "2 + 3 is 5." and answer.choices[0].finish_reason == "stop"
+    assert answer.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens
+    assert [m["role"] for m in manager.session("tools", tenant="acme").messages] == [
+        "user", "assistant", "tool", "assistant"]
