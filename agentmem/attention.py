@@ -171,22 +171,37 @@ def session_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: ``query`` ``(1, Hq, n, d)``, ``key``/``value`` ``(1, Hkv, n, d)``."""
-    forward_pass: ForwardPass | None = kwargs.get("agentmem_pass")
-    if forward_pass is None:
-        raise AgentMemError("agentmem attention was called outside an Engine forward pass")
-    if query.shape[0] != 1:
-        raise AgentMemError("agentmem attention serves one sequence per forward pass")
-    layer = forward_pass.cache.layers[module.layer_idx]
+    """transformers attention interface: ``query`` ``(B, Hq, n, d)``, ``key``/``value`` ``(B, Hkv, n, d)``.
+
+    One sequence (``agentmem_pass``), or one row per session (``agentmem_batch``, a
+    :class:`ForwardPass` per row: a batched decode step, see :mod:`agentmem.batching`). Each row
+    attends over its own session's cache where it lies: ragged caches are never copied into one
+    padded tensor; the batch shares the forward's projections and MLPs, which is what batching buys.
+    """
+    rows: list[ForwardPass] | None = kwargs.get("agentmem_batch")
+    if rows is None:
+        forward_pass: ForwardPass | None = kwargs.get("agentmem_pass")
+        if forward_pass is None:
+            raise AgentMemError("agentmem attention was called outside an Engine forward pass")
+        rows = [forward_pass]
+    if query.shape[0] != len(rows):
+        raise AgentMemError(f"agentmem attention got {query.shape[0]} sequences for {len(rows)} sessions")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = [_attend(row, module.layer_idx, query[b], key[b], value[b], scale) for b, row in enumerate(rows)]
+    stacked = out[0].unsqueeze(0) if len(out) == 1 else torch.stack(out)  # one sequence: a view, no copy
+    return stacked.transpose(1, 2), None
+
+
+def _attend(forward_pass: ForwardPass, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """One sequence's attention in layer ``layer_idx``: ``query`` ``(Hq, n, d)`` over its cache and the new rows."""
+    layer = forward_pass.cache.layers[layer_idx]
     if forward_pass.scratch is not None:
-        scratch = forward_pass.scratch.stage(module.layer_idx, key[0], value[0])
-        out = forward_pass.recorder.attend(module.layer_idx, query[0], layer, scratch, scale)
-    else:
-        keys, values = layer.stage(key[0], value[0])
-        out = biased_attention(query[0], keys, values, layer.bias, scale=scale, mode=forward_pass.beta_mode,
-                               masks=forward_pass.masks, bias_rows=forward_pass.bias_rows)
-    return out.transpose(0, 1).unsqueeze(0), None
+        scratch = forward_pass.scratch.stage(layer_idx, key, value)
+        return forward_pass.recorder.attend(layer_idx, query, layer, scratch, scale)
+    keys, values = layer.stage(key, value)
+    return biased_attention(query, keys, values, layer.bias, scale=scale, mode=forward_pass.beta_mode,
+                            masks=forward_pass.masks, bias_rows=forward_pass.bias_rows)
 
 
 def biased_attention(

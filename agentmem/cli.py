@@ -271,6 +271,8 @@ def serve(
     policies: Optional[Path] = PoliciesOpt,
     api_keys: Optional[Path] = typer.Option(None, "--api-keys", help="YAML or JSON file mapping each API key to its "
                                                                      "tenant (without it: open, tenant 'default')"),
+    batching: bool = typer.Option(True, "--batching/--no-batching", help="decode concurrent turns together, one "
+                                                                         "forward a step"),
 ) -> None:
     """Serve sessions over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models, /metrics).
 
@@ -284,10 +286,13 @@ def serve(
         from agentmem.server import serve as run
     except ImportError as exc:
         raise InvalidInput(f"agentmem serve needs FastAPI and uvicorn: pip install 'agentmem[serve]' ({exc})") from exc
+    from agentmem.batching import DecodeBatcher
     from agentmem.sessions import SessionManager
 
-    run(SessionManager(_load_engine(model, options), store, policies=loaded, default_policy=default),
-        host=host, port=port, api_keys=keys)
+    engine = _load_engine(model, options)
+    if batching:
+        engine.batcher = DecodeBatcher(engine)
+    run(SessionManager(engine, store, policies=loaded, default_policy=default), host=host, port=port, api_keys=keys)
 
 
 def _load_api_keys(path: Path | None) -> dict[str, str] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -26,7 +27,7 @@ from transformers.models.llama.modeling_llama import rotate_half  # the same in 
 
 from agentmem import attention
 from agentmem.attention import BetaMode, BiasRows, ForwardPass, QueryRecorder
-from agentmem.cache import LayerCache, ScratchRows, SessionCache
+from agentmem.cache import LayerCache, ScratchRows, SessionCache, to_device
 from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
 from agentmem.models import (
@@ -58,6 +59,17 @@ class Decoder(Protocol):
     def store(self, cache: SessionCache) -> None: ...
 
 
+class StepBatcher(Protocol):
+    """Runs decode steps of several sessions in one forward (e.g. :class:`agentmem.batching.DecodeBatcher`)."""
+
+    def decoding(self) -> AbstractContextManager[None]:
+        """Held while a turn decodes: the batcher waits for the steps of every turn holding it."""
+
+    def step(self, cache: SessionCache, token: torch.Tensor, bias_rows: BiasRows) -> torch.Tensor:
+        """Read ``token`` (a device tensor ``(1,)``) into ``cache``, with the other sessions' steps
+        waiting at the same time; the final hidden state ``(1, 1, hidden)``."""
+
+
 # Tokens per prefill forward. Each forward launches its operators per layer again, so chunks
 # cost more than one pass (docs/benchmarks/cost.md); a chunk read on top of earlier rows also
 # needs a (tokens x slots) mask, attended in slices under attention.MASK_BYTES. A chunk's
@@ -87,6 +99,7 @@ class Engine:
         self.beta_mode: BetaMode = beta_mode or attention.default_beta_mode(model.device)
         # When set, greedy and sampled decoding run through fixed buffers, one compiled step per token.
         self.decoder: Decoder | None = None
+        self.batcher: StepBatcher | None = None  # opt-in: decode steps of concurrent turns share forwards
         self.name = name or model.config._name_or_path or model.config.model_type
         self.fingerprint = model_fingerprint(model)
         cfg = model.config
@@ -263,10 +276,18 @@ class Engine:
             for start in range(0, len(prompt), PREFILL_CHUNK):
                 hidden = self._forward(cache, prompt[start : start + PREFILL_CHUNK], bias_rows)
         head = self.model.get_output_embeddings()
-        yield from self._sampling_loop(
-            hidden, lambda hidden: head(hidden[0, -1:]), lambda token: self._commit(cache, token[None], bias_rows),
-            lambda: cache.logical_length < self.max_context, cache.extend_log, max_new_tokens, processors, generator,
-            stop)
+        batcher = self.batcher
+        if batcher is None:
+            def advance(token: torch.Tensor) -> torch.Tensor:
+                return self._commit(cache, token[None], bias_rows)
+        else:
+            def advance(token: torch.Tensor) -> torch.Tensor:
+                return batcher.step(cache, token, bias_rows)
+        with batcher.decoding() if batcher is not None else nullcontext():
+            yield from self._sampling_loop(
+                hidden, lambda hidden: head(hidden[0, -1:]), advance,
+                lambda: cache.logical_length < self.max_context, cache.extend_log, max_new_tokens, processors,
+                generator, stop)
 
     def _static_decode_loop(
         self,
@@ -387,6 +408,24 @@ class Engine:
         for layer in cache.layers:
             layer.commit(input_ids.shape[1])
         return hidden
+
+    def commit_steps(self, caches: Sequence[SessionCache], tokens: torch.Tensor,
+                     bias_rows: Sequence[BiasRows]) -> torch.Tensor:
+        """One forward reading ``tokens[b]`` (device ids ``(B,)``) into ``caches[b]`` at its logical
+        position, committing the rows (the callers log the ids); final hidden states ``(B, 1, hidden)``.
+
+        Each row attends over its own cache (:func:`agentmem.attention.session_attention`); the
+        caches must be distinct. If the forward fails, nothing is committed."""
+        if len({id(c) for c in caches}) != len(caches):
+            raise InvalidInput("a batched step reads one token per session: a cache appears twice")
+        rows = [ForwardPass(cache, self.beta_mode, bias_rows=rows) for cache, rows in zip(caches, bias_rows)]
+        positions = to_device([[cache.logical_length] for cache in caches], self.device)
+        out = self.model.base_model(input_ids=tokens.view(-1, 1), position_ids=positions, use_cache=False,
+                                    agentmem_batch=rows)
+        for cache in caches:
+            for layer in cache.layers:
+                layer.commit(1)
+        return out.last_hidden_state
 
     def _run(self, input_ids: torch.Tensor, first_position: int, forward_pass: ForwardPass) -> torch.Tensor:
         """One decoder forward over ``input_ids`` ``(1, n)`` at positions from ``first_position``; final hidden states.

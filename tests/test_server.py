@@ -209,3 +209,24 @@ def test_tool_calls_round_trip_as_openai_tool_calls(url, scripted, manager):
     assert answer.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens
     assert [m["role"] for m in manager.session("tools", tenant="acme").messages] == [
         "user", "assistant", "tool", "assistant"]
+
+
+def test_concurrent_requests_share_forwards_and_get_the_replies_they_get_alone(url, tiny):
+    from agentmem.batching import DecodeBatcher
+
+    prompts = [[{"role": "user", "content": f"Tell me about item {i}: " + "word " * (3 * i)}] for i in range(4)]
+
+    async def ask_all() -> list[str]:
+        api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="key-acme", max_retries=0)
+        name = (await api.models.list()).data[0].id
+        replies = await asyncio.gather(*(api.chat.completions.create(model=name, messages=p, max_tokens=8)
+                                         for p in prompts))
+        return [r.choices[0].message.content for r in replies]
+
+    alone = asyncio.run(ask_all())
+    tiny.batcher = batcher = DecodeBatcher(tiny)
+    try:
+        together = asyncio.run(ask_all())
+    finally:
+        tiny.batcher = None
+    assert together == alone and batcher.steps > 0

@@ -1,0 +1,118 @@
+"""Continuous batching: decode steps of concurrent turns share forwards, and every reply is the one it gets alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.batching import DecodeBatcher
+from agentmem.compaction import compact
+from agentmem.errors import InvalidInput
+from helpers import tiny_model
+
+STEPS = 12
+
+
+def prompts(engine: Engine) -> list[list[int]]:
+    """Prompts of ragged lengths, from real text."""
+    from pydoc_data.topics import topics
+
+    words = topics["compound"].split()
+    return [engine.tokenizer(" ".join(words[i * 40 : i * 40 + 20 + 15 * i]))["input_ids"] for i in range(5)]
+
+
+def caches(engine: Engine) -> list:
+    """Ragged caches, two of them compacted (rows with β)."""
+    made = [engine.prefill(ids) for ids in prompts(engine)]
+    made[1] = compact(engine, made[1], "global-eviction", ratio=3, keep_recent=8)
+    made[3] = compact(engine, made[3], "am", ratio=2, keep_recent=8)
+    return made
+
+
+def run_together(engine: Engine, jobs: list, **generation) -> list[list[int]]:
+    replies: list[list[int] | BaseException] = [[] for _ in jobs]
+    start = threading.Barrier(len(jobs))
+
+    def turn(i: int) -> None:
+        cache, prompt = jobs[i]
+        start.wait()
+        try:
+            replies[i] = engine.generate(cache, prompt, **generation)
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            replies[i] = exc
+
+    threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            raise reply
+    return replies
+
+
+def test_batched_greedy_replies_equal_each_reply_alone(tiny_engine):
+    engine = tiny_engine
+    engine.eos_token_ids, saved = frozenset(), engine.eos_token_ids  # every reply runs STEPS tokens
+    try:
+        made = caches(engine)
+        alone = [engine.generate(c.clone(), [11, 12], max_new_tokens=STEPS) for c in made]
+        engine.batcher = batcher = DecodeBatcher(engine)
+        together_caches = [c.clone() for c in made]
+        together = run_together(engine, [(c, [11, 12]) for c in together_caches], max_new_tokens=STEPS)
+    finally:
+        engine.batcher, engine.eos_token_ids = None, saved
+    assert together == alone
+    # Every generated token was read by a shared forward (each is in its cache before it is
+    # yielded), and the turns shared them: fewer forwards than steps.
+    assert batcher.steps == len(made) * STEPS and batcher.forwards < batcher.steps
+    # The caches hold what they would alone: the next token's logits agree.
+    for cache, original in zip(together_caches, made):
+        reference = original.clone()
+        engine.prefill([11, 12] + alone[made.index(original)], reference)
+        assert cache.logical_length == reference.logical_length
+        torch.testing.assert_close(engine.score(cache, [5, 6]), engine.score(reference, [5, 6]), atol=1e-4, rtol=0)
+
+
+def test_sessions_under_a_manager_batch_their_turns_and_compact_as_alone(tokenizer, tmp_path):
+    engine = Engine(tiny_model("qwen2"), tokenizer)
+    engine.eos_token_ids = frozenset()
+    policy = BudgetPolicy(max_live_tokens=96, keep_recent=8, target_ratio=4, method="global-eviction")
+    texts = [[f"Note {i}.{j}: " + " ".join(["alpha", "beta", "gamma", "delta"][(i + j) % 4:]) * (3 + i)
+              for j in range(3)] for i in range(4)]
+
+    def converse(batched: bool, db: str) -> tuple[list[list[str]], int]:
+        engine.batcher = DecodeBatcher(engine) if batched else None
+        out: list[list[str]] = [[] for _ in texts]
+        with SessionManager(engine, f"sqlite:///{tmp_path / db}", default_policy=policy) as manager:
+            def talk(i: int) -> None:
+                session = manager.session(f"s{i}")
+                for text in texts[i]:
+                    out[i].append(session.chat(text, max_new_tokens=10).text)
+
+            threads = [threading.Thread(target=talk, args=(i,)) for i in range(len(texts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            compactions = manager.stats()["compactions"]
+        engine.batcher = None
+        return out, compactions
+
+    alone, compacted_alone = converse(False, "alone.db")
+    together, compacted_together = converse(True, "together.db")
+    assert together == alone and compacted_together == compacted_alone > 0
+
+
+def test_a_batched_step_refuses_the_same_cache_twice(tiny_engine):
+    cache = tiny_engine.prefill([5, 6, 7])
+    token = torch.tensor([8], device=tiny_engine.device)
+    from agentmem.attention import BiasRows
+
+    with pytest.raises(InvalidInput, match="appears twice"):
+        tiny_engine.commit_steps([cache, cache], torch.cat([token, token]), [BiasRows(), BiasRows()])
+    assert cache.logical_length == 3 and cache.layers[0].tail_length == 3  # nothing committed
