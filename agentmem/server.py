@@ -349,8 +349,10 @@ def serve(manager: SessionManager, *, host: str = "127.0.0.1", port: int = 8000,
     """Run the server until interrupted, then close the manager (its live sessions are spilled)."""
     import uvicorn
 
-    try:
-        uvicorn.run(create_app(manager, api_keys=api_keys), host=host, port=port, log_level="info")
+    try:  # no lifespan events are used: without the lifespan task, Ctrl-C stops the server quietly
+        uvicorn.run(create_app(manager, api_keys=api_keys), host=host, port=port, log_level="info", lifespan="off")
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the signal it stopped on, after shutting down gracefully
     finally:
         manager.close()
 
