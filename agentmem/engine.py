@@ -277,12 +277,11 @@ class Engine:
                 hidden = self._forward(cache, prompt[start : start + PREFILL_CHUNK], bias_rows)
         head = self.model.get_output_embeddings()
         batcher = self.batcher
-        if batcher is None:
-            def advance(token: torch.Tensor) -> torch.Tensor:
-                return self._commit(cache, token[None], bias_rows)
-        else:
-            def advance(token: torch.Tensor) -> torch.Tensor:
-                return batcher.step(cache, token, bias_rows)
+
+        def advance(token: torch.Tensor) -> torch.Tensor:  # alone, or in a forward shared with other turns
+            return self._commit(cache, token[None], bias_rows) if batcher is None else batcher.step(cache, token,
+                                                                                                     bias_rows)
+
         with batcher.decoding() if batcher is not None else nullcontext():
             yield from self._sampling_loop(
                 hidden, lambda hidden: head(hidden[0, -1:]), advance,

@@ -63,3 +63,21 @@ def reference_logprobs(model: PreTrainedModel, ids: list[int], **kwargs) -> torc
     with torch.no_grad():
         logits = model(torch.tensor([ids]), **kwargs).logits[0, :-1].float()
     return logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def script_replies(monkeypatch) -> list[str]:
+    """Make every engine "say" the texts appended to the returned list, one per turn: sessions,
+    caches and adapters run for real, only the model's choice of tokens is fixed (each reply is
+    read into the cache as generated tokens are, then an end-of-sequence token)."""
+    from agentmem import Engine
+
+    replies: list[str] = []
+
+    def stream(self, cache, prompt_ids, *, max_new_tokens, **sampling):
+        said = self.tokenizer(replies.pop(0), add_special_tokens=False)["input_ids"]
+        tokens = (said + sorted(self.eos_token_ids)[:1])[:max_new_tokens]
+        self.prefill(list(prompt_ids) + tokens, cache)
+        yield from tokens
+
+    monkeypatch.setattr(Engine, "stream", stream)
+    return replies

@@ -11,11 +11,11 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from helpers import script_replies, tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.server import SESSION_HEADER, create_app
-from helpers import tiny_model
 
 KEYS = {"key-acme": "acme", "key-globex": "globex"}
 HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
@@ -174,17 +174,8 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two i
 
 @pytest.fixture
 def scripted(monkeypatch):
-    """The engine "says" the given texts, one per turn (read into the cache as generated tokens are)."""
-    replies: list[str] = []
-
-    def stream(self, cache, prompt_ids, *, max_new_tokens, **sampling):
-        said = self.tokenizer(replies.pop(0), add_special_tokens=False)["input_ids"]
-        tokens = (said + sorted(self.eos_token_ids)[:1])[:max_new_tokens]
-        self.prefill(list(prompt_ids) + tokens, cache)
-        yield from tokens
-
-    monkeypatch.setattr(Engine, "stream", stream)
-    return replies
+    """The engine "says" scripted texts (see :func:`helpers.script_replies`)."""
+    return script_replies(monkeypatch)
 
 
 def test_tool_calls_round_trip_as_openai_tool_calls(url, scripted, manager):

@@ -6,12 +6,13 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+from agentmem.adapters import shared
+from agentmem.adapters.langchain import ChatAgentMem, to_message_dict
+from helpers import script_replies
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from pydantic import BaseModel, ValidationError
 
-from agentmem import BudgetPolicy, Engine
-from agentmem.adapters import shared
-from agentmem.adapters.langchain import ChatAgentMem, to_message_dict
+from agentmem import BudgetPolicy
 from agentmem.errors import InvalidInput
 from agentmem.tools import format_tool_call, parse_tool_calls
 
@@ -160,19 +161,8 @@ def test_bound_tools_are_in_the_prompt_and_a_forced_call_starts_the_reply(store,
 
 @pytest.fixture
 def scripted(monkeypatch):
-    """Make the engine "say" the given texts, one per turn: the session, its cache and the adapter
-    run for real, only the model's choice of tokens is fixed (each reply is read into the cache
-    as generated tokens are)."""
-    replies: list[str] = []
-
-    def stream(self, cache, prompt_ids, *, max_new_tokens, **sampling):
-        said = self.tokenizer(replies.pop(0), add_special_tokens=False)["input_ids"]
-        tokens = (said + sorted(self.eos_token_ids)[:1])[:max_new_tokens]
-        self.prefill(list(prompt_ids) + tokens, cache)
-        yield from tokens
-
-    monkeypatch.setattr(Engine, "stream", stream)
-    return replies
+    """The engine "says" scripted texts (see :func:`helpers.script_replies`)."""
+    return script_replies(monkeypatch)
 
 
 def add(a: int, b: int) -> int:
