@@ -221,3 +221,14 @@ def test_concurrent_requests_share_forwards_and_get_the_replies_they_get_alone(u
     finally:
         tiny.batcher = None
     assert together == alone and batcher.steps > 0
+
+
+def test_malformed_messages_are_400s_naming_the_problem(url):
+    name = client(url).models.list().data[0].id
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    with pytest.raises(openai.BadRequestError, match="message content must be text"):
+        client(url).chat.completions.create(model=name, messages=image)
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}
+    with pytest.raises(openai.BadRequestError, match="tool call arguments are not JSON"):
+        client(url).chat.completions.create(model=name, messages=HELLO + [call])
