@@ -118,7 +118,8 @@ def test_a_batched_step_refuses_the_same_cache_twice(tiny_engine):
     assert cache.logical_length == 3 and cache.layers[0].tail_length == 3  # nothing committed
 
 
-@pytest.mark.parametrize("settings, problem", [({"max_batch": 0}, "max_batch"), ({"gather_seconds": -1}, "gather_seconds")])
+@pytest.mark.parametrize("settings, problem", [({"max_batch": 0}, "max_batch"),
+                                               ({"gather_seconds": -1}, "gather_seconds")])
 def test_batcher_settings_are_checked(tiny_engine, settings, problem):
     with pytest.raises(InvalidInput, match=problem):
         DecodeBatcher(tiny_engine, **settings)
