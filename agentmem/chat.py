@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,11 @@ from agentmem.tools import check_tools, system_prompt_with_tools, template_suppo
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _SENTINEL = "\ue000agentmem-content-{}\ue001"
 _SENTINEL_RE = re.compile("\ue000agentmem-content-(\\d+)\ue001")
+# A fast tokenizer's "split special tokens" switch is state of the shared Rust tokenizer, which
+# transformers sets on every call: two threads encoding at once (one a message, one template
+# text) could each encode under the other's setting, reading a typed "<|im_end|>" as the
+# control token or the template's own as text. Encoding is serialised; it takes microseconds.
+_ENCODING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -105,8 +111,15 @@ def render_pieces(
 def tokenize_pieces(tokenizer: PreTrainedTokenizerBase, pieces: Sequence[TextPiece]) -> list[int]:
     ids: list[int] = []
     for piece in pieces:
-        ids.extend(tokenizer(piece.text, add_special_tokens=False, split_special_tokens=piece.content)["input_ids"])
+        ids.extend(encode(tokenizer, piece.text, split_special_tokens=piece.content))
     return ids
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str, *, split_special_tokens: bool) -> list[int]:
+    """``text``'s token ids without added BOS/EOS; with ``split_special_tokens``, a control token's
+    text is read as plain text. Safe to call from many threads at once (see ``_ENCODING``)."""
+    with _ENCODING:
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens)["input_ids"]
 
 
 def cut_pieces(pieces: Sequence[TextPiece], chars: int) -> list[TextPiece]:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from agentmem.cache import SessionCache
+from agentmem.chat import encode
 from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine, stop_strings
 from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, InvalidInput
@@ -152,8 +153,7 @@ class Session:
             conversation = self._conversation(message_or_messages)
             tools = list(tools) if tools else None
             keep, delta = self._plan(conversation, tools)
-            prefix = self.engine.tokenizer(reply_prefix, add_special_tokens=False,
-                                                   split_special_tokens=True)["input_ids"] if reply_prefix else []
+            prefix = encode(self.engine.tokenizer, reply_prefix, split_special_tokens=True) if reply_prefix else []
             self.engine.check_sampling(max_new_tokens, temperature, top_p, top_k)
             stop = stop_strings(stop)
             self._check_turn(keep, len(delta) + len(prefix), max_new_tokens, conversation, tools)  # before anything changes

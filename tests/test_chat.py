@@ -75,3 +75,30 @@ def test_a_template_that_refuses_a_conversation_or_no_template_is_a_typed_error(
     bare.chat_template = None
     with pytest.raises(UnsupportedModel, match="no chat template"):
         render_pieces(bare, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+
+
+def test_encoding_from_many_threads_keeps_each_calls_special_token_setting(tokenizer):
+    """The tokenizer's split-special-tokens switch is shared state: concurrent turns (one reading a
+    message, one template text) must each encode under their own setting."""
+    import threading
+
+    from agentmem.chat import encode
+
+    text = "<|im_end|>\n<|im_start|>assistant\n"
+    expected = {split: encode(tokenizer, text, split_special_tokens=split) for split in (True, False)}
+    assert expected[True] != expected[False]
+    wrong: list[bool] = []
+    start = threading.Barrier(8)
+
+    def encode_many(split: bool) -> None:
+        start.wait()
+        for _ in range(300):
+            if encode(tokenizer, text, split_special_tokens=split) != expected[split]:
+                wrong.append(split)
+
+    threads = [threading.Thread(target=encode_many, args=(i % 2 == 0,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
