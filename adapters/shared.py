@@ -3,7 +3,9 @@
 Loading a model or opening a store per chat-model object would duplicate gigabytes and break
 the one-live-copy guarantee (two managers in one process would fight over the same lease), so
 adapters get one :class:`~agentmem.engine.Engine` per model and one
-:class:`~agentmem.sessions.SessionManager` per (model, store). Every shared manager spills its
+:class:`~agentmem.sessions.SessionManager` per (model, store). The engine batches: turns of
+concurrent calls (``abatch``, ``astream``, threads) decode together, their prompts read in
+chunks among the others' steps (:class:`~agentmem.batching.DecodeBatcher`). Every shared manager spills its
 live sessions when the process exits normally, so a restarted process resumes them.
 
 That spill must run before the interpreter stops its thread pools: an ``atexit`` hook runs
@@ -24,6 +26,7 @@ import threading
 from agentmem.storage import default_url
 from agentmem.storage.redis_client import redact
 
+from agentmem.batching import DecodeBatcher
 from agentmem.engine import Engine
 from agentmem.errors import InvalidInput
 from agentmem.policy import BudgetPolicy, configured_policies
@@ -38,17 +41,21 @@ _managers: dict[tuple[str, str], SessionManager] = {}
 _given: dict[tuple[str, str, str], BudgetPolicy] = {}  # (model, store, tenant): a policy an adapter object set
 
 
-def use_engine(model: str, engine: Engine) -> None:
+def use_engine(model: str, engine: Engine, *, batching: bool = True) -> None:
     """Serve ``model`` with an engine already loaded (another device or dtype, or one shared with other code).
 
     Call it before the first chat model of ``model`` runs: a manager already serving ``model``
     keeps its engine, so a later call raises :class:`InvalidInput` rather than being ignored.
+    With ``batching``, an engine without a batcher is given a :class:`DecodeBatcher`, as the
+    engines the adapters load are.
     """
     with _lock:
         serving = next((url for (name, url) in _managers if name == model), None)
         if serving is not None and _engines.get(model) is not engine:
             raise InvalidInput(f"model {model!r} is already served (store {redact(serving)}) by another engine")
         _engines[model] = engine
+        if batching:
+            _give_batcher(engine)
 
 
 def shared_engine(model: str) -> Engine:
@@ -59,10 +66,16 @@ def shared_engine(model: str) -> Engine:
         with _lock:
             engine = _engines.get(model)
         if engine is None:
-            engine = Engine.load(model)
+            engine = _give_batcher(Engine.load(model))
             with _lock:
                 engine = _engines.setdefault(model, engine)
         return engine
+
+
+def _give_batcher(engine: Engine) -> Engine:
+    if engine.batcher is None:
+        engine.batcher = DecodeBatcher(engine)
+    return engine
 
 
 def shared_manager(model: str, store: str | None, tenant: str, policy: BudgetPolicy | None) -> SessionManager:

@@ -161,6 +161,19 @@ class ForwardPass:
     masks: SharedMasks = field(default_factory=SharedMasks)
 
 
+@dataclass(frozen=True)
+class PackedPasses:
+    """Several sessions read in one forward, packed along its single sequence (no padding).
+
+    Session ``b``'s tokens are ``bounds[b]:bounds[b + 1]`` of the sequence, read under
+    ``passes[b]``: a decode step is one token, a prompt chunk many. Passed to the model as the
+    ``agentmem_batch`` kwarg (see :mod:`agentmem.batching`).
+    """
+
+    passes: list[ForwardPass]
+    bounds: list[int]
+
+
 def session_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -171,25 +184,26 @@ def session_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: ``query`` ``(B, Hq, n, d)``, ``key``/``value`` ``(B, Hkv, n, d)``.
+    """transformers attention interface: ``query`` ``(1, Hq, n, d)``, ``key``/``value`` ``(1, Hkv, n, d)``.
 
-    One sequence (``agentmem_pass``), or one row per session (``agentmem_batch``, a
-    :class:`ForwardPass` per row: a batched decode step, see :mod:`agentmem.batching`). Each row
-    attends over its own session's cache where it lies: ragged caches are never copied into one
-    padded tensor; the batch shares the forward's projections and MLPs, which is what batching buys.
+    One session (``agentmem_pass``), or several packed along the sequence (``agentmem_batch``,
+    :class:`PackedPasses`). Each session's tokens attend over its own cache where it lies, and
+    causally over each other: ragged caches are never copied into one padded tensor; the batch
+    shares the forward's projections and MLPs, which is what batching buys.
     """
-    rows: list[ForwardPass] | None = kwargs.get("agentmem_batch")
-    if rows is None:
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    packed: PackedPasses | None = kwargs.get("agentmem_batch")
+    if packed is None:
         forward_pass: ForwardPass | None = kwargs.get("agentmem_pass")
         if forward_pass is None:
             raise AgentMemError("agentmem attention was called outside an Engine forward pass")
-        rows = [forward_pass]
-    if query.shape[0] != len(rows):
-        raise AgentMemError(f"agentmem attention got {query.shape[0]} sequences for {len(rows)} sessions")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = [_attend(row, module.layer_idx, query[b], key[b], value[b], scale) for b, row in enumerate(rows)]
-    stacked = out[0].unsqueeze(0) if len(out) == 1 else torch.stack(out)  # one sequence: a view, no copy
-    return stacked.transpose(1, 2), None
+        return _attend(forward_pass, module.layer_idx, query[0], key[0], value[0], scale)[None].transpose(1, 2), None
+    if query.shape[0] != 1 or query.shape[2] != packed.bounds[-1]:
+        raise AgentMemError(f"agentmem attention got {tuple(query.shape[:3])} queries for sessions packed as "
+                            f"{packed.bounds}")
+    out = [_attend(row, module.layer_idx, query[0, :, first:end], key[0, :, first:end], value[0, :, first:end], scale)
+           for row, first, end in zip(packed.passes, packed.bounds, packed.bounds[1:])]
+    return torch.cat(out, dim=1)[None].transpose(1, 2), None
 
 
 def _attend(forward_pass: ForwardPass, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -8,6 +8,7 @@ would have had in the full sequence.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,7 +27,7 @@ from transformers import (
 from transformers.models.llama.modeling_llama import rotate_half  # the same in every supported architecture
 
 from agentmem import attention
-from agentmem.attention import BetaMode, BiasRows, ForwardPass, QueryRecorder
+from agentmem.attention import BetaMode, BiasRows, ForwardPass, PackedPasses, QueryRecorder
 from agentmem.cache import LayerCache, ScratchRows, SessionCache, to_device
 from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
@@ -60,14 +61,16 @@ class Decoder(Protocol):
 
 
 class StepBatcher(Protocol):
-    """Runs decode steps of several sessions in one forward (e.g. :class:`agentmem.batching.DecodeBatcher`)."""
+    """Reads the tokens of several sessions in one forward (e.g. :class:`agentmem.batching.DecodeBatcher`)."""
 
     def decoding(self) -> AbstractContextManager[None]:
-        """Held while a turn decodes: the batcher waits for the steps of every turn holding it."""
+        """Held while a turn reads its prompt and decodes: the batcher waits for every such turn's read."""
 
-    def step(self, cache: SessionCache, token: torch.Tensor, bias_rows: BiasRows) -> torch.Tensor:
-        """Read ``token`` (a device tensor ``(1,)``) into ``cache``, with the other sessions' steps
-        waiting at the same time; the final hidden state ``(1, 1, hidden)``."""
+    def read(self, cache: SessionCache, tokens: torch.Tensor, bias_rows: BiasRows, *,
+             log: Sequence[int] | None = None) -> torch.Tensor:
+        """Read ``tokens`` (device ids ``(n,)``) into ``cache``, sharing forwards with the other
+        sessions' reads; the final hidden state of the last ``(1, 1, hidden)``. ``log``: the host
+        ids, logged as their rows are committed (a decode step's caller logs its own token)."""
 
 
 # Tokens per prefill forward. Each forward launches its operators per layer again, so chunks
@@ -272,17 +275,20 @@ class Engine:
             yield from self._static_decode_loop(cache, prompt, max_new_tokens, processors, generator, stop)
             return
         bias_rows = BiasRows()  # β rows the steps share: a step over compacted rows builds no mask
-        with torch.inference_mode():
-            for start in range(0, len(prompt), PREFILL_CHUNK):
-                hidden = self._forward(cache, prompt[start : start + PREFILL_CHUNK], bias_rows)
         head = self.model.get_output_embeddings()
         batcher = self.batcher
 
         def advance(token: torch.Tensor) -> torch.Tensor:  # alone, or in a forward shared with other turns
-            return self._commit(cache, token[None], bias_rows) if batcher is None else batcher.step(cache, token,
+            return self._commit(cache, token[None], bias_rows) if batcher is None else batcher.read(cache, token,
                                                                                                      bias_rows)
 
         with batcher.decoding() if batcher is not None else nullcontext():
+            with torch.inference_mode():
+                if batcher is None:
+                    for start in range(0, len(prompt), PREFILL_CHUNK):
+                        hidden = self._forward(cache, prompt[start : start + PREFILL_CHUNK], bias_rows)
+                else:  # its chunks share forwards with the other turns' steps, under the batcher's token budget
+                    hidden = batcher.read(cache, self._on_device(prompt)[0], bias_rows, log=prompt)
             yield from self._sampling_loop(
                 hidden, lambda hidden: head(hidden[0, -1:]), advance,
                 lambda: cache.logical_length < self.max_context, cache.extend_log, max_new_tokens, processors,
@@ -408,22 +414,29 @@ class Engine:
             layer.commit(input_ids.shape[1])
         return hidden
 
-    def commit_steps(self, caches: Sequence[SessionCache], tokens: torch.Tensor,
-                     bias_rows: Sequence[BiasRows]) -> torch.Tensor:
-        """One forward reading ``tokens[b]`` (device ids ``(B,)``) into ``caches[b]`` at its logical
-        position, committing the rows (the callers log the ids); final hidden states ``(B, 1, hidden)``.
+    def commit_rows(self, caches: Sequence[SessionCache], tokens: Sequence[torch.Tensor],
+                    bias_rows: Sequence[BiasRows]) -> torch.Tensor:
+        """One forward reading ``tokens[b]`` (device ids ``(n_b,)``) into ``caches[b]`` at its logical
+        positions, committing the rows (the callers log the ids); final hidden states ``(1, Σ n_b, hidden)``.
 
-        Each row attends over its own cache (:func:`agentmem.attention.session_attention`); the
-        caches must be distinct. If the forward fails, nothing is committed."""
+        The sessions are packed along one sequence, decode steps and prompt chunks alike, so
+        ragged reads need no padding; each session's tokens attend over its own cache and each
+        other (:func:`agentmem.attention.session_attention`). The caches must be distinct. If
+        the forward fails, nothing is committed."""
         if len({id(c) for c in caches}) != len(caches):
-            raise InvalidInput("a batched step reads one token per session: a cache appears twice")
-        rows = [ForwardPass(cache, self.beta_mode, bias_rows=rows) for cache, rows in zip(caches, bias_rows)]
-        positions = to_device([[cache.logical_length] for cache in caches], self.device)
-        out = self.model.base_model(input_ids=tokens.view(-1, 1), position_ids=positions, use_cache=False,
-                                    agentmem_batch=rows)
-        for cache in caches:
+            raise InvalidInput("a batched forward reads one run of tokens per session: a cache appears twice")
+        counts = [t.numel() for t in tokens]
+        if min(counts) < 1:
+            raise InvalidInput("a batched forward reads at least one token per session")
+        packed = PackedPasses([ForwardPass(c, self.beta_mode, bias_rows=r) for c, r in zip(caches, bias_rows)],
+                              list(itertools.accumulate(counts, initial=0)))
+        positions = to_device([p for c, n in zip(caches, counts)
+                               for p in range(c.logical_length, c.logical_length + n)], self.device)
+        out = self.model.base_model(input_ids=torch.cat([t.reshape(-1) for t in tokens])[None],
+                                    position_ids=positions[None], use_cache=False, agentmem_batch=packed)
+        for cache, n in zip(caches, counts):
             for layer in cache.layers:
-                layer.commit(1)
+                layer.commit(n)
         return out.last_hidden_state
 
     def _run(self, input_ids: torch.Tensor, first_position: int, forward_pass: ForwardPass) -> torch.Tensor:

@@ -1,13 +1,17 @@
 """Many agents at once: N concurrent turns decoded with continuous batching, against the same turns one after another.
 
 For N = 1, 2, 4, 8, 16, 32 sessions, each holding its own real-text history (ragged lengths),
-every session takes one turn of ``--new-tokens`` greedy tokens:
+every session takes one turn: it reads a new message of ``--message-tokens`` real-text tokens,
+then generates ``--new-tokens`` greedy tokens:
 
-- **serial**: the turns one after another, each decoding alone (the engine without a batcher);
-- **batched**: the turns at once, one thread each, their decode steps sharing forwards
-  (``engine.batcher = DecodeBatcher(engine)``);
-- **transformers**: ``model.generate`` of the same N prompts (full histories, left-padded) as
-  one batch, its own SDPA attention and cache: what a batch of fresh prompts costs there.
+- **serial**: the turns one after another, each alone (the engine without a batcher);
+- **batched**: the turns at once, one thread each, their messages and decode steps sharing
+  forwards (``engine.batcher = DecodeBatcher(engine)``);
+- **transformers**: ``model.generate`` of the same N prompts (full histories and messages,
+  left-padded) as one batch, its own SDPA attention and cache: what a batch of fresh prompts
+  costs there (it re-reads every history; the sessions do not);
+- **server**: the same kind of turns as chat requests to ``agentmem serve``'s app (uvicorn on
+  loopback, N concurrent requests from ``httpx``), one session each, with and without batching.
 
 Reported per row: model forwards (counted with a forward hook on the decoder: time is not the
 proof on 2 cores, where threads overlap even unbatched turns), wall seconds, generated tokens/s
@@ -15,49 +19,67 @@ and p50/p99 seconds per output token (a turn's decode time over its tokens; seri
 batched). Targets (issue [serve]): 8 concurrent turns ≤ 0.3x the serial forwards; 16 concurrent
 turns ≤ 0.2x the serial wall time. Writes ``benchmarks/results/batch.{md,json,png}``.
 
-Run: ``python benchmarks/batch.py`` (embedded model, CPU); ``--sessions 1 2 4 8`` for fewer.
+Run: ``python benchmarks/batch.py`` (embedded model, CPU); ``--sessions 1 2 4 8`` for fewer,
+``--no-server`` to leave out the server rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import socket
 import statistics
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import httpx
 import torch
+import uvicorn
 from common import command_line, machine, pyplot, save_figure, stdlib_text, write_results
 
-from agentmem import Engine
+from agentmem import Engine, SessionManager
 from agentmem.batching import DecodeBatcher
 from agentmem.models import EMBEDDED
+from agentmem.server import create_app
 
 
 class ForwardCounter:
-    """Counts forwards of ``module`` (the decoder stack: one per prefill chunk or decode step)."""
+    """Counts forwards of ``module`` (the decoder stack: one per prefill chunk or shared step) until removed."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.count = 0
-        module.register_forward_pre_hook(self._seen)
+        self._hook = module.register_forward_pre_hook(self._seen)
 
     def _seen(self, module: torch.nn.Module, args: object) -> None:
         self.count += 1
 
+    def remove(self) -> None:
+        self._hook.remove()
 
-def histories(engine: Engine, n: int) -> list[list[int]]:
-    """``n`` real-text histories of ragged lengths (prose and code), as token ids."""
+
+def histories(n: int) -> list[str]:
+    """``n`` real-text histories of ragged lengths (prose and code)."""
     words = stdlib_text().split()
-    return [engine.tokenizer(" ".join(words[i * 150 : i * 150 + 60 + 7 * i]))["input_ids"] for i in range(n)]
+    return [" ".join(words[i * 150 : i * 150 + 60 + 7 * i]) for i in range(n)]
 
 
-def run_turns(engine: Engine, prompts: list[list[int]], new_tokens: int, together: bool) -> tuple[float, list[float]]:
+def messages(engine: Engine, n: int, tokens: int) -> list[list[int]]:
+    """``n`` new messages of ``tokens`` real-text tokens each, from text the histories do not hold."""
+    words = stdlib_text().split()[-40 * n * tokens :]
+    return [engine.tokenizer(" ".join(words[i * tokens : (i + 1) * tokens]))["input_ids"][:tokens] for i in range(n)]
+
+
+def run_turns(engine: Engine, histories: list[list[int]], messages: list[list[int]], new_tokens: int,
+              together: bool) -> tuple[float, list[float]]:
     """Wall seconds of every turn, and each turn's seconds per output token (its decode only)."""
-    per_token: list[float] = [0.0] * len(prompts)
-    caches = [engine.prefill(p[:-1]) for p in prompts]  # the history is the session's; the turn reads its last token
+    per_token: list[float] = [0.0] * len(histories)
+    caches = [engine.prefill(h) for h in histories]  # the history is the session's; the turn reads a message
 
     def turn(i: int) -> None:
-        stream = engine.stream(caches[i], prompts[i][-1:], max_new_tokens=new_tokens)
+        stream = engine.stream(caches[i], messages[i], max_new_tokens=new_tokens)
         next(stream)  # the first token comes from reading the turn's message
         began = time.perf_counter()
         count = sum(1 for _ in stream)
@@ -65,13 +87,13 @@ def run_turns(engine: Engine, prompts: list[list[int]], new_tokens: int, togethe
 
     began = time.perf_counter()
     if together:
-        threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(prompts))]
+        threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(histories))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     else:
-        for i in range(len(prompts)):
+        for i in range(len(histories)):
             turn(i)
     return time.perf_counter() - began, per_token
 
@@ -89,31 +111,84 @@ def transformers_batch(model: torch.nn.Module, tokenizer, prompts: list[list[int
     return time.perf_counter() - began
 
 
+def server_turns(engine: Engine, texts: list[str], message_texts: list[str], new_tokens: int,
+                 batching: bool) -> tuple[float, int]:
+    """Wall seconds of N concurrent chat requests to a fresh server, each a new message to its own
+    session holding one of ``texts``, and the decoder forwards they ran."""
+    engine.batcher = DecodeBatcher(engine) if batching else None
+    with tempfile.TemporaryDirectory() as home, SessionManager(engine, f"sqlite:///{home}/s.db") as manager, \
+            running(create_app(manager)) as url, httpx.Client(base_url=url, timeout=600) as http:
+        def ask(i: int, conversation: list[dict[str, str]]) -> str:
+            body = {"model": engine.name, "messages": conversation, "max_tokens": new_tokens, "temperature": 0}
+            reply = http.post("/v1/chat/completions", json=body, headers={"X-Session-Id": f"s{i}"})
+            reply.raise_for_status()
+            return reply.json()["choices"][0]["message"]["content"]
+
+        history = [[{"role": "user", "content": text}] for text in texts]
+        for i, conversation in enumerate(history):  # the sessions' histories: read before the clock starts
+            conversation.append({"role": "assistant", "content": ask(i, conversation)})
+            conversation.append({"role": "user", "content": message_texts[i]})
+        counter = ForwardCounter(engine.model.base_model)
+        began = time.perf_counter()
+        threads = [threading.Thread(target=ask, args=(i, conversation)) for i, conversation in enumerate(history)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - began
+        counter.remove()
+    engine.batcher = None
+    return wall, counter.count
+
+
+@contextmanager
+def running(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port, for the block's duration; its base URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        thread.join(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--message-tokens", type=int, default=32)
+    parser.add_argument("--no-server", dest="server", action="store_false", help="leave out the server rows")
     args = parser.parse_args()
 
     engine = Engine.load(EMBEDDED, device="cpu")
     engine.eos_token_ids = frozenset()  # every turn generates --new-tokens: equal work on every side
     reference = copy.deepcopy(engine.model)
     reference.set_attn_implementation("sdpa")
-    forwards = ForwardCounter(engine.model.base_model)
     rows = []
     for n in args.sessions:
-        prompts = histories(engine, n)
+        texts = histories(n)
+        history_ids = [engine.tokenizer(text)["input_ids"] for text in texts]
+        message_ids = messages(engine, n, args.message_tokens)
         measured = {}
         for side in ("serial", "batched"):
             engine.batcher = DecodeBatcher(engine) if side == "batched" else None
-            before = forwards.count
-            wall, per_token = run_turns(engine, prompts, args.new_tokens, together=side == "batched")
-            measured[side] = (forwards.count - before - n, wall, per_token)  # less the n history prefills
+            forwards = ForwardCounter(engine.model.base_model)
+            wall, per_token = run_turns(engine, history_ids, message_ids, args.new_tokens, together=side == "batched")
+            forwards.remove()
+            measured[side] = (forwards.count - n, wall, per_token)  # less the n history prefills
         engine.batcher = None
-        hf_wall = transformers_batch(reference, engine.tokenizer, prompts, args.new_tokens)
+        hf_wall = transformers_batch(reference, engine.tokenizer, [h + m for h, m in zip(history_ids, message_ids)],
+                                     args.new_tokens)
         tokens = n * args.new_tokens
         (sf, sw, sp), (bf, bw, bp) = measured["serial"], measured["batched"]
-        rows.append({
+        row = {
             "sessions": n, "tokens": tokens,
             "serial forwards": sf, "batched forwards": bf, "forwards batched/serial": round(bf / sf, 3),
             "serial s": round(sw, 2), "batched s": round(bw, 2), "wall batched/serial": round(bw / sw, 3),
@@ -123,10 +198,24 @@ def main() -> None:
             "batched p50 s/token": round(statistics.median(bp), 4),
             "batched p99 s/token": round(sorted(bp)[min(len(bp) - 1, int(0.99 * len(bp)))], 4),
             "serial p50 s/token": round(statistics.median(sp), 4),
-        })
+        }
+        if args.server:
+            message_texts = [engine.tokenizer.decode(m) for m in message_ids]
+            alone_wall, alone_forwards = server_turns(engine, texts, message_texts, args.new_tokens, batching=False)
+            batched_wall, batched_forwards = server_turns(engine, texts, message_texts, args.new_tokens, batching=True)
+            row.update({
+                "server forwards unbatched": alone_forwards, "server forwards batched": batched_forwards,
+                "server tok/s unbatched": round(tokens / alone_wall, 1),
+                "server tok/s batched": round(tokens / batched_wall, 1),
+                "server wall batched/unbatched": round(batched_wall / alone_wall, 3),
+            })
+        rows.append(row)
         print(rows[-1], flush=True)
-    extra = {"new tokens per turn": args.new_tokens, "machine": machine(), "command": command_line(),
-             "forwards": "decoder forwards of the turns (prompt reads and decode steps), counted by a hook"}
+    extra = {"new tokens per turn": args.new_tokens, "message tokens per turn": args.message_tokens,
+             "machine": machine(), "command": command_line(),
+             "forwards": "decoder forwards of the turns (message reads and decode steps), counted by a hook",
+             "server": "concurrent requests over loopback HTTP, every request a new message to its own session; "
+                       "unbatched: the same server with --no-batching (its turns still run in threads at once)"}
     md = write_results("batch", "Concurrent turns: continuous batching vs one after another (embedded model, CPU)",
                        rows, extra)
     plot(rows)

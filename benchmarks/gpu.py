@@ -18,10 +18,16 @@ this order (a machine lent by the minute keeps whatever finished):
   CPU: the process's peak RSS, reset before each call, with glibc told to return large blocks
   on free), against the bound ``0.5 × cache bytes + 2 GiB``.
 
+Then, once (``--batch-sessions``, at ``--batch-context`` tokens per session): N sessions of
+ragged real-text histories each decode ``--decode-steps`` greedy tokens at once, one thread
+each, through ``agentmem.batching.DecodeBatcher`` (one forward per step for all of them):
+total generated tokens/s and the forwards they took.
+
 The targets section checks, where the rows exist: engine prefill ≥ 0.9× transformers'
 throughput; compaction at 32k ≤ 3× transformers' prefill (default method) and ≤ 1.5×
 (``global-eviction``); captured decode ≤ 2× the weight-bandwidth limit (the model's parameter
-bytes over the GPU's memory bandwidth; on a GPU not in :data:`BANDWIDTH`, the H200 figure).
+bytes over the GPU's memory bandwidth; on a GPU not in :data:`BANDWIDTH`, the H200 figure);
+batched decode at N = 32 ≥ 10× the tokens/s of N = 1.
 
 Every stage is guarded: an error or out-of-memory is recorded in its cell and the run goes on.
 ``--deadline S`` (seconds after the model is built): a stage is not started past it, nor when
@@ -44,6 +50,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -81,7 +88,7 @@ BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3
 H200_TARGET_MS = 7.0  # 2x the H200 weight-bandwidth limit of an 8B bf16 model (~3.4 ms): used for unknown GPUs
 # How a stage's time grows with the context length, for the deadline's prediction from a shorter
 # run (conservative: attention is quadratic in the context; a capture's compile does not grow).
-GROWTH = {"prefill": 1.5, "decode": 1.0, "captured decode": 0.0, "compaction": 2.0}
+GROWTH = {"prefill": 1.5, "decode": 1.0, "captured decode": 0.0, "compaction": 2.0, "batched decode": 1.0}
 
 
 # ---------------------------------------------------------------------------------- set-up
@@ -279,6 +286,41 @@ def compaction(engine: Engine, cache, method: str, ratio: float, device: torch.d
     return result
 
 
+def batched_decode(engine: Engine, ids: list[int], sessions: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """``sessions`` turns of ``steps`` greedy tokens at once through a :class:`DecodeBatcher`, each
+    session holding a ragged prefix of ``ids``: generated tokens/s and forwards per step."""
+    from agentmem.batching import DecodeBatcher
+
+    caches = [engine.prefill(ids[: len(ids) - 8 * i]) for i in range(sessions)]
+    engine.batcher = batcher = DecodeBatcher(engine)
+    saved, engine.eos_token_ids = engine.eos_token_ids, frozenset()  # every turn decodes all its steps
+    errors: list[BaseException] = []
+
+    def turn(cache) -> None:
+        try:
+            for _ in engine.stream(cache, [cache.token_ids[-1]], max_new_tokens=steps):
+                pass
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the stage
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=turn, args=(cache,)) for cache in caches]
+        sync(device)
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        engine.batcher, engine.eos_token_ids = None, saved
+    if errors:
+        raise errors[0]
+    return {"sessions": sessions, "tokens/s": sessions * steps / seconds, "seconds": seconds,
+            "forwards": batcher.forwards, "rows per forward": batcher.steps / batcher.forwards}
+
+
 # ------------------------------------------------------------------------------- the run
 
 
@@ -329,6 +371,10 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="compaction methods (default: compact()'s default and global-eviction)")
     parser.add_argument("--ratio", type=float, default=10.0)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--batch-sessions", type=int, nargs="+", default=None,
+                        help="concurrent sessions of the batched-decode rows (default 1 2 4 8 16 32; CPU 1 2 4)")
+    parser.add_argument("--batch-context", type=int, default=None,
+                        help="tokens of each batched session's history (default 2048; CPU 512)")
     parser.add_argument("--repeats", type=int, default=2, help="prefill runs per length; the best counts")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--deadline", type=float, default=None,
@@ -343,6 +389,8 @@ def with_defaults(args: argparse.Namespace, on_gpu: bool) -> argparse.Namespace:
     """Fill in the shape and lengths a run takes by default on its device."""
     args.shape = args.shape or ("llama-8b" if on_gpu else "wide-cpu")
     args.lengths = args.lengths or ([8192, 32768, 131072] if on_gpu else [8192, 16384])
+    args.batch_sessions = args.batch_sessions or ([1, 2, 4, 8, 16, 32] if on_gpu else [1, 2, 4])
+    args.batch_context = args.batch_context or (2048 if on_gpu else 512)
     return args
 
 
@@ -364,10 +412,17 @@ def main() -> None:
         methods = ["am", "global-eviction"]
         print(f"compaction unavailable ({type(exc).__name__}: {exc}); trying {methods}", flush=True)
     limit_ms, limit_basis = weight_limit_ms(engine.model)
-    run = {"rows": [], "compaction": [], "build s": build_s, "weight limit ms": limit_ms, "limit basis": limit_basis,
+    run = {"rows": [], "compaction": [], "batched": [], "build s": build_s, "weight limit ms": limit_ms, "limit basis": limit_basis,
            "beta mode": engine.beta_mode, "methods": methods}
     for length in args.lengths:
         measure_length(engine, run, length, methods, schedule, args, device, lambda: save(run, args, dtype, on_gpu))
+    ids = text_ids(engine, args.batch_context)
+    for sessions in args.batch_sessions:
+        run["batched"].append({"sessions": sessions} | guarded(
+            schedule, "batched decode", "batched decode", sessions, device,
+            lambda sessions=sessions: batched_decode(engine, ids, sessions, args.decode_steps, device), ("tokens/s",)))
+        print(run["batched"][-1], flush=True)
+        save(run, args, dtype, on_gpu)
     save(run, args, dtype, on_gpu)
 
 
@@ -436,6 +491,10 @@ def targets(run: dict[str, Any]) -> list[dict[str, Any]]:
                     "limit": f"≤ {limit:.2g} ms (2x weight-bandwidth limit; {run['limit basis']})",
                     "measured": value if isinstance(value, float) else row.get("captured decode ms", "—"),
                     "verdict": verdict(value, lambda v: v <= limit)})
+    rates = {r["sessions"]: r.get("tokens/s") for r in run.get("batched", [])}
+    gain = rates[32] / rates[1] if all(isinstance(rates.get(n), float) for n in (1, 32)) else None
+    out.append({"target": "batched decode tokens/s at 32 sessions", "limit": "≥ 10x 1 session",
+                "measured": gain if gain is not None else "—", "verdict": verdict(gain, lambda v: v >= 10)})
     return out
 
 
@@ -447,11 +506,14 @@ def save(run: dict[str, Any], args: argparse.Namespace, dtype: torch.dtype, on_g
     extra = {"machine": machine(), "command": command_line(), "commit": _commit(), "build s": round(run["build s"], 1),
              "weight limit ms": run["weight limit ms"], "limit basis": run["limit basis"]}
     md = (f"# {title}\n\n## Prefill (time to first token) and decode\n\n{markdown_table(run['rows'])}\n\n"
-          f"## Compaction\n\n{markdown_table(run['compaction'])}\n\n## Targets\n\n{markdown_table(targets(run))}\n")
+          f"## Compaction\n\n{markdown_table(run['compaction'])}\n\n"
+          f"## Batched decode ({args.batch_context:,} tokens a session, {args.decode_steps} steps)\n\n"
+          f"{markdown_table(run['batched']) if run['batched'] else 'not run'}\n\n## Targets\n\n{markdown_table(targets(run))}\n")
     md += "".join(f"\n{key}: {value}\n" for key, value in extra.items())
     (args.out / f"{name}.md").write_text(md)
     (args.out / f"{name}.json").write_text(json.dumps(
-        {"prefill and decode": run["rows"], "compaction": run["compaction"], "targets": targets(run), **extra},
+        {"prefill and decode": run["rows"], "compaction": run["compaction"], "batched decode": run["batched"],
+         "targets": targets(run), **extra},
         indent=2, default=str))
     plot(args.out / f"{name}.png", run["compaction"], args, title)
 

@@ -51,6 +51,14 @@ def tiny_model(arch: str) -> PreTrainedModel:
     return model.eval()
 
 
+def wide_model() -> PreTrainedModel:
+    """The attention shape of an 8B model (32 query / 8 KV heads, head_dim 128) on a 2-layer stack."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
 def reference_model(engine: Engine) -> PreTrainedModel:
     """A copy of the engine's model running transformers' own SDPA attention."""
     ref = copy.deepcopy(engine.model)

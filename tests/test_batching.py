@@ -11,7 +11,7 @@ from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.batching import DecodeBatcher
 from agentmem.compaction import compact
 from agentmem.errors import InvalidInput
-from helpers import tiny_model
+from helpers import tiny_model, wide_model
 
 STEPS = 12
 
@@ -69,7 +69,7 @@ def test_batched_greedy_replies_equal_each_reply_alone(tiny_engine):
     assert together == alone
     # Every generated token was read by a shared forward (each is in its cache before it is
     # yielded), and the turns shared them: fewer forwards than steps.
-    assert batcher.steps == len(made) * STEPS and batcher.forwards < batcher.steps
+    assert batcher.tokens == len(made) * (STEPS + 2) and batcher.forwards < batcher.steps
     # The caches hold what they would alone: the next token's logits agree.
     for cache, original in zip(together_caches, made):
         reference = original.clone()
@@ -114,12 +114,108 @@ def test_a_batched_step_refuses_the_same_cache_twice(tiny_engine):
     from agentmem.attention import BiasRows
 
     with pytest.raises(InvalidInput, match="appears twice"):
-        tiny_engine.commit_steps([cache, cache], torch.cat([token, token]), [BiasRows(), BiasRows()])
+        tiny_engine.commit_rows([cache, cache], [token, token], [BiasRows(), BiasRows()])
     assert cache.logical_length == 3 and cache.layers[0].tail_length == 3  # nothing committed
 
 
 @pytest.mark.parametrize("settings, problem", [({"max_batch": 0}, "max_batch"),
+                                               ({"step_tokens": True}, "step_tokens"),
+                                               ({"max_batch": 8, "step_tokens": 4}, "step_tokens"),
                                                ({"gather_seconds": -1}, "gather_seconds")])
 def test_batcher_settings_are_checked(tiny_engine, settings, problem):
     with pytest.raises(InvalidInput, match=problem):
         DecodeBatcher(tiny_engine, **settings)
+
+
+def record_forwards(engine: Engine) -> tuple[list[list[int]], object]:
+    """Tokens per session of every forward the model runs (one entry per forward), and the hook's handle."""
+    forwards: list[list[int]] = []
+
+    def hook(module, args, kwargs) -> None:
+        packed = kwargs.get("agentmem_batch")
+        bounds = packed.bounds if packed is not None else [0, kwargs["input_ids"].shape[1]]
+        forwards.append([end - first for first, end in zip(bounds, bounds[1:])])
+
+    return forwards, engine.model.base_model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_prompts_are_read_in_chunks_that_share_forwards_with_decode_steps(tiny_engine):
+    """A long prompt read while other turns decode never stalls them: each forward carries a step of
+    every decoding turn and at most ``step_tokens`` tokens, and every reply is the one it gets alone."""
+    engine = tiny_engine
+    engine.eos_token_ids, saved = frozenset(), engine.eos_token_ids
+    long_prompts = [ids * 3 for ids in prompts(engine)]  # 90 to 450 tokens
+    try:
+        made = caches(engine)
+        jobs = [(made[i], [11, 12] if i % 2 else long_prompts[i]) for i in range(len(made))]
+        forwards_alone, handle = record_forwards(engine)
+        alone = [engine.generate(c.clone(), p, max_new_tokens=STEPS) for c, p in jobs]
+        handle.remove()
+        engine.batcher = batcher = DecodeBatcher(engine, max_batch=8, step_tokens=24, gather_seconds=0.05)
+        forwards, handle = record_forwards(engine)
+        try:
+            together = run_together(engine, [(c.clone(), p) for c, p in jobs], max_new_tokens=STEPS)
+        finally:
+            handle.remove()
+    finally:
+        engine.batcher, engine.eos_token_ids = None, saved
+    assert together == alone
+    read = sum(len(p) + STEPS for _, p in jobs)
+    assert batcher.tokens == read == sum(map(sum, forwards)) and batcher.forwards == len(forwards)
+    assert max(map(sum, forwards)) <= 24
+    # Prompt chunks (rows of several tokens) rode along with decode steps (rows of one).
+    assert any(1 in rows and max(rows) > 1 for rows in forwards)
+    assert len(forwards) < len(forwards_alone) == len(jobs) * (STEPS + 1)
+
+
+def test_a_failed_forward_fails_its_turns_and_leaves_their_caches_consistent(tiny_engine, monkeypatch):
+    """A prompt's chunks committed before a forward fails stay committed and logged (as alone); nothing half-read."""
+    engine = tiny_engine
+    engine.batcher = DecodeBatcher(engine, max_batch=2, step_tokens=8)
+    real, calls = engine.commit_rows, []
+
+    def fail_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "commit_rows", fail_third)
+    cache = engine.prefill([5, 6, 7])
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.generate(cache, list(range(100, 140)), max_new_tokens=4)
+        assert cache.logical_length == 3 + 16 and cache.layers[0].tail_length == 3 + 16
+        assert cache.token_ids == [5, 6, 7] + list(range(100, 116))
+        monkeypatch.setattr(engine, "commit_rows", real)  # the batcher goes on serving
+        assert len(engine.generate(cache, [9], max_new_tokens=2)) >= 1
+    finally:
+        engine.batcher = None
+
+
+def test_batched_replies_equal_alone_at_the_wide_head_shape(tokenizer):
+    """32 query / 8 KV heads, head_dim 128: packed rows, chunked prompts and β rows agree with reads alone."""
+    engine = Engine(wide_model(), tokenizer)
+    engine.eos_token_ids = frozenset()
+    made = caches(engine)
+    jobs = [(made[i], [11, 12] if i % 2 else prompts(engine)[i]) for i in range(len(made))]
+    alone = [engine.generate(c.clone(), p, max_new_tokens=6) for c, p in jobs]
+    engine.batcher = DecodeBatcher(engine, max_batch=8, step_tokens=16)
+    assert run_together(engine, [(c.clone(), p) for c, p in jobs], max_new_tokens=6) == alone
+
+
+@pytest.mark.slow
+def test_batched_replies_equal_alone_on_the_embedded_model(engine):
+    """The embedded model, compacted and uncompacted sessions mixed, prompts chunked among decode steps."""
+    made = caches(engine)
+    questions = [engine.tokenizer(f" Question {i}: what does the text above say?")["input_ids"] for i in range(5)]
+    jobs = [(made[i], questions[i] * (1 + 3 * (i % 2))) for i in range(len(made))]
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset()
+    try:
+        alone = [engine.generate(c.clone(), p, max_new_tokens=8) for c, p in jobs]
+        engine.batcher = DecodeBatcher(engine, max_batch=8, step_tokens=32)
+        together = run_together(engine, [(c.clone(), p) for c, p in jobs], max_new_tokens=8)
+    finally:
+        engine.batcher, engine.eos_token_ids = None, saved
+    assert together == alone

@@ -38,6 +38,7 @@ from agentmem.compaction.solvers import (
 from agentmem.compaction.span import LayerChoice, Selection, plan_span
 from agentmem.errors import CorruptSessionError, InvalidInput
 from agentmem.policy import BudgetPolicy
+from helpers import wide_model
 from test_compactors import divergence, next_token_logprobs
 
 
@@ -839,15 +840,9 @@ def test_shipped_profile_for_the_embedded_model(engine, tmp_path):
 
 @pytest.fixture(scope="module")
 def wide(tokenizer):
-    """The attention shape of an 8B model (32 query / 8 KV heads, head_dim 128) on a 2-layer stack."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from agentmem import Engine
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
-    return Engine(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), tokenizer)
+    return Engine(wide_model(), tokenizer)
 
 
 @pytest.mark.parametrize("method", ["global-eviction", "am-fast", "am"])

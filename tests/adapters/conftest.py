@@ -7,11 +7,12 @@ import pytest
 from agentmem.adapters import shared
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def _shared_embedded(engine):
-    shared.use_engine("embedded", engine)
+    shared.use_engine("embedded", engine)  # gives it a batcher, as the adapters' own engines have
     yield
     shared.close_shared()
+    engine.batcher = None  # the tests after these use the engine alone
 
 
 @pytest.fixture(autouse=True)

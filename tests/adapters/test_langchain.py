@@ -124,6 +124,19 @@ def test_stream_and_astream_match_invoke_and_end_with_usage(store):
     assert asyncio.run(model.ainvoke("Name a colour.", session_id="s-ainvoke")).content == text
 
 
+def test_concurrent_calls_decode_together_and_reply_as_alone(store, engine):
+    """``abatch`` over several sessions: their turns share forwards, and each reply is its reply alone."""
+    model = ChatAgentMem(store=store, max_tokens=10)
+    questions = ["Name a colour.", "Name a fruit.", "Name a city in France.", "Count to five."]
+    alone = [model.invoke(q, session_id=f"alone-{i}").content for i, q in enumerate(questions)]
+    batcher = engine.batcher
+    forwards, rows = batcher.forwards, batcher.steps
+    replies = asyncio.run(model.abatch(questions, config=[{"configurable": {"session_id": f"together-{i}"}}
+                                                          for i in range(len(questions))]))
+    assert [r.content for r in replies] == alone
+    assert batcher.steps - rows > batcher.forwards - forwards  # forwards carried several sessions
+
+
 def test_compaction_events_in_response_metadata(store):
     policy = BudgetPolicy(name="tight", max_live_tokens=96, keep_recent=16, target_ratio=4, method="window")
     model = ChatAgentMem(store=store, tenant="tight", policy=policy, max_tokens=24, session_id="long")
