@@ -303,6 +303,7 @@ class _Turn:
             "reprefilled_tokens": u.reprefilled_tokens,
             "live_tokens": u.live_tokens,
             "logical_tokens": u.logical_tokens,
+            "position": u.position,
         }
 
 

@@ -28,6 +28,7 @@ import torch
 
 from agentmem.errors import CorruptSessionError, InvalidInput, brief
 from agentmem.host_memory import wait_for_copies
+from agentmem.placement import IDENTITY, Placement
 
 CACHE_FORMAT_VERSION = 2  # the raw tail exported in blocks of TAIL_BLOCK tokens across layers
 SEGMENT_PARTS = ("keys", "values", "beta", "scores", "positions")  # a segment's packed tensors, as exported
@@ -258,6 +259,17 @@ class LayerCache:
     def tail_keys(self) -> torch.Tensor:
         return self._keys[:, self.prefix_length : self.length]
 
+    def keys_view(self, start: int, end: int) -> torch.Tensor:
+        """The keys of occupied slots ``[start, end)``, a view to write in place (a re-placement's rotation)."""
+        if not 0 <= start <= end <= self.length:
+            raise InvalidInput(f"slots [{start}, {end}) outside the {self.length} occupied slots")
+        return self._keys[:, start:end]
+
+    def shift_query_marks(self, shift: int) -> None:
+        """Kept reference queries now count as recorded ``shift`` positions later (their rows moved so)."""
+        if shift:
+            self.queries = tuple(None if s is None else SegmentQueries(s.queries, s.at + shift) for s in self.queries)
+
     @property
     def tail_values(self) -> torch.Tensor:
         return self._values[:, self.prefix_length : self.length]
@@ -447,17 +459,21 @@ class ScratchRows:
 class SessionCache:
     """A session's KV cache across all layers plus its append-only token log.
 
-    ``logical_length`` counts every token ever read (the next token's RoPE position);
+    ``logical_length`` counts every token ever read; ``next_position`` is the next token's RoPE
+    position, the same until a :class:`~agentmem.placement.Placement` moves the rows so that a
+    compacting session reads past the model's window (:mod:`agentmem.placement`).
     ``physical_length`` counts the rows actually kept, averaged over layers and KV heads and
     rounded up, so an uncompacted cache has ``physical_length == logical_length``.
     """
 
-    def __init__(self, layers: list[LayerCache], token_ids: list[int], fingerprint: str) -> None:
+    def __init__(self, layers: list[LayerCache], token_ids: list[int], fingerprint: str,
+                 placement: Placement = IDENTITY) -> None:
         if not layers:
             raise InvalidInput("a session cache needs at least one layer")
         self.layers = layers
         self._token_ids = list(token_ids)
         self.fingerprint = fingerprint
+        self.placement = placement
         # What the compaction that built this cache did (a CompactionStats, set by compact()); not
         # stored or cloned: it describes that one call.
         self.compaction_stats: Any = None
@@ -484,6 +500,11 @@ class SessionCache:
     @property
     def logical_length(self) -> int:
         return len(self._token_ids)
+
+    @property
+    def next_position(self) -> int:
+        """RoPE position of the next token read: ``logical_length`` less the placement's offset."""
+        return len(self._token_ids) - self.placement.offset
 
     @property
     def physical_length(self) -> int:
@@ -543,7 +564,7 @@ class SessionCache:
         del self._token_ids[logical_length:]
 
     def clone(self) -> SessionCache:
-        return SessionCache([layer.clone() for layer in self.layers], self._token_ids, self.fingerprint)
+        return SessionCache([layer.clone() for layer in self.layers], self._token_ids, self.fingerprint, self.placement)
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Export as ``(tensors, meta)``: packed CPU tensors and a JSON-serialisable layout.
@@ -597,6 +618,8 @@ class SessionCache:
             "tail_block": TAIL_BLOCK,
             "layers": layers_meta,
         }
+        if not self.placement.is_identity:  # absent otherwise: a cache never re-placed exports as before
+            meta["placement"] = self.placement.as_list()
         return exports, meta
 
     def _write_tail_block(self, part: str, rows: slice, out: torch.Tensor) -> torch.Tensor:
@@ -670,7 +693,10 @@ class SessionCache:
             layers.append(LayerCache(segments, tail_k, tail_v, dtype=dtype, device=device))
         if len(layers) != int(meta["num_layers"]):
             raise CorruptSessionError(f"{len(layers)} layers stored, layout says {meta['num_layers']}")
-        return cls(layers, token_ids.tolist(), str(meta["fingerprint"]))
+        placement = Placement(*(int(v) for v in meta["placement"])) if "placement" in meta else IDENTITY
+        if placement.boundary > int(meta["logical_length"]) - int(meta["layers"][0]["tail_length"]):
+            raise CorruptSessionError(f"placement {placement.as_list()} reaches into the raw tail")
+        return cls(layers, token_ids.tolist(), str(meta["fingerprint"]), placement)
 
 
 @dataclass(frozen=True)

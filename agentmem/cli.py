@@ -273,6 +273,8 @@ def serve(
                                                                      "tenant (without it: open, tenant 'default')"),
     batching: bool = typer.Option(True, "--batching/--no-batching", help="decode concurrent turns together, one "
                                                                          "forward a step"),
+    step_tokens: int = typer.Option(2048, "--step-tokens", help="most tokens one batched forward reads: decode steps "
+                                                                "first, then prompt chunks"),
 ) -> None:
     """Serve sessions over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models, /metrics).
 
@@ -291,7 +293,7 @@ def serve(
 
     engine = _load_engine(model, options)
     if batching:
-        engine.batcher = DecodeBatcher(engine)
+        engine.batcher = DecodeBatcher(engine, step_tokens=step_tokens)
     run(SessionManager(engine, store, policies=loaded, default_policy=default), host=host, port=port, api_keys=keys)
 
 
@@ -359,8 +361,10 @@ def _chat_turn(live: Session, message: str | list[dict[str, str]], **generation:
     typer.echo("")
     reread = (f", dropped {usage.dropped_tokens} cached and re-read {usage.reprefilled_tokens} (the history had changed)"
               if usage.dropped_tokens else "")
+    moved = (f", at position {usage.position} of the model's {live.engine.max_context}"
+             if usage.position != usage.logical_tokens else "")
     typer.echo(f"  [read {usage.prefilled_tokens} new tokens, reused {usage.reused_tokens}{reread}; "
-               f"{usage.live_tokens} live rows hold {usage.logical_tokens} tokens]", err=True)
+               f"{usage.live_tokens} live rows hold {usage.logical_tokens} tokens{moved}]", err=True)
     if usage.finish_reason == "length":
         typer.echo(f"  [reply cut at --max-new-tokens={generation['max_new_tokens']}]", err=True)
     for event in usage.compaction_events:
@@ -592,11 +596,19 @@ def _layout(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
                 "compacted_segments": len(segments),
                 "compacted_tokens": sum(seg["span"][1] - seg["span"][0] for seg in segments),
                 "raw_tail_tokens": layers[0]["tail_length"],
+                "next_position": header["layout"]["logical_length"] - _placement_offset(header["layout"]),
                 "cache": "intact (checksums match)" if intact else "damaged (data checksum mismatch)"}
     except CorruptSessionError as exc:
         return {"cache": f"damaged ({exc})"}
     except (KeyError, TypeError, IndexError, ZeroDivisionError) as exc:
         return {"cache": f"damaged (layout: {brief(exc)})"}
+
+
+def _placement_offset(layout: dict[str, Any]) -> int:
+    """How far a stored cache's rows were moved down (agentmem.placement): 0 when never moved."""
+    from agentmem.placement import Placement
+
+    return Placement(*layout["placement"]).offset if "placement" in layout else 0
 
 
 def _bytes(nbytes: int, as_json: bool) -> int | str:

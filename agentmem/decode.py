@@ -168,7 +168,7 @@ class _Loaded:
 
     cache: weakref.ref[SessionCache]
     lengths: tuple[int, ...]
-    logical_length: int
+    position: int  # the RoPE position of the next token when loaded
 
 
 class StaticDecoder:
@@ -243,9 +243,9 @@ class StaticDecoder:
             self.state.bias[i][:, : lengths[i]].copy_(prior)
             self.state.bias[i][:, lengths[i] :].fill_(-math.inf)
         self.state.lengths.copy_(torch.tensor(lengths, dtype=torch.int64, device=self.state.lengths.device))
-        self.state.position.fill_(cache.logical_length)
+        self.state.position.fill_(cache.next_position)
         self.state.count.zero_()
-        self._loaded = _Loaded(weakref.ref(cache), tuple(lengths), cache.logical_length)
+        self._loaded = _Loaded(weakref.ref(cache), tuple(lengths), cache.next_position)
         self.steps = 0
 
     @torch.inference_mode()
@@ -259,7 +259,7 @@ class StaticDecoder:
         rows = self.steps if rows is None else rows
         if not 0 <= rows <= self.steps:
             raise InvalidInput(f"cannot store {rows} rows: {self.steps} tokens were read since the load")
-        if loaded.cache() is not cache or self._shape_of(cache) != (loaded.lengths, loaded.logical_length):
+        if loaded.cache() is not cache or self._shape_of(cache) != (loaded.lengths, loaded.position):
             raise InvalidInput("the cache is not the one loaded, or it changed since; load it again")
         tokens = self.state.fed[:rows].tolist()  # the one host sync of a decode
         for layer, start, keys, values in zip(cache.layers, loaded.lengths, self.state.keys, self.state.values):
@@ -324,7 +324,7 @@ class StaticDecoder:
         loaded = self._require_loaded()
         if max(loaded.lengths) + self.steps >= self.capacity:
             raise InvalidInput(f"the decoder's {self.capacity} slots are full; store and decode eagerly")
-        if loaded.logical_length + self.steps >= self.engine.max_context:
+        if loaded.position + self.steps >= self.engine.max_context:
             raise ContextOverflow(f"the session reached the model's context of {self.engine.max_context} tokens")
 
     def _require_loaded(self) -> _Loaded:
@@ -334,7 +334,7 @@ class StaticDecoder:
 
     @staticmethod
     def _shape_of(cache: SessionCache) -> tuple[tuple[int, ...], int]:
-        return tuple(layer.length for layer in cache.layers), cache.logical_length
+        return tuple(layer.length for layer in cache.layers), cache.next_position
 
 
 def greedy_decode(decoder: StaticDecoder, cache: SessionCache, prompt_ids: Sequence[int],
@@ -353,9 +353,9 @@ def greedy_decode(decoder: StaticDecoder, cache: SessionCache, prompt_ids: Seque
         raise InvalidInput("token list is empty")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidInput(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    steps = engine.max_context - cache.logical_length - len(prompt)
+    steps = engine.max_context - cache.next_position - len(prompt)
     if steps < 0:
-        raise ContextOverflow(f"{cache.logical_length} tokens in the session + {len(prompt)} new exceed the "
+        raise ContextOverflow(f"{cache.next_position} positions in use + {len(prompt)} new tokens exceed the "
                               f"model's context of {engine.max_context}")
     steps = min(steps, max_new_tokens)
     if decoder.room(cache) < len(prompt) + steps:

@@ -24,13 +24,13 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.models.llama.modeling_llama import rotate_half  # the same in every supported architecture
 
 from agentmem import attention
 from agentmem.attention import BetaMode, BiasRows, ForwardPass, PackedPasses, QueryRecorder
 from agentmem.cache import LayerCache, ScratchRows, SessionCache, to_device
 from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
+from agentmem.placement import rotate_by
 from agentmem.models import (
     EMBEDDED,
     EMBEDDED_DIR_NAME,
@@ -206,21 +206,14 @@ class Engine:
             scratch.reset()
             for start in range(0, len(window), PREFILL_CHUNK):
                 ids = window[start : start + PREFILL_CHUNK]
-                self._run(self._on_device(ids), cache.logical_length + start,
+                self._run(self._on_device(ids), cache.next_position + start,
                           ForwardPass(cache, self.beta_mode, recorder, scratch))
                 scratch.commit(len(ids))
 
-    def rotate(self, rotated: torch.Tensor, shift: int) -> torch.Tensor:
-        """RoPE-rotated queries or keys ``(..., head_dim)`` moved ``shift`` positions later, in float32.
-
-        RoPE rotates each frequency pair by ``position · θ``, so a vector rotated for position
-        ``p`` becomes the one for ``p + shift`` by one more rotation of ``shift · θ``; the
-        rotary module's attention scaling multiplies both and is left out here.
-        """
-        angles = shift * self.model.base_model.rotary_emb.inv_freq.to(rotated.device, torch.float64)
-        cos, sin = (torch.cat([f, f]).float() for f in (angles.cos(), angles.sin()))
-        x = rotated.float()
-        return x * cos + rotate_half(x) * sin
+    def rotate(self, rotated: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
+        """RoPE-rotated queries or keys ``(..., head_dim)`` moved ``shift`` positions later, in float32
+        (:func:`agentmem.placement.rotate_by`)."""
+        return rotate_by(rotated, shift, self.model.base_model.rotary_emb.inv_freq)
 
     # ---------------------------------------------------------------------------- writing
 
@@ -291,7 +284,7 @@ class Engine:
                     hidden = batcher.read(cache, self._on_device(prompt)[0], bias_rows, log=prompt)
             yield from self._sampling_loop(
                 hidden, lambda hidden: head(hidden[0, -1:]), advance,
-                lambda: cache.logical_length < self.max_context, cache.extend_log, max_new_tokens, processors,
+                lambda: cache.next_position < self.max_context, cache.extend_log, max_new_tokens, processors,
                 generator, stop)
 
     def _static_decode_loop(
@@ -313,7 +306,7 @@ class Engine:
         try:
             yield from self._sampling_loop(
                 logits, lambda logits: logits, decoder.step,
-                lambda: cache.logical_length + decoder.steps < self.max_context, lambda ids: None, max_new_tokens,
+                lambda: cache.next_position + decoder.steps < self.max_context, lambda ids: None, max_new_tokens,
                 processors, generator, stop)
         finally:
             decoder.store(cache)
@@ -409,7 +402,7 @@ class Engine:
         """:meth:`_forward` of device token ids ``(1, n)``, committing their rows but not logging them:
         the caller logs the ids once the host knows them."""
         forward_pass = ForwardPass(cache, self.beta_mode, bias_rows=bias_rows or BiasRows())
-        hidden = self._run(input_ids, cache.logical_length, forward_pass)
+        hidden = self._run(input_ids, cache.next_position, forward_pass)
         for layer in cache.layers:
             layer.commit(input_ids.shape[1])
         return hidden
@@ -431,7 +424,7 @@ class Engine:
         packed = PackedPasses([ForwardPass(c, self.beta_mode, bias_rows=r) for c, r in zip(caches, bias_rows)],
                               list(itertools.accumulate(counts, initial=0)))
         positions = to_device([p for c, n in zip(caches, counts)
-                               for p in range(c.logical_length, c.logical_length + n)], self.device)
+                               for p in range(c.next_position, c.next_position + n)], self.device)
         out = self.model.base_model(input_ids=torch.cat([t.reshape(-1) for t in tokens])[None],
                                     position_ids=positions[None], use_cache=False, agentmem_batch=packed)
         for cache, n in zip(caches, counts):
@@ -470,10 +463,10 @@ class Engine:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
                 raise InvalidInput(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
         ids = [int(t) for t in ids]
-        used = cache.logical_length if cache is not None else 0
+        used = cache.next_position if cache is not None else 0  # positions: a placed cache has read more tokens
         if used + len(ids) + reserve > self.max_context:
             raise ContextOverflow(
-                f"{used} tokens in the session + {len(ids)} new exceed the model's context of {self.max_context}"
+                f"{used} positions in use + {len(ids)} new tokens exceed the model's context of {self.max_context}"
             )
         return ids
 

@@ -15,6 +15,7 @@ device and the store through the public state methods (:meth:`Session.restore`,
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,6 +29,7 @@ from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine, stop_strings
 from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, InvalidInput
 from agentmem.keys import SessionKey
+from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, replace_positions
 from agentmem.policy import BudgetPolicy
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -48,6 +50,10 @@ class Usage:
     # divergence on, and the tokens of this turn read at positions the cache had held (read again).
     dropped_tokens: int = 0
     reprefilled_tokens: int = 0
+    # RoPE position of the next token after the turn (below logical_tokens once the session has
+    # read past the model's window), and how many times the turn moved the rows to get there.
+    position: int = 0
+    replacements: int = 0
     finish_reason: str = "stop"
     compaction_events: list[dict[str, Any]] = field(default_factory=list)  # rows before/after, seconds
 
@@ -165,6 +171,7 @@ class Session:
             usage.reused_tokens = self.cache.logical_length
             usage.prefilled_tokens += len(delta)
             delta = self._read_within_budget(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
+            delta = self._read_within_positions(delta, usage, conversation)
             generated: list[int] = []
             shown, replied_from = "", self.cache.logical_length + len(delta)  # where the reply's tokens go
             growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
@@ -193,6 +200,7 @@ class Session:
             self._last_reply_ids = generated
             usage.generated_tokens = len(generated)
             usage.live_tokens, usage.logical_tokens = self.cache.physical_length, self.cache.logical_length
+            usage.position = self.cache.next_position
             usage.live_bytes = self.cache.allocated_nbytes
             self._host.turn_done(self, usage)
             yield usage
@@ -299,7 +307,7 @@ class Session:
                 f"{reading + max_new_tokens} more would exceed the policy's max_context_tokens={limit}"
             )
         model_context = self.engine.max_context
-        if kept + reading > model_context:
+        if policy.on_over_budget == "reject" and kept + reading > model_context:  # others re-place (placement)
             raise ContextOverflow(
                 f"{where} would hold {kept} tokens of this conversation; "
                 f"{reading} more exceed the model's context of {model_context}"
@@ -357,6 +365,46 @@ class Session:
                 self.engine.prefill(delta[:room], self.cache)
             delta = delta[room:]
         return delta
+
+    def _read_within_positions(self, delta: list[int], usage: Usage, conversation: list[dict[str, Any]]) -> list[int]:
+        """Read ``delta`` in pieces that fit the model's window, moving the rows to make room
+        (:meth:`_replace`) before each; returns what is left to read with the reply (at least one
+        token). A session that never nears the window reads nothing here. One whose policy
+        rejects compaction is not moved: its turn meets the window as a :class:`ContextOverflow`.
+        """
+        while len(delta) + 1 > self._position_room():
+            self._replace(usage, conversation, incoming=len(delta) + 1)
+            piece = min(len(delta) - 1, self._position_room() - 1)
+            if piece < 1:
+                break
+            with self._host.room(self.cache.bytes_to_append(piece), self):
+                self.engine.prefill(delta[:piece], self.cache)
+            delta = delta[piece:]
+        return delta
+
+    def _position_room(self) -> int:
+        """Tokens the session can read before its positions come within the placement margin of the
+        window; unbounded under a policy that rejects compaction (its rows are never moved: the
+        engine's own check refuses what passes the window)."""
+        if self.policy.on_over_budget == "reject":
+            return sys.maxsize
+        return self.engine.max_context - placement_margin(self.engine) - self.cache.next_position
+
+    def _replace(self, usage: Usage, conversation: list[dict[str, Any]], incoming: int) -> None:
+        """Move the rows so the next ``incoming`` tokens fit the window: the compacted past squeezed
+        into a quarter of it, the raw tail shifted (exactly) after it (:mod:`agentmem.placement`).
+        Compacts first when the raw tail is too long to fit; does nothing for a policy that
+        rejects compaction (the engine then refuses what does not fit)."""
+        if self.policy.on_over_budget == "reject":
+            return
+        window, margin = self.engine.max_context, placement_margin(self.engine)
+        protect = max(SINK_TOKENS, self._system_tokens(conversation))
+        if protect + window // 4 + self.cache.layers[0].tail_length + incoming > window - margin:
+            self._compact(usage, conversation, incoming=incoming)
+        placement = placement_for(self.cache, protect=protect, room=window // 4)
+        if placement.offset > self.cache.placement.offset:
+            self.cache = replace_positions(self.engine, self.cache, placement)
+            usage.replacements += 1
 
     def _compact(self, usage: Usage, conversation: list[dict[str, Any]], incoming: int = 0) -> None:
         policy = self.policy
@@ -417,8 +465,10 @@ class Session:
         engine, limit = self.engine, self.policy.max_live_tokens
         produced: list[int] = []
         while len(produced) < max_new_tokens:
+            if self._position_room() < len(prompt) + 1:
+                self._replace(usage, conversation, incoming=len(prompt) + 1)
             room = max(1, limit - self.cache.physical_length - len(prompt))
-            step = min(max_new_tokens - len(produced), room)
+            step = min(max_new_tokens - len(produced), room, max(1, self._position_room() - len(prompt)))
             count = 0
             for token in engine.stream(self.cache, prompt, max_new_tokens=step, **sampling):
                 produced.append(token)

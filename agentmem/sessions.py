@@ -213,7 +213,7 @@ class SessionManager:
         for session in self._registry.sessions(tenant):
             entry = out.setdefault(session.session_id, {"session_id": session.session_id, "stored_bytes": 0,
                                                         "version": session.version})
-            entry.update(live=True, logical_tokens=session.cache.logical_length,
+            entry.update(live=True, logical_tokens=session.cache.logical_length, position=session.cache.next_position,
                          live_bytes=session.cache.allocated_nbytes)
         return [out[k] for k in sorted(out)]
 

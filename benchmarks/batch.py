@@ -13,6 +13,12 @@ then generates ``--new-tokens`` greedy tokens:
 - **server**: the same kind of turns as chat requests to ``agentmem serve``'s app (uvicorn on
   loopback, N concurrent requests from ``httpx``), one session each, with and without batching.
 
+Also per row, counted at dispatch level on the 8B attention shape (``wide-cpu``: 32 query / 8 KV
+heads, head_dim 128, 2 narrow layers; ``agentmem.costs.CostCounter``): the aten ops (about one
+GPU kernel launch each) of one decode step of N sessions as one shared forward against N
+forwards of one session each, and the attention calls in them: what batching saves on a GPU,
+where a decode step is launch-bound, and what it does not (attention still runs per session).
+
 Reported per row: model forwards (counted with a forward hook on the decoder: time is not the
 proof on 2 cores, where threads overlap even unbatched turns), wall seconds, generated tokens/s
 and p50/p99 seconds per output token (a turn's decode time over its tokens; serial and
@@ -38,7 +44,7 @@ from contextlib import contextmanager
 import httpx
 import torch
 import uvicorn
-from common import command_line, machine, pyplot, save_figure, stdlib_text, write_results
+from common import command_line, machine, pyplot, random_shape_engine, save_figure, stdlib_text, write_results
 
 from agentmem import Engine, SessionManager
 from agentmem.batching import DecodeBatcher
@@ -111,6 +117,23 @@ def transformers_batch(model: torch.nn.Module, tokenizer, prompts: list[list[int
     return time.perf_counter() - began
 
 
+def dispatch_counts(engine: Engine, n: int) -> dict[str, int]:
+    """aten ops of one decode step of ``n`` sessions (ragged caches) as one shared forward and as ``n``
+    forwards, and the attention calls of the shared one (one per session and layer)."""
+    from agentmem.attention import BiasRows
+    from agentmem.costs import count
+
+    ids = engine.tokenizer(stdlib_text())["input_ids"]
+    caches = [engine.prefill(ids[: 256 - 8 * i]) for i in range(n)]
+    tokens = [torch.tensor([ids[300 + i]]) for i in range(n)]
+    together, apart = [c.clone() for c in caches], [c.clone() for c in caches]
+    with torch.inference_mode():
+        _, shared = count(lambda: engine.commit_rows(together, tokens, [BiasRows() for _ in caches]))
+        _, alone = count(lambda: [engine.commit_rows([c], [t], [BiasRows()]) for c, t in zip(apart, tokens)])
+    return {"aten ops shared step": shared.aten_ops, "aten ops n steps": alone.aten_ops,
+            "attention calls shared step": sum(v for k, v in shared.ops.items() if "scaled_dot_product" in k)}
+
+
 def server_turns(engine: Engine, texts: list[str], message_texts: list[str], new_tokens: int,
                  batching: bool) -> tuple[float, int]:
     """Wall seconds of N concurrent chat requests to a fresh server, each a new message to its own
@@ -171,6 +194,7 @@ def main() -> None:
     engine.eos_token_ids = frozenset()  # every turn generates --new-tokens: equal work on every side
     reference = copy.deepcopy(engine.model)
     reference.set_attn_implementation("sdpa")
+    wide = random_shape_engine("wide-cpu", torch.device("cpu"), torch.float32, 1024)
     rows = []
     for n in args.sessions:
         texts = histories(n)
@@ -199,6 +223,7 @@ def main() -> None:
             "batched p99 s/token": round(sorted(bp)[min(len(bp) - 1, int(0.99 * len(bp)))], 4),
             "serial p50 s/token": round(statistics.median(sp), 4),
         }
+        row.update(dispatch_counts(wide, n))
         if args.server:
             message_texts = [engine.tokenizer.decode(m) for m in message_ids]
             alone_wall, alone_forwards = server_turns(engine, texts, message_texts, args.new_tokens, batching=False)
@@ -214,6 +239,8 @@ def main() -> None:
     extra = {"new tokens per turn": args.new_tokens, "message tokens per turn": args.message_tokens,
              "machine": machine(), "command": command_line(),
              "forwards": "decoder forwards of the turns (message reads and decode steps), counted by a hook",
+             "aten ops": "one decode step at the 8B attention shape (random wide-cpu weights, 2 layers), counted by "
+                         "agentmem.costs.CostCounter: N sessions in one shared forward vs N forwards of one",
              "server": "concurrent requests over loopback HTTP, every request a new message to its own session; "
                        "unbatched: the same server with --no-batching (its turns still run in threads at once)"}
     md = write_results("batch", "Concurrent turns: continuous batching vs one after another (embedded model, CPU)",

@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from agentmem.chat import encode
 from agentmem.compaction import budgets, solvers
 from agentmem.compaction.base import Job, check_count
 from agentmem.compaction.queries import REPEAT_PROMPT, LayerQueries, sample_positions
@@ -154,10 +155,10 @@ def end_to_end_choice(job: Job, candidates: list[list[LayerChoice]]) -> list[Lay
     host read. The re-read passages are held out of the fits' queries: fits judged on the
     queries they were solved on would win by overfitting.
     """
-    tokenize = lambda text: job.engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    tokenize = lambda text: encode(job.engine.tokenizer, text, split_special_tokens=False)  # noqa: E731
     text, positions = validation_text(job), validation_positions(job)
     probe = tokenize(REPEAT_PROMPT) + [text[i] for i in positions]
-    room = job.engine.max_context - job.cache.logical_length
+    room = job.engine.max_context - job.cache.next_position
     if len(candidates) == 1 or not positions or room < len(probe):
         return candidates[0]
     job.stats.end_to_end_checked = True

@@ -197,7 +197,7 @@ def collect_reference(
     span_tokens = cache.token_ids[start : plan.end]
     shared = [p for p in parts if p != "tail"]
     share = max(_CHUNK, budget // max(1, len(shared)))
-    room = engine.max_context - cache.logical_length
+    room = engine.max_context - cache.next_position
     reads = [(span_tokens, start, p, TAIL_TOKENS if p == "tail" else share) for p in parts] if span_tokens else []
     if refresh is not None and refresh[1] > refresh[0]:
         reads.append((cache.token_ids[refresh[0] : refresh[1]], refresh[0], "repeat", refresh[1] - refresh[0]))

@@ -181,7 +181,7 @@ class ScoringCompactor(Compactor):
         kept queries with the tokens each segment stands for.
         """
         mine = reference.queries[i]
-        old = [(job.engine.rotate(stored.queries, job.cache.logical_length - stored.at).to(mine.q.dtype), tokens)
+        old = [(job.engine.rotate(stored.queries, job.cache.next_position - stored.at).to(mine.q.dtype), tokens)
                for stored, tokens in span.replaced]
         queries = torch.cat([q for q, _ in old], 1)
         stats = attention_stats(queries, cache_blocks(layer, span), job.scale, output=True, key_max_of=(1,),

@@ -193,14 +193,14 @@ def assemble(
                 span=(plan.start, plan.end),
                 scores=None if scores is None else scores[i][head, slot],
                 queries=None if queries is None else queries[i],
-                queries_at=cache.logical_length,
+                queries_at=cache.next_position,
                 positions=span.positions[head, slot].to(torch.int32),
                 refresh_cursor=refresh_cursor,
             )
         )
         recent = slice(layer.tail_length - plan.recent, layer.tail_length)
         layers.append(LayerCache(segments, layer.tail_keys[:, recent], layer.tail_values[:, recent], spare=spare))
-    return SessionCache(layers, cache.token_ids, cache.fingerprint)
+    return SessionCache(layers, cache.token_ids, cache.fingerprint, cache.placement)
 
 
 def _identity_segment(layer: LayerCache, rows: int, start: int) -> CompactedSegment:
@@ -228,7 +228,7 @@ def prefix_cache(cache: SessionCache, plan: SpanPlan) -> SessionCache:
             segments.append(_identity_segment(layer, plan.protected_raw, tail_start))
         empty = layer.tail_keys[:, :0]
         layers.append(LayerCache(segments, empty, empty))
-    return SessionCache(layers, cache.token_ids[: plan.start], cache.fingerprint)
+    return SessionCache(layers, cache.token_ids[: plan.start], cache.fingerprint, cache.placement)
 
 
 def span_of_rows(layer: LayerCache, kept: list[CompactedSegment], tail_start: int) -> LayerSpan:

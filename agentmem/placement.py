@@ -1,0 +1,139 @@
+"""Where a cache's rows sit in RoPE positions, and moving them so a session reads past the model's window.
+
+A model attends correctly only to keys at most its context window away, in RoPE positions.
+A session that compacts keeps few rows, but its logical length (every token it has read) keeps
+growing; if new tokens took their logical positions, a compacting session would still stop at
+the window. So positions in use are decoupled from the token count by a :class:`Placement`:
+
+- tokens before ``protect`` (the protected prompt, the attention sinks) keep their positions;
+- tokens in ``[protect, boundary)`` — by construction all compacted — are squeezed linearly into
+  ``[protect, protect + room)`` (positional interpolation on the old rows, as SelfExtend groups
+  distant positions: nearby order kept, distances shrunk);
+- tokens from ``boundary`` on (the raw tail when the placement was made, and everything read
+  since) are shifted down by ``offset = boundary − protect − room``: their distances to each
+  other, and to every new token, are exactly what they were.
+
+RoPE rotations compose, so a key rotated for one position is moved to another by one more
+rotation (:meth:`Engine.rotate <agentmem.engine.Engine.rotate>`): :func:`replace_positions`
+re-rotates every row from where the cache's placement put it to where a new placement puts it.
+The map is a function of a row's logical position (which compacted rows record), so placements
+never compound: each is computed from the token positions, whatever came before.
+
+What is exact: attention among the raw tail and new tokens (a uniform shift keeps every
+relative distance). What is approximate: the compacted rows' distances to the rest, squeezed;
+their β and values were fitted at the positions they had. The default placement's room is a
+quarter of the window, so a session re-places about once per half window it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agentmem.errors import InvalidInput
+
+# Tokens at the start of a session that keep their positions when it is re-placed, as
+# StreamingLLM keeps its attention sinks (more when the protected system prompt is longer).
+SINK_TOKENS = 4
+# Slots re-rotated per step: the angles of a block of slots are (heads, block, head_dim / 2) float64.
+_BLOCK = 8192
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Logical token positions → RoPE positions (module doc); the default is the identity."""
+
+    protect: int = 0
+    boundary: int = 0
+    room: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.protect <= self.boundary or not 0 <= self.room <= self.boundary - self.protect:
+            raise InvalidInput(f"a placement needs 0 <= protect <= boundary and room <= boundary - protect, got {self}")
+
+    @property
+    def offset(self) -> int:
+        """How far below its logical position a token read after the boundary sits."""
+        return self.boundary - self.protect - self.room
+
+    @property
+    def is_identity(self) -> bool:
+        return self.offset == 0
+
+    def positions(self, logical: torch.Tensor) -> torch.Tensor:
+        """RoPE positions (int64) of tokens at ``logical`` positions (any integer tensor)."""
+        logical = logical.long()
+        if self.is_identity:
+            return logical
+        squeezed = self.protect + (logical - self.protect) * self.room // max(1, self.boundary - self.protect)
+        shifted = logical - self.offset
+        return torch.where(logical < self.protect, logical, torch.where(logical < self.boundary, squeezed, shifted))
+
+    def as_list(self) -> list[int]:
+        return [self.protect, self.boundary, self.room]
+
+
+IDENTITY = Placement()
+
+
+def placement_margin(engine) -> int:
+    """Positions a session keeps free below the model's window: a compaction reads its reference
+    text on top of the cache, and a re-placement is due once the next token would pass this."""
+    return engine.max_context // 4
+
+
+def placement_for(cache, *, protect: int, room: int) -> Placement:
+    """The placement that squeezes every compacted token of ``cache`` (after ``protect``) into ``room`` positions.
+
+    Its boundary is where the raw tail starts, so the whole tail keeps its distances.
+    """
+    boundary = cache.logical_length - cache.layers[0].tail_length
+    protect = min(protect, boundary)
+    return Placement(protect, boundary, min(room, boundary - protect))
+
+
+def replace_positions(engine, cache, placement: Placement):
+    """A copy of ``cache`` whose rows sit where ``placement`` puts them (``cache`` is left as it was).
+
+    Every row's key is rotated from its position under the cache's placement to its position
+    under the new one; values, β and the token log are unchanged. Kept reference queries move
+    with the tail (they were recorded at the newest positions). The new boundary may not lie
+    inside the raw tail's compacted past: rows after it must all be raw, which
+    :func:`placement_for` ensures.
+    """
+    tail_start = cache.logical_length - cache.layers[0].tail_length
+    if placement.boundary > tail_start:
+        raise InvalidInput(f"a placement's boundary ({placement.boundary}) must not pass the raw tail's start "
+                           f"({tail_start}): raw rows must keep their distances")
+    old = cache.placement
+    moved = cache.clone()
+    inv_freq = engine.model.base_model.rotary_emb.inv_freq
+    for layer in moved.layers:
+        for start in range(0, layer.length, _BLOCK):
+            end = min(layer.length, start + _BLOCK)
+            logical = layer.slot_positions(start, end, tail_start)
+            unknown = logical < 0  # padding slots: nothing to move
+            shift = torch.where(unknown, 0, placement.positions(logical) - old.positions(logical))
+            keys = layer.keys_view(start, end)
+            keys.copy_(rotate_by(keys, shift, inv_freq))
+        layer.shift_query_marks(old.offset - placement.offset)
+    moved.placement = placement
+    return moved
+
+
+def rotate_by(rotated: torch.Tensor, shift: torch.Tensor | int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """RoPE-rotated vectors ``(..., head_dim)`` moved ``shift`` positions later (``shift`` broadcasts
+    against ``rotated.shape[:-1]``), computed in float32 from float64 angles; returned in float32.
+
+    RoPE rotates each frequency pair by ``position · θ``, so a vector rotated for position ``p``
+    becomes the one for ``p + shift`` by one more rotation of ``shift · θ`` (the rotary module's
+    attention scaling multiplies both and is left out).
+    """
+    from transformers.models.llama.modeling_llama import rotate_half  # the same in every supported architecture
+
+    shift = torch.as_tensor(shift, device=rotated.device, dtype=torch.float64)
+    angles = shift[..., None] * inv_freq.to(rotated.device, torch.float64)
+    cos, sin = (torch.cat([f, f], dim=-1).float() for f in (angles.cos(), angles.sin()))
+    x = rotated.float()
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,547 @@
+"""Reading past the window: a compacting session reads several times the model's context as chat turns.
+
+The embedded model (SmolLM2-135M-Instruct, context window ``engine.max_context`` = 8,192 tokens)
+reads ``--window-multiple`` (default 4) times its window of real text as chat turns of
+``--turn-tokens`` tokens each, through a :class:`~agentmem.SessionManager` under a
+``--budget``-row :class:`~agentmem.BudgetPolicy` (the default policy otherwise). The text is
+prose and code, turn by turn: the Python documentation's topic pages from the last (not the
+pages the policy's defaults were tuned on) and standard-library modules the defaults never saw
+(:data:`CODE_MODULES`). Every turn generates one token (a turn's cost is its reading). The first
+turn opens with a fact (:data:`FACT`) before its text.
+
+Every ``--every`` tokens (default half the window), before the next turn is read, the same
+probes are scored (``engine.score``, teacher-forced, as the next user message on top of each
+cache, which none of them changes) on:
+
+- **session**: the compacting session's live cache;
+- **in-window**: a fresh cache holding only the session's last ``IN_WINDOW`` (1,536) tokens:
+  what the model does with recent context alone, well inside its window;
+- **StreamingLLM**: the same token stream (the session's own turns, token for token) read into
+  a cache that keeps the attention sinks and the most recent rows (``compact(…, "window")``) to
+  the session's budget, its rows re-placed at consecutive positions after every eviction
+  (:mod:`agentmem.placement`; without it, it stops at the window: "not run (no placement)");
+- **summary**: what agents do today: the same stream in a plain cache; when a turn would take it
+  past the budget, the model (greedy, up to ``--summary-tokens``) summarises the conversation
+  held, as a chat turn, and a fresh cache holds that summary (as a system message) and the last
+  ``keep_recent`` tokens, then reads on.
+
+The probes:
+
+- **next chunk**: the first ``--chunk`` tokens of the next prose turn and of the next code turn,
+  each as the message that would be read next (the one of the other kind skips the turn between:
+  unread text either way); loss = mean NLL per token, then the mean of the two kinds;
+- **fact**: "What is the vault code?" answered "The vault code is 4417-Kestrel"; the log-prob of
+  the answer's tokens after "The vault code is", against a session that read the same turns but
+  never the fact (``--never-told session``, the default: a second session; ``window``: the
+  in-window cache, half the cost); reported as how many times likelier (``exp`` of the difference);
+- **passage retention**: two ``PASSAGE``-token passages (one prose, one code: the two turns from
+  1/4, 1/2 and 3/4 of the way), cued by their first half ("Continue this passage from the text
+  above, word for word:"), scoring the second half. A passage counts once it has left the
+  in-window cache. retention = Σ (NLL never − NLL) / Σ (NLL never − NLL fresh) over the passages
+  counted, where *never* is the in-window cache at that position (it never read the passage) and
+  *fresh* a cache of the last tokens right after the passage was read (it holds the passage raw):
+  the share of the passages' per-token gain a cache keeps, 0 = nothing of it, 1 = all of it.
+
+Targets (issue "read past the window"): next-chunk loss ≤ 1.1x the in-window baseline at every
+position up to 4x the window; the first-turn fact ≥ 100x likelier than never told at 4x the
+window; passage retention ≥ StreamingLLM's + 0.2 at every position.
+
+Writes ``benchmarks/results/long.{md,json,png}``. Run: ``python benchmarks/long.py`` (defaults:
+4x the window, budget 2,048, turns of 512 tokens); ``--window-multiple 0.75`` stays inside the
+window (quick); ``--plot-only`` redraws the plot from the saved JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.compaction import compact
+from agentmem.errors import AgentMemError
+from agentmem.models import EMBEDDED
+from common import RESULTS, command_line, machine, markdown_table, model_label, pyplot, save_figure, stdlib_text, \
+    write_results
+
+FACT = "The vault code is 4417-Kestrel."
+QUESTION = "What is the vault code?"
+ANSWER_CUE, ANSWER = "The vault code is", " 4417-Kestrel"
+PASSAGE = 64
+PASSAGE_PROMPT = "Continue this passage from the text above, word for word:\n"
+PASSAGE_POINTS = (0.25, 0.5, 0.75)
+IN_WINDOW = 1536
+SUMMARY_REQUEST = "Summarise our conversation so far in at most {words} words, keeping names, numbers and facts."
+SUMMARY_FRAME = "Summary of the conversation so far:\n"
+# Standard-library modules no default was tuned on (online.py's code is argparse.py, its held-out inspect.py).
+CODE_MODULES = ("email.message", "json.decoder", "textwrap", "heapq", "fractions", "configparser", "difflib")
+METHODS = ("session", "in-window", "StreamingLLM", "summary")
+NOT_RUN = "not run"
+
+
+# ------------------------------------------------------------------------------------------ text
+
+
+def turn_texts(tokenizer, turn_tokens: int, turns: int) -> list[tuple[str, str]]:
+    """``turns`` (kind, text) messages of about ``turn_tokens`` tokens, prose and code in turn."""
+    need = (turns // 2 + 2) * turn_tokens
+    prose = stdlib_text(reverse=True)[: need * 8]
+    code = "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in CODE_MODULES)
+    streams = {kind: tokenizer(text, add_special_tokens=False)["input_ids"] for kind, text in
+               (("prose", prose), ("code", code))}
+    for kind, ids in streams.items():
+        if len(ids) < need:
+            raise SystemExit(f"not enough {kind} text for {turns} turns of {turn_tokens} tokens")
+    out = []
+    for k in range(turns):
+        kind = ("prose", "code")[k % 2]
+        start = (k // 2) * turn_tokens
+        out.append((kind, tokenizer.decode(streams[kind][start : start + turn_tokens])))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- probes
+
+
+@dataclass
+class Probe:
+    """Token ids to score on top of a cache, of which the last ``n`` are what is measured."""
+
+    ids: list[int]
+    n: int
+
+    def logprobs(self, engine: Engine, cache) -> torch.Tensor:
+        return engine.score(cache, self.ids)[-self.n :].float()
+
+
+def user_turn(engine: Engine, held: list[int], messages: list[dict], text: str) -> list[int]:
+    """The tokens a session holding ``held`` (``messages``) reads for a user message ``text``."""
+    return engine.prompt_delta(held, messages + [{"role": "user", "content": text}])
+
+
+def header_length(engine: Engine, held: list[int], messages: list[dict]) -> int:
+    """Tokens a user message's content starts after (closing the last reply, opening the message)."""
+    a, b = user_turn(engine, held, messages, "x"), user_turn(engine, held, messages, "y")
+    return next(i for i, (p, q) in enumerate(zip(a, b)) if p != q)
+
+
+def chunk_probe(engine: Engine, held, messages, text: str, chunk: int) -> Probe:
+    ids = user_turn(engine, held, messages, text)
+    head = header_length(engine, held, messages)
+    return Probe(ids[: head + chunk], min(chunk, len(ids) - head - 1))
+
+
+def fact_probe(engine: Engine, held, messages) -> Probe:
+    tokenize = lambda s: engine.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    cue, full = tokenize(ANSWER_CUE), tokenize(ANSWER_CUE + ANSWER)
+    assert full[: len(cue)] == cue, "the answer's cue must tokenize as its own prefix"
+    return Probe(user_turn(engine, held, messages, QUESTION) + full, len(full) - len(cue))
+
+
+def passage_probe(engine: Engine, held, messages, passage: list[int]) -> Probe:
+    half = len(passage) // 2
+    cue = PASSAGE_PROMPT + engine.tokenizer.decode(passage[:half])
+    return Probe(user_turn(engine, held, messages, cue) + passage[half:], len(passage) - half)
+
+
+@dataclass
+class Passage:
+    """A passage read in turn ``turn`` (its ``kind``), ending at logical token ``end``; ``fresh``:
+    its NLL on a cache that had just read it."""
+
+    turn: int
+    kind: str
+    ids: list[int]
+    end: int
+    fresh: float | None = None
+
+
+# ------------------------------------------------------------------------------------- baselines
+
+
+def placement_api():
+    """``place(engine, cache, sinks, window_start)``: the cache with its sinks kept and the rows from
+    ``window_start`` on moved down to follow them (StreamingLLM's positions within the cache); ``None``
+    when this checkout has no :mod:`agentmem.placement`."""
+    try:
+        from agentmem.placement import Placement, replace_positions
+    except ImportError:
+        return None
+
+    def place(engine: Engine, cache, sinks: int, window_start: int):
+        # Nothing is held between the sinks and window_start (evicted): squeeze it into one position.
+        return replace_positions(engine, cache, Placement(sinks, window_start, 1))
+
+    return place
+
+
+@dataclass
+class Streaming:
+    """StreamingLLM: the attention sinks and the most recent rows, at consecutive positions."""
+
+    engine: Engine
+    policy: BudgetPolicy
+    reserve: int
+    cache: object = None
+    stopped: str | None = None
+    evictions: int = 0
+    place: object = field(default_factory=placement_api)
+
+    def __post_init__(self) -> None:
+        self.cache = self.engine.new_cache()
+
+    def read(self, delta: list[int]) -> None:
+        if self.stopped:
+            return
+        engine, policy = self.engine, self.policy
+        try:
+            if self.cache.physical_length + len(delta) > policy.max_live_tokens:
+                target = policy.live_after_compaction(len(delta)) - policy.keep_recent  # the session's live rows
+                self.cache = compact(engine, self.cache, "window", target_tokens=target, keep_recent=policy.keep_recent)
+                self.evictions += 1
+                if self.place is not None:
+                    tail_start = self.cache.logical_length - self.cache.layers[0].tail_length
+                    self.cache = self.place(engine, self.cache, 4, tail_start - (target - 4))
+            if self.place is None and position(self.cache) + len(delta) + self.reserve > engine.max_context:
+                self.stopped = f"{NOT_RUN} (no placement)"
+                return
+            engine.prefill(delta, self.cache)
+        except AgentMemError as exc:  # ContextOverflow, or a placement this checkout refuses
+            self.stopped = f"{NOT_RUN} ({type(exc).__name__})"
+            print(f"StreamingLLM stopped: {exc}", flush=True)
+
+
+@dataclass
+class Summarised:
+    """A plain cache; over the budget, the model summarises the conversation and a fresh cache holds
+    the summary and the last ``keep_recent`` tokens."""
+
+    engine: Engine
+    policy: BudgetPolicy
+    summary_tokens: int
+    cache: object = None
+    summaries: int = 0
+    seconds: float = 0.0
+    last_summary: str = ""
+
+    def __post_init__(self) -> None:
+        self.cache = self.engine.new_cache()
+
+    def read(self, delta: list[int], request: list[int]) -> None:
+        """Read ``delta``, summarising first if it would pass the budget (``request``: the tokens that ask)."""
+        engine = self.engine
+        if self.cache.physical_length + len(delta) > self.policy.max_live_tokens:
+            began = time.perf_counter()
+            mark = self.cache.logical_length
+            try:
+                written = engine.generate(self.cache, request, max_new_tokens=self.summary_tokens)
+            finally:
+                self.cache.truncate(mark)
+            written = [t for t in written if t not in engine.eos_token_ids]
+            self.last_summary = engine.tokenizer.decode(written)
+            frame = engine.tokenizer.apply_chat_template(
+                [{"role": "system", "content": SUMMARY_FRAME + self.last_summary}], tokenize=False)
+            ids = engine.tokenizer(frame, add_special_tokens=False)["input_ids"]
+            recent = self.cache.token_ids[-self.policy.keep_recent :]
+            self.cache = engine.prefill(ids + recent)
+            self.summaries += 1
+            self.seconds += time.perf_counter() - began
+        engine.prefill(delta, self.cache)
+
+
+def position(cache) -> int:
+    """The RoPE position the next token read into ``cache`` takes (``logical_length`` before placement)."""
+    return getattr(cache, "next_position", cache.logical_length)
+
+
+# ------------------------------------------------------------------------------------------- run
+
+
+def nll(values: torch.Tensor) -> float:
+    return -values.mean().item()
+
+
+def measure(engine: Engine, caches: dict[str, object], probes: dict[str, Probe]) -> dict[str, dict[str, object]]:
+    """Per cache (``None``: not run), per probe: the measured log-probs (a tensor), or ``None`` where it could not run."""
+    out = {}
+    for name, cache in caches.items():
+        out[name] = {}
+        for key, probe in probes.items():
+            try:
+                out[name][key] = None if cache is None else probe.logprobs(engine, cache)
+            except AgentMemError as exc:  # ContextOverflow at the window's edge
+                print(f"{name} {key}: {exc}", flush=True)
+                out[name][key] = None
+    return out
+
+
+def retention(scored: dict[str, object], never: dict[str, float], passages: list[Passage]) -> float | None:
+    """Σ (NLL never − NLL) / Σ (NLL never − NLL fresh) over ``passages`` (``None``: none, or not scored)."""
+    keys = [f"passage {p.turn}" for p in passages]
+    if not passages or any(scored.get(key) is None or key not in never for key in keys):
+        return None
+    full = sum(never[key] - p.fresh for key, p in zip(keys, passages))
+    return sum(never[key] - nll(scored[key]) for key in keys) / full if full > 0 else None
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    engine = Engine.load(EMBEDDED, device="cpu")
+    window = engine.max_context
+    total = round(args.window_multiple * window)
+    every = args.every or window // 2
+    marks = list(range(every, total + 1, every))
+    if not marks or marks[-1] != total:
+        marks.append(total)
+    policy = BudgetPolicy(max_live_tokens=args.budget)
+    turns = turn_texts(engine.tokenizer, args.turn_tokens, total // args.turn_tokens + 8)
+    kinds = [kind for kind, _ in turns]
+    reserve = max(args.chunk, 2 * PASSAGE) + 64  # room a probe needs at the window's edge
+    streaming = Streaming(engine, policy, reserve)
+    summary = Summarised(engine, policy, args.summary_tokens)
+    summary_request = SUMMARY_REQUEST.format(words=max(1, args.summary_tokens * 3 // 4))
+
+    rows, detail, passages, points = [], [], [], {}
+    stopped, seconds = None, {"session": 0.0, "never told": 0.0, "StreamingLLM": 0.0, "summary": 0.0, "probes": 0.0}
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory() as home, \
+            SessionManager(engine, f"sqlite:///{home}/s.db", default_policy=policy) as manager:
+        session = manager.session("told")
+        never = manager.session("never-told") if args.never_told == "session" else None
+        compactions = 0
+        k = 0
+        for mark in marks:
+            while session.cache.logical_length < mark and not stopped:
+                _, text = turns[k]
+                held, messages = session.cache.token_ids, session.messages
+                request = user_turn(engine, held, messages, summary_request)
+                before = session.cache.logical_length
+                t0 = time.perf_counter()
+                try:
+                    reply = session.chat((FACT + "\n\n" + text) if k == 0 else text, max_new_tokens=1)
+                    seconds["session"] += time.perf_counter() - t0
+                    compactions += reply.usage.compactions
+                    if never is not None:
+                        t0 = time.perf_counter()
+                        never.chat(text, max_new_tokens=1)
+                        seconds["never told"] += time.perf_counter() - t0
+                except AgentMemError as exc:  # ContextOverflow until sessions read past the window
+                    stopped = f"{NOT_RUN} ({type(exc).__name__})"
+                    print(f"session stopped at {before:,} tokens: {exc}", flush=True)
+                    break
+                delta = session.cache.token_ids[before:]
+                t0 = time.perf_counter()
+                streaming.read(delta)
+                seconds["StreamingLLM"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                summary.read(delta, request)
+                seconds["summary"] += time.perf_counter() - t0
+                point = next((f for f in PASSAGE_POINTS if f not in points and before >= f * total), None)
+                if point is not None or (k - 1 in points.values() and len(passages) % 2):
+                    if point is not None:
+                        points[point] = k
+                    middle = len(delta) // 2
+                    passages.append(Passage(k, kinds[k], delta[middle - PASSAGE // 2 : middle + PASSAGE // 2],
+                                            session.cache.logical_length))
+                    t0 = time.perf_counter()
+                    ids = session.cache.token_ids
+                    fresh = engine.prefill(ids[-max(IN_WINDOW, len(delta) + PASSAGE) :])
+                    probe = passage_probe(engine, ids, session.messages, passages[-1].ids)
+                    passages[-1].fresh = nll(probe.logprobs(engine, fresh))
+                    seconds["probes"] += time.perf_counter() - t0
+                k += 1
+            row = {"tokens read": mark, "x window": round(mark / window, 3)}
+            if stopped:
+                rows.append({**row, "session": stopped})
+                continue
+            t0 = time.perf_counter()
+            read = session.cache.logical_length
+            held, messages = session.cache.token_ids, session.messages
+            upcoming = {kind: next(text for kk, (kd, text) in enumerate(turns) if kk >= k and kd == kind)
+                        for kind in ("prose", "code")}
+            probes = {f"chunk {kind}": chunk_probe(engine, held, messages, text, args.chunk)
+                      for kind, text in upcoming.items()}
+            probes["fact"] = fact_probe(engine, held, messages)
+            counted = [p for p in passages if p.end <= read - IN_WINDOW]
+            probes.update({f"passage {p.turn}": passage_probe(engine, held, messages, p.ids) for p in counted})
+            caches = {"session": session.cache, "in-window": engine.prefill(held[-IN_WINDOW:]),
+                      "StreamingLLM": None if streaming.stopped else streaming.cache, "summary": summary.cache}
+            scored = measure(engine, caches, probes)
+            if never is not None:
+                never_fact = measure(engine, {"never": never.cache}, {"fact": fact_probe(
+                    engine, never.cache.token_ids, never.messages)})["never"]["fact"]
+            else:
+                never_fact = scored["in-window"]["fact"]
+            seconds["probes"] += time.perf_counter() - t0
+            never_passage = {key: nll(v) for key, v in scored["in-window"].items() if key.startswith("passage")}
+            row.update({"session tokens": read, "session rows": session.cache.physical_length,
+                        "session position": position(session.cache), "compactions": compactions})
+            entry = {"tokens read": mark, "session tokens": read, "passages counted": [p.turn for p in counted]}
+            for name in METHODS:
+                s = scored[name]
+                losses = {kind: (None if s[f"chunk {kind}"] is None else nll(s[f"chunk {kind}"]))
+                          for kind in ("prose", "code")}
+                loss = None if None in losses.values() else sum(losses.values()) / 2
+                fact = None if s["fact"] is None or never_fact is None else \
+                    (s["fact"].sum() - never_fact.sum()).item()
+                kept = retention(s, never_passage, counted) if name != "in-window" else None
+                entry[name] = {"loss": loss, **{f"loss {k}": v for k, v in losses.items()},
+                               "fact log-prob": None if s["fact"] is None else s["fact"].sum().item(),
+                               "fact log ratio": fact, "retention": kept,
+                               "passage nll": {key: nll(v) for key, v in s.items()
+                                               if key.startswith("passage") and v is not None}}
+                missing = streaming.stopped if name == "StreamingLLM" and streaming.stopped else NOT_RUN
+                row[f"loss {name}"] = round(loss, 4) if loss is not None else missing
+                if name != "in-window":
+                    row[f"fact x {name}"] = fmt_ratio(fact) if fact is not None else missing
+                    row[f"retention {name}"] = round(kept, 3) if kept is not None else (
+                        "—" if not counted else missing)
+            entry["never-told fact log-prob"] = None if never_fact is None else never_fact.sum().item()
+            entry["fresh passage nll"] = {f"passage {p.turn}": p.fresh for p in counted}
+            ratio = entry["session"]["loss"] / entry["in-window"]["loss"] if entry["session"]["loss"] else None
+            row["loss session / in-window"] = round(ratio, 3) if ratio else NOT_RUN
+            rows.append(row)
+            detail.append(entry)
+            print({**row, "elapsed s": round(time.perf_counter() - began, 1)}, flush=True)
+    return {"rows": rows, "detail": detail, "window": window, "total": total, "seconds": seconds,
+            "passages": [{"turn": p.turn, "kind": p.kind, "ends at token": p.end, "fresh nll": p.fresh,
+                          "text": engine.tokenizer.decode(p.ids)} for p in passages],
+            "summaries": summary.summaries, "last summary": summary.last_summary,
+            "StreamingLLM evictions": streaming.evictions, "StreamingLLM": streaming.stopped or "ran",
+            "placement": "available" if streaming.place is not None else "absent",
+            "wall s": round(time.perf_counter() - began, 1)}
+
+
+def fmt_ratio(log_ratio: float) -> str:
+    """exp(``log_ratio``) as a short figure: 3.2e+04, 12.5, 0.031."""
+    value = math.exp(log_ratio) if log_ratio < 700 else math.inf
+    return f"{value:.3g}"
+
+
+# ------------------------------------------------------------------------------------- targets
+
+
+def targets(result: dict[str, object]) -> list[dict[str, object]]:
+    """Each target with its measured value and verdict: met, missed, or not run."""
+    detail, window = result["detail"], result["window"]
+    reach = max((e["tokens read"] for e in detail), default=0)
+    short = reach < 4 * window
+    note = f" (measured only up to {reach / window:.2g}x the window)" if short else ""
+    out = []
+
+    ratios = [(e["tokens read"], e["session"]["loss"] / e["in-window"]["loss"]) for e in detail
+              if e["session"]["loss"] is not None and e["in-window"]["loss"]]
+    worst = max(ratios, key=lambda r: r[1], default=None)
+    out.append({"target": "next-chunk loss, session / in-window, at every position up to 4x the window",
+                "limit": "≤ 1.1x",
+                "measured": f"worst {worst[1]:.3f}x at {worst[0]:,} tokens" if worst else "—",
+                "verdict": NOT_RUN if not worst else ("met" if worst[1] <= 1.1 else "missed") + note})
+
+    last = detail[-1] if detail else None
+    fact = last["session"]["fact log ratio"] if last else None
+    at_target = last is not None and last["tokens read"] >= 4 * window
+    out.append({"target": "first-turn fact vs never told, at 4x the window", "limit": "≥ 100x likelier",
+                "measured": f"{fmt_ratio(fact)}x at {last['tokens read']:,} tokens" if fact is not None else "—",
+                "verdict": NOT_RUN if fact is None else ("met" if fact >= math.log(100) else "missed")
+                + ("" if at_target else note)})
+
+    gaps = [(e["tokens read"], e["session"]["retention"] - e["StreamingLLM"]["retention"]) for e in detail
+            if e["session"]["retention"] is not None and e["StreamingLLM"]["retention"] is not None]
+    unmatched = [e["tokens read"] for e in detail if e["session"]["retention"] is not None
+                 and e["StreamingLLM"]["retention"] is None]
+    worst = min(gaps, key=lambda g: g[1], default=None)
+    verdict = NOT_RUN if not worst else ("met" if worst[1] >= 0.2 else "missed")
+    if worst and unmatched:
+        verdict += f" (StreamingLLM not run at {', '.join(f'{t:,}' for t in unmatched)} tokens)"
+    out.append({"target": "passage retention, session − StreamingLLM, at every position", "limit": "≥ 0.2",
+                "measured": f"worst {worst[1]:+.3f} at {worst[0]:,} tokens" if worst else "—",
+                "verdict": verdict + (note if worst else "")})
+    return out
+
+
+# -------------------------------------------------------------------------------------- output
+
+
+def save(result: dict[str, object], args: argparse.Namespace) -> None:
+    title = (f"Reading {args.window_multiple:g}x the window ({result['total']:,} tokens of prose and code in "
+             f"{args.turn_tokens}-token turns), budget {args.budget:,} rows: {model_label(EMBEDDED)}")
+    extra = {
+        "never told": ("a second session that read the same turns without the fact" if args.never_told == "session"
+                       else "the in-window cache (the last 1,536 tokens; it never read the first turn)"),
+        "in-window": f"a fresh cache of the session's last {IN_WINDOW:,} tokens",
+        "StreamingLLM": f"{result['StreamingLLM']}; {result['StreamingLLM evictions']} evictions, sinks + recent rows "
+                        f"at consecutive positions (placement {result['placement']})",
+        "summary": f"{result['summaries']} summaries of up to {args.summary_tokens} tokens, each followed by the last "
+                   f"keep_recent tokens",
+        "seconds": {k: round(v, 1) for k, v in result["seconds"].items()}, "wall s": result["wall s"],
+        "machine": machine(), "command": command_line(),
+    }
+    md = write_results("long", title, result["rows"], extra)
+    table_end = md.index("\n\n", md.index("| "))
+    md = md[:table_end] + f"\n\n## Targets\n\n{markdown_table(targets(result))}" + md[table_end:]
+    (RESULTS / "long.md").write_text(md)
+    saved = {"rows": result["rows"], "targets": targets(result), **extra,
+             **{k: result[k] for k in ("detail", "passages", "window", "total", "last summary")}}
+    (RESULTS / "long.json").write_text(json.dumps(saved, indent=2, default=str))
+    plot(saved, title)
+    print(md, flush=True)
+
+
+def plot(saved: dict[str, object], title: str) -> None:
+    """Next-chunk loss, passage retention and the fact's odds against position, per method."""
+    plt = pyplot()
+    detail, window = saved["detail"], saved["window"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    styles = {"session": "o-", "in-window": "s--", "StreamingLLM": "^-", "summary": "v-"}
+    labels = {"session": "session (compacting)", "in-window": f"in-window (last {IN_WINDOW:,} tokens)",
+              "StreamingLLM": "StreamingLLM (sinks + recent)", "summary": "token-space summary"}
+    panels = [("loss", "next-chunk loss (NLL/token)", METHODS),
+              ("retention", "passage retention", ("session", "StreamingLLM", "summary")),
+              ("fact log ratio", "fact: log10 x likelier than never told", ("session", "StreamingLLM", "summary"))]
+    for axis, (key, ylabel, names) in zip(axes, panels):
+        for name in names:
+            points = [(e["tokens read"] / window, e[name][key]) for e in detail if e[name][key] is not None]
+            if key == "fact log ratio":
+                points = [(x, y / math.log(10)) for x, y in points]
+            if points:
+                axis.plot(*zip(*points), styles[name], label=labels[name])
+        if key == "retention":
+            axis.set_ylim(-0.05, 1.05)
+        if key == "fact log ratio":
+            axis.axhline(2, color="k", linestyle=":", linewidth=1, label="target: 100x")
+        axis.axvline(1, color="grey", linewidth=0.8)
+        axis.set_xlabel("tokens read / context window")
+        axis.set_ylabel(ylabel)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=9)
+    fig.suptitle(f"{title}\n{saved['command']}", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, "long")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--window-multiple", type=float, default=4.0, help="tokens to read, in context windows")
+    parser.add_argument("--budget", type=int, default=2048, help="the policy's max_live_tokens")
+    parser.add_argument("--turn-tokens", type=int, default=512, help="text tokens per turn")
+    parser.add_argument("--chunk", type=int, default=256, help="tokens of the next chunk scored")
+    parser.add_argument("--every", type=int, default=None, help="tokens between positions (default half the window)")
+    parser.add_argument("--summary-tokens", type=int, default=128, help="longest summary the baseline writes")
+    parser.add_argument("--never-told", choices=("session", "window"), default="session",
+                        help="the fact's reference: a second session never told it, or the in-window cache")
+    parser.add_argument("--plot-only", action="store_true", help="redraw long.png from long.json and exit")
+    args = parser.parse_args()
+    if args.plot_only:
+        saved = json.loads((RESULTS / "long.json").read_text())
+        return plot(saved, (RESULTS / "long.md").read_text().splitlines()[0].removeprefix("# "))
+    save(run(args), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Placements: RoPE positions decoupled from the token count, so a compacting session reads past the window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentmem.compaction import compact
+from agentmem.errors import InvalidInput
+from agentmem.placement import IDENTITY, Placement, placement_for, replace_positions, rotate_by
+
+
+def test_a_placement_keeps_the_prefix_squeezes_the_compacted_past_and_shifts_the_rest():
+    placement = Placement(protect=4, boundary=104, room=10)
+    logical = torch.tensor([0, 3, 4, 13, 14, 103, 104, 105, 500])
+    assert placement.offset == 90
+    assert placement.positions(logical).tolist() == [0, 3, 4, 4, 5, 13, 14, 15, 410]
+    assert IDENTITY.positions(logical).tolist() == logical.tolist() and IDENTITY.is_identity
+    with pytest.raises(InvalidInput):
+        Placement(protect=5, boundary=4, room=0)
+    with pytest.raises(InvalidInput):
+        Placement(protect=0, boundary=10, room=11)
+
+
+def test_rotations_compose_and_keep_dot_products_at_equal_distances(tiny_engine):
+    inv_freq = tiny_engine.model.base_model.rotary_emb.inv_freq
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 16), torch.randn(3, 16)
+    at = torch.tensor([100, 2000, 7000])
+    q_at, k_at = rotate_by(q, at, inv_freq), rotate_by(k, at - 37, inv_freq)
+    shifted = (rotate_by(q_at, -at + 5, inv_freq) * rotate_by(k_at, -at + 5, inv_freq)).sum(-1)
+    torch.testing.assert_close(shifted, (q_at * k_at).sum(-1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(rotate_by(rotate_by(q, 300, inv_freq), -300, inv_freq), q, atol=1e-5, rtol=0)
+
+
+def test_a_uniform_shift_of_every_row_leaves_the_next_tokens_logits_as_they_were(tiny_engine):
+    """What re-placement keeps exact: tokens read after rows that all moved by the same shift see
+    the same relative distances, so the model computes the same (to float32 rounding)."""
+    engine = tiny_engine
+    ids = list(range(100, 400))
+    cache = engine.prefill(ids)
+    shifted = cache.clone()
+    inv_freq = engine.model.base_model.rotary_emb.inv_freq
+    for layer in shifted.layers:
+        keys = layer.keys_view(0, layer.length)
+        keys.copy_(rotate_by(keys, -250, inv_freq))
+    shifted.placement = Placement(protect=0, boundary=250, room=0)  # no rows before the boundary: a pure shift
+    assert shifted.next_position == 50 and shifted.logical_length == 300
+    probe = [7, 8, 9, 10, 11]
+    torch.testing.assert_close(engine.score(shifted, probe), engine.score(cache, probe), atol=1e-4, rtol=0)
+
+
+def test_replacing_rotates_each_row_from_its_old_position_to_its_new_one(tiny_engine):
+    engine = tiny_engine
+    cache = compact(engine, engine.prefill(list(range(100, 420))), "global-eviction", ratio=4, keep_recent=32,
+                    protect_prefix=4)
+    placement = placement_for(cache, protect=4, room=40)
+    tail_start = cache.logical_length - cache.layers[0].tail_length
+    assert placement == Placement(4, tail_start, 40)
+    moved = replace_positions(engine, cache, placement)
+    assert cache.placement == IDENTITY and moved.placement == placement  # the original is left as it was
+    assert moved.next_position == cache.logical_length - placement.offset and moved.token_ids == cache.token_ids
+    inv_freq = engine.model.base_model.rotary_emb.inv_freq
+    for before, after in zip(cache.layers, moved.layers):
+        logical = before.slot_positions(0, before.length, tail_start)
+        real = logical >= 0
+        expected = rotate_by(before.keys_view(0, before.length), placement.positions(logical) - logical, inv_freq)
+        torch.testing.assert_close(after.keys_view(0, after.length)[real], expected[real].to(after.tail_keys.dtype), atol=1e-5,
+                                   rtol=0)
+        tail = slice(before.prefix_length, before.length)
+        torch.testing.assert_close(after.keys_view(0, after.length)[:, tail],
+                                   rotate_by(before.tail_keys, -placement.offset, inv_freq), atol=1e-5, rtol=0)
+        assert torch.equal(after.bias, before.bias) and torch.equal(after.tail_values, before.tail_values)
+    with pytest.raises(InvalidInput, match="raw tail"):
+        replace_positions(engine, cache, Placement(0, tail_start + 1, 10))
+
+
+def test_a_replaced_cache_round_trips_through_export(tiny_engine):
+    from agentmem.cache import SessionCache
+
+    engine = tiny_engine
+    cache = compact(engine, engine.prefill(list(range(100, 420))), "global-eviction", ratio=4, keep_recent=32)
+    moved = replace_positions(engine, cache, placement_for(cache, protect=0, room=20))
+    back = SessionCache.from_tensors(*moved.to_tensors())
+    assert back.placement == moved.placement and back.next_position == moved.next_position
+    probe = [7, 8, 9, 10]
+    torch.testing.assert_close(engine.score(back, probe), engine.score(moved, probe), atol=0, rtol=0)
+    assert "placement" not in cache.to_tensors()[1]  # never re-placed: exported exactly as before
