@@ -230,7 +230,9 @@ def test_edited_history_is_reread_and_reported(tiny, tmp_path):
 
 REFUSALS = {  # a policy, the edited turn's extra text and max_new_tokens, the error it gets
     "max_context_tokens": (BudgetPolicy(max_context_tokens=200), "", 150, BudgetExceeded, "max_context_tokens=200"),
-    "model context": (BudgetPolicy(), " ".join(["word"] * 1100), 3, ContextOverflow, "model's context of 1024"),
+    # only a session that cannot compact meets the model's window (the others re-place: test_long_sessions)
+    "model context": (BudgetPolicy(max_live_tokens=4096, on_over_budget="reject"), " ".join(["word"] * 1100), 3,
+                      ContextOverflow, "model's context of 1024"),
     "reject over budget": (BudgetPolicy(max_live_tokens=64, on_over_budget="reject", keep_recent=8),
                            filler(0), 3, BudgetExceeded, "rejects instead of compacting"),
     "bad sampling": (BudgetPolicy(), "", 3, InvalidInput, "temperature"),
