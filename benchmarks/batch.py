@@ -195,6 +195,11 @@ def main() -> None:
     reference = copy.deepcopy(engine.model)
     reference.set_attn_implementation("sdpa")
     wide = random_shape_engine("wide-cpu", torch.device("cpu"), torch.float32, 1024)
+    warm = [engine.tokenizer(text)["input_ids"] for text in histories(2)]  # first forwards allocate: not timed
+    for together in (False, True):
+        engine.batcher = DecodeBatcher(engine) if together else None
+        run_turns(engine, warm, messages(engine, 2, args.message_tokens), args.new_tokens, together)
+    engine.batcher = None
     rows = []
     for n in args.sessions:
         texts = histories(n)

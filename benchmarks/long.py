@@ -308,7 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     summary_request = SUMMARY_REQUEST.format(words=max(1, args.summary_tokens * 3 // 4))
 
     rows, detail, passages, points = [], [], [], {}
-    stopped, seconds = None, {"session": 0.0, "never told": 0.0, "StreamingLLM": 0.0, "summary": 0.0, "probes": 0.0}
+    stopped, seconds = None, {"session": 0.0, "never told": 0.0, "StreamingLLM": 0.0, "summary": 0.0, "probes": 0.0,
+                                     "session compactions": 0.0}
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as home, \
             SessionManager(engine, f"sqlite:///{home}/s.db", default_policy=policy) as manager:
@@ -327,6 +328,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     reply = session.chat((FACT + "\n\n" + text) if k == 0 else text, max_new_tokens=1)
                     seconds["session"] += time.perf_counter() - t0
                     compactions += reply.usage.compactions
+                    seconds["session compactions"] += sum(e["seconds"] for e in reply.usage.compaction_events)
                     if never is not None:
                         t0 = time.perf_counter()
                         never.chat(text, max_new_tokens=1)
@@ -355,6 +357,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     probe = passage_probe(engine, ids, session.messages, passages[-1].ids)
                     passages[-1].fresh = nll(probe.logprobs(engine, fresh))
                     seconds["probes"] += time.perf_counter() - t0
+                print(f"turn {k} ({kinds[k]}): {session.cache.logical_length:,} tokens read, "
+                      f"{session.cache.physical_length:,} rows, {compactions} compactions; "
+                      + ", ".join(f"{key} {v:.1f} s" for key, v in seconds.items()), flush=True)
                 k += 1
             row = {"tokens read": mark, "x window": round(mark / window, 3)}
             if stopped:
@@ -512,10 +517,11 @@ def plot(saved: dict[str, object], title: str) -> None:
             if points:
                 axis.plot(*zip(*points), styles[name], label=labels[name])
         if key == "retention":
-            axis.set_ylim(-0.05, 1.05)
+            axis.set_ylim(top=1.05)
+            axis.axhline(0, color="k", linewidth=0.8)
         if key == "fact log ratio":
             axis.axhline(2, color="k", linestyle=":", linewidth=1, label="target: 100x")
-        axis.axvline(1, color="grey", linewidth=0.8)
+        axis.axvline(1, color="grey", linewidth=0.8, label="the model's context window")
         axis.set_xlabel("tokens read / context window")
         axis.set_ylabel(ylabel)
         axis.grid(alpha=0.3)

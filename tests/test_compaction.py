@@ -1055,3 +1055,17 @@ def test_a_bf16_cache_keeps_fitted_beta_in_float32(tokenizer, monkeypatch):
     scores = engine.score(small, ids[199:])
     assert torch.equal(engine.score(restored, ids[199:]), scores)  # the model attends with the float32 β:
     assert not torch.equal(engine.score(older, ids[199:]), scores)  # β rounded to bf16 reads differently
+
+
+def test_the_fit_solver_falls_back_for_a_singular_head_and_solves_the_others():
+    """One head's system singular (two identical rows), the other's positive definite: the first gets
+    the fallback, the second its exact solution, and nothing raises (a singular head must never fail
+    a compaction)."""
+    from agentmem.compaction.solvers import _solve
+
+    good = torch.tensor([[4.0, 1.0], [1.0, 3.0]])
+    singular = torch.ones(2, 2)
+    rhs = torch.tensor([[[1.0], [2.0]], [[1.0], [2.0]]])
+    out = _solve(torch.stack([singular, good]), rhs, fallback=7.0)
+    assert torch.equal(out[0], torch.full((2, 1), 7.0))
+    torch.testing.assert_close(out[1], torch.linalg.solve(good, rhs[1]))

@@ -254,18 +254,27 @@ def choose_fits(
 
 
 def _solve(systems: torch.Tensor, rhs: torch.Tensor, *, fallback: float) -> torch.Tensor:
-    """``systems⁻¹ · rhs`` for a batch of systems ``(..., t, t)``, ``fallback`` in the solution of
-    any that is singular in float32.
+    """``systems⁻¹ · rhs`` for a batch of symmetric positive-definite systems ``(..., t, t)`` (a
+    weighted Gram matrix plus a ridge), ``fallback`` in the solution of any that is not positive
+    definite in float32.
 
     A small ridge does not make every system solvable: a head whose kept rows the queries
-    barely tell apart (nearly proportional columns) can leave an exactly zero pivot, and
-    ``torch.linalg.solve`` would then fail the whole compaction for one head (seen with
-    ``am`` on a session of Python's docs, a head keeping two rows besides its sinks). The
-    fallback is the unfitted answer (weight 1, value change 0), which the fits start from
-    or are judged against anyway.
+    barely tell apart (nearly proportional columns) can leave a zero pivot, and the solve would
+    then fail the whole compaction for one head (seen with ``am`` on a session of Python's
+    docs, a head keeping two rows besides its sinks). The fallback is the unfitted answer
+    (weight 1, value change 0), which the fits start from or are judged against anyway.
+
+    Cholesky, not LU: the systems are symmetric by construction, and on a CPU MKL's batched LU
+    sometimes returned invalid pivots with ``info == 0`` for such a system, so
+    ``torch.linalg.solve_ex`` raised inside ``lu_solve`` instead of reporting it (a whole
+    ``am-fast`` compaction of Python's docs failed). A failed factorisation is swapped for the
+    identity before the solve; nothing is read on the host.
     """
-    solution, info = torch.linalg.solve_ex(systems, rhs)
-    return solution.masked_fill((info != 0)[..., None, None], fallback)
+    factor, info = torch.linalg.cholesky_ex(systems)
+    failed = (info != 0)[..., None, None]
+    eye = torch.eye(systems.shape[-1], dtype=systems.dtype, device=systems.device)
+    solution = torch.cholesky_solve(rhs, torch.where(failed, eye, factor))
+    return solution.masked_fill(failed, fallback)
 
 
 def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 10) -> torch.Tensor:
