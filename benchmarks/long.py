@@ -22,8 +22,8 @@ cache, which none of them changes) on:
   (:mod:`agentmem.placement`; without it, it stops at the window: "not run (no placement)");
 - **summary**: what agents do today: the same stream in a plain cache; when a turn would take it
   past the budget, the model (greedy, up to ``--summary-tokens``) summarises the conversation
-  held, as a chat turn, and a fresh cache holds that summary (as a system message) and the last
-  ``keep_recent`` tokens, then reads on.
+  held, as a chat turn, and a fresh cache holds that summary (as a system message) and as many
+  of the last tokens as the session keeps live rows after a compaction, then reads on.
 
 The probes:
 
@@ -31,9 +31,10 @@ The probes:
   each as the message that would be read next (the one of the other kind skips the turn between:
   unread text either way); loss = mean NLL per token, then the mean of the two kinds;
 - **fact**: "What is the vault code?" answered "The vault code is 4417-Kestrel"; the log-prob of
-  the answer's tokens after "The vault code is", against a session that read the same turns but
-  never the fact (``--never-told session``, the default: a second session; ``window``: the
-  in-window cache, half the cost); reported as how many times likelier (``exp`` of the difference);
+  the answer's tokens after "The vault code is", against a cache never told it
+  (``--never-told window``, the default: the in-window cache; ``session``: a second session that
+  read the same turns without the fact, which doubles the run's compactions); reported as how many
+  times likelier (``exp`` of the difference);
 - **passage retention**: two ``PASSAGE``-token passages (one prose, one code: the two turns from
   1/4, 1/2 and 3/4 of the way), cued by their first half ("Continue this passage from the text
   above, word for word:"), scoring the second half. A passage counts once it has left the
@@ -47,8 +48,9 @@ position up to 4x the window; the first-turn fact ≥ 100x likelier than never t
 window; passage retention ≥ StreamingLLM's + 0.2 at every position.
 
 Writes ``benchmarks/results/long.{md,json,png}``. Run: ``python benchmarks/long.py`` (defaults:
-4x the window, budget 2,048, turns of 512 tokens); ``--window-multiple 0.75`` stays inside the
-window (quick); ``--plot-only`` redraws the plot from the saved JSON.
+4x the window, budget 2,048, turns of 1,024 tokens: about 25 minutes on 2 CPU cores, most of it
+the session's compactions); ``--window-multiple 0.75`` stays inside the window (quick);
+``--plot-only`` redraws the plot from the saved JSON.
 """
 
 from __future__ import annotations
@@ -63,13 +65,22 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from common import (
+    RESULTS,
+    command_line,
+    machine,
+    markdown_table,
+    model_label,
+    pyplot,
+    save_figure,
+    stdlib_text,
+    write_results,
+)
 
 from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.compaction import compact
 from agentmem.errors import AgentMemError
 from agentmem.models import EMBEDDED
-from common import RESULTS, command_line, machine, markdown_table, model_label, pyplot, save_figure, stdlib_text, \
-    write_results
 
 FACT = "The vault code is 4417-Kestrel."
 QUESTION = "What is the vault code?"
@@ -139,7 +150,7 @@ def chunk_probe(engine: Engine, held, messages, text: str, chunk: int) -> Probe:
 
 
 def fact_probe(engine: Engine, held, messages) -> Probe:
-    tokenize = lambda s: engine.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    tokenize = lambda s: engine.tokenizer(s, add_special_tokens=False)["input_ids"]
     cue, full = tokenize(ANSWER_CUE), tokenize(ANSWER_CUE + ANSWER)
     assert full[: len(cue)] == cue, "the answer's cue must tokenize as its own prefix"
     return Probe(user_turn(engine, held, messages, QUESTION) + full, len(full) - len(cue))
@@ -221,7 +232,8 @@ class Streaming:
 @dataclass
 class Summarised:
     """A plain cache; over the budget, the model summarises the conversation and a fresh cache holds
-    the summary and the last ``keep_recent`` tokens."""
+    the summary and as many of the last tokens as the session keeps live rows after a compaction
+    (at least ``keep_recent``)."""
 
     engine: Engine
     policy: BudgetPolicy
@@ -249,7 +261,8 @@ class Summarised:
             frame = engine.tokenizer.apply_chat_template(
                 [{"role": "system", "content": SUMMARY_FRAME + self.last_summary}], tokenize=False)
             ids = engine.tokenizer(frame, add_special_tokens=False)["input_ids"]
-            recent = self.cache.token_ids[-self.policy.keep_recent :]
+            keep = max(self.policy.keep_recent, self.policy.live_after_compaction(len(delta)) - len(ids))
+            recent = self.cache.token_ids[-keep:]
             self.cache = engine.prefill(ids + recent)
             self.summaries += 1
             self.seconds += time.perf_counter() - began
@@ -308,8 +321,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     summary_request = SUMMARY_REQUEST.format(words=max(1, args.summary_tokens * 3 // 4))
 
     rows, detail, passages, points = [], [], [], {}
-    stopped, seconds = None, {"session": 0.0, "never told": 0.0, "StreamingLLM": 0.0, "summary": 0.0, "probes": 0.0,
-                                     "session compactions": 0.0}
+    seconds = dict.fromkeys(("session", "session compactions", "never told", "StreamingLLM", "summary", "probes"), 0.0)
+    stopped = None
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as home, \
             SessionManager(engine, f"sqlite:///{home}/s.db", default_policy=policy) as manager:
@@ -396,7 +409,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 fact = None if s["fact"] is None or never_fact is None else \
                     (s["fact"].sum() - never_fact.sum()).item()
                 kept = retention(s, never_passage, counted) if name != "in-window" else None
-                entry[name] = {"loss": loss, **{f"loss {k}": v for k, v in losses.items()},
+                entry[name] = {"loss": loss, **{f"loss {kind}": v for kind, v in losses.items()},
                                "fact log-prob": None if s["fact"] is None else s["fact"].sum().item(),
                                "fact log ratio": fact, "retention": kept,
                                "passage nll": {key: nll(v) for key, v in s.items()
@@ -483,7 +496,7 @@ def save(result: dict[str, object], args: argparse.Namespace) -> None:
         "StreamingLLM": f"{result['StreamingLLM']}; {result['StreamingLLM evictions']} evictions, sinks + recent rows "
                         f"at consecutive positions (placement {result['placement']})",
         "summary": f"{result['summaries']} summaries of up to {args.summary_tokens} tokens, each followed by the last "
-                   f"keep_recent tokens",
+                   "tokens, up to the live rows a session's compaction leaves",
         "seconds": {k: round(v, 1) for k, v in result["seconds"].items()}, "wall s": result["wall s"],
         "machine": machine(), "command": command_line(),
     }
@@ -535,11 +548,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--window-multiple", type=float, default=4.0, help="tokens to read, in context windows")
     parser.add_argument("--budget", type=int, default=2048, help="the policy's max_live_tokens")
-    parser.add_argument("--turn-tokens", type=int, default=512, help="text tokens per turn")
+    parser.add_argument("--turn-tokens", type=int, default=1024, help="text tokens per turn")
     parser.add_argument("--chunk", type=int, default=256, help="tokens of the next chunk scored")
     parser.add_argument("--every", type=int, default=None, help="tokens between positions (default half the window)")
     parser.add_argument("--summary-tokens", type=int, default=128, help="longest summary the baseline writes")
-    parser.add_argument("--never-told", choices=("session", "window"), default="session",
+    parser.add_argument("--never-told", choices=("session", "window"), default="window",
                         help="the fact's reference: a second session never told it, or the in-window cache")
     parser.add_argument("--plot-only", action="store_true", help="redraw long.png from long.json and exit")
     args = parser.parse_args()
