@@ -515,7 +515,7 @@ def plot(saved: dict[str, object], title: str) -> None:
     """Next-chunk loss, passage retention and the fact's odds against position, per method."""
     plt = pyplot()
     detail, window = saved["detail"], saved["window"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), sharex=True)
     styles = {"session": "o-", "in-window": "s--", "StreamingLLM": "^-", "summary": "v-"}
     labels = {"session": "session (compacting)", "in-window": f"in-window (last {IN_WINDOW:,} tokens)",
               "StreamingLLM": "StreamingLLM (sinks + recent)", "summary": "token-space summary"}
