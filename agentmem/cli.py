@@ -605,10 +605,12 @@ def _layout(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
 
 
 def _placement_offset(layout: dict[str, Any]) -> int:
-    """How far a stored cache's rows were moved down (agentmem.placement): 0 when never moved."""
-    from agentmem.placement import Placement
-
-    return Placement(*layout["placement"]).offset if "placement" in layout else 0
+    """How far a stored cache's rows were moved down: ``Placement.offset`` of its stored
+    ``[protect, boundary, room]``, 0 when never moved (read here without importing torch)."""
+    if "placement" not in layout:
+        return 0
+    protect, boundary, room = (int(v) for v in layout["placement"])
+    return boundary - protect - room
 
 
 def _bytes(nbytes: int, as_json: bool) -> int | str:

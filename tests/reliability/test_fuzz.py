@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -106,14 +107,21 @@ def test_message_lists_render_or_raise_and_typed_special_tokens_stay_text(small_
     assert [t for t in ids if t in special] == [t for t in reference if t in special]
 
 
-def test_huge_and_empty_messages_are_typed_errors_and_the_session_survives(small_engine, tmp_path):
+def test_huge_and_empty_messages_are_typed_errors_or_read_and_the_session_survives(small_engine, tmp_path):
     from agentmem import SessionManager
 
-    with SessionManager(small_engine, f"sqlite:///{tmp_path / 's.db'}") as manager:
+    huge = "word " * (small_engine.max_context + 10)
+    rejecting = BudgetPolicy(max_live_tokens=4096, on_over_budget="reject")
+    with SessionManager(small_engine, f"sqlite:///{tmp_path / 's.db'}", policies={"strict": rejecting}) as manager:
         session = manager.session("t-1")
-        session.chat("hello", max_new_tokens=2)
+        strict = manager.session("t-2", tenant="strict")  # cannot compact, so cannot read past the window
+        for each in (session, strict):
+            each.chat("hello", max_new_tokens=2)
         held = session.cache.token_ids
-        for bad in ["word " * (small_engine.max_context + 10), [], [{"role": "user"}], [{"role": "x", "content": ""}]]:
+        with pytest.raises(AgentMemError):
+            strict.chat(huge, max_new_tokens=2)
+        assert strict.cache.token_ids == held
+        for bad in [[], [{"role": "user"}], [{"role": "x", "content": ""}]]:
             try:
                 session.chat(bad, max_new_tokens=2)
             except AgentMemError:
@@ -122,6 +130,9 @@ def test_huge_and_empty_messages_are_typed_errors_and_the_session_survives(small
                 raise AssertionError(f"{str(bad)[:40]} was accepted")
             assert session.cache.token_ids[: len(held)] == held
         assert session.chat("still here?", max_new_tokens=2).usage.reused_tokens >= len(held)
+        # A session that compacts reads a message longer than the model's window, its positions in range.
+        usage = session.chat(huge, max_new_tokens=2).usage
+        assert usage.logical_tokens > small_engine.max_context > usage.position
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
