@@ -61,7 +61,8 @@ class BudgetPolicy(BaseModel):
     on_over_budget: Literal["compact", "spill", "reject"] = Field(
         "compact",
         description="what a session over max_live_tokens does: compact, spill others, or refuse (BudgetExceeded)")
-    max_context_tokens: int | None = Field(None, gt=0, description="logical tokens a session may read")
+    max_context_tokens: int | None = Field(None, gt=0, description="logical tokens a session may read (a compacting session "
+                                                                    "is otherwise not limited by the model's context)")
 
     @field_validator("target_ratio")
     @classmethod
