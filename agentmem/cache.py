@@ -502,6 +502,11 @@ class SessionCache:
         return len(self._token_ids)
 
     @property
+    def tail_start(self) -> int:
+        """Logical index of the first token held raw (uncompacted) in the tail."""
+        return len(self._token_ids) - self.layers[0].tail_length
+
+    @property
     def next_position(self) -> int:
         """RoPE position of the next token read: ``logical_length`` less the placement's offset."""
         return len(self._token_ids) - self.placement.offset
@@ -693,7 +698,10 @@ class SessionCache:
             layers.append(LayerCache(segments, tail_k, tail_v, dtype=dtype, device=device))
         if len(layers) != int(meta["num_layers"]):
             raise CorruptSessionError(f"{len(layers)} layers stored, layout says {meta['num_layers']}")
-        placement = Placement(*(int(v) for v in meta["placement"])) if "placement" in meta else IDENTITY
+        try:
+            placement = Placement(*(int(v) for v in meta["placement"])) if "placement" in meta else IDENTITY
+        except InvalidInput as exc:
+            raise CorruptSessionError(f"stored placement: {brief(exc)}") from exc
         if placement.boundary > int(meta["logical_length"]) - int(meta["layers"][0]["tail_length"]):
             raise CorruptSessionError(f"placement {placement.as_list()} reaches into the raw tail")
         return cls(layers, token_ids.tolist(), str(meta["fingerprint"]), placement)

@@ -88,7 +88,7 @@ def placement_for(cache, *, protect: int, room: int) -> Placement:
 
     Its boundary is where the raw tail starts, so the whole tail keeps its distances.
     """
-    boundary = cache.logical_length - cache.layers[0].tail_length
+    boundary = cache.tail_start
     protect = min(protect, boundary)
     return Placement(protect, boundary, min(room, boundary - protect))
 
@@ -102,7 +102,7 @@ def replace_positions(engine, cache, placement: Placement):
     inside the raw tail's compacted past: rows after it must all be raw, which
     :func:`placement_for` ensures.
     """
-    tail_start = cache.logical_length - cache.layers[0].tail_length
+    tail_start = cache.tail_start
     if placement.boundary > tail_start:
         raise InvalidInput(f"a placement's boundary ({placement.boundary}) must not pass the raw tail's start "
                            f"({tail_start}): raw rows must keep their distances")

@@ -262,7 +262,7 @@ class Session:
     def _kept_by_rewind(self, keep_tokens: int) -> int:
         """The tokens a rewind to ``keep_tokens`` keeps: all of them, or none when the cut reaches
         into compacted rows (only a full re-read is exact then)."""
-        raw_from = self.cache.logical_length - self.cache.layers[0].tail_length
+        raw_from = self.cache.tail_start
         return keep_tokens if keep_tokens >= raw_from else 0
 
     def _rewind(self, keep_tokens: int, usage: Usage) -> None:

@@ -177,7 +177,7 @@ def assemble(
     ``spare`` more rows (a candidate that is scored reads that many tokens on top of it).
     """
     layers = []
-    protected_start = cache.logical_length - cache.layers[0].tail_length
+    protected_start = cache.tail_start
     for i, (layer, span, choice) in enumerate(zip(cache.layers, plan.layers, choices)):
         segments = list(span.kept_segments)
         if plan.protected_raw:
@@ -220,7 +220,7 @@ def prefix_cache(cache: SessionCache, plan: SpanPlan) -> SessionCache:
 
     New tokens read into it take the span's first positions (used to re-read a summary).
     """
-    tail_start = cache.logical_length - cache.layers[0].tail_length
+    tail_start = cache.tail_start
     layers = []
     for layer, span in zip(cache.layers, plan.layers):
         segments = list(span.kept_segments)

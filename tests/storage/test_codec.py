@@ -377,3 +377,18 @@ def test_pieces_of_a_tail_must_agree_and_every_layer_must_hold_the_same_tail(cac
     uneven = SessionCache([LayerCache([], keys, keys), LayerCache([], keys[:, :2], keys[:, :2])], [1, 2, 3], "llama-test")
     with pytest.raises(InvalidInput, match=r"raw tails of \[3, 2\] tokens"):
         uneven.export()
+
+
+def test_a_stored_placement_that_breaks_its_rules_is_a_corrupt_session(cache):
+    """A placement may squeeze only compacted rows: one reaching into the raw tail, or an invalid
+    triple, would put rows at positions the model never saw them at, so the load refuses it."""
+    tensors, meta = cache.to_tensors()
+    assert "placement" not in meta  # the identity is not stored
+    tail_start = cache.tail_start
+    squeezed = SessionCache.from_tensors(tensors, dict(meta, placement=[4, tail_start, 10]))
+    assert squeezed.placement.as_list() == [4, tail_start, 10]
+    assert squeezed.next_position == cache.logical_length - (tail_start - 4 - 10)
+    with pytest.raises(CorruptSessionError, match="reaches into the raw tail"):
+        SessionCache.from_tensors(tensors, dict(meta, placement=[4, tail_start + 1, 10]))
+    with pytest.raises(CorruptSessionError, match="stored placement"):
+        SessionCache.from_tensors(tensors, dict(meta, placement=[4, tail_start, tail_start]))
