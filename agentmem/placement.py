@@ -83,14 +83,16 @@ def placement_margin(engine) -> int:
     return engine.max_context // 4
 
 
-def placement_for(cache, *, protect: int, room: int) -> Placement:
+def placement_for(cache, *, protect: int, room: int, exact: int = 0) -> Placement:
     """The placement that squeezes every compacted token of ``cache`` (after ``protect``) into ``room`` positions.
 
-    Its boundary is where the raw tail starts, so the whole tail keeps its distances.
+    Its boundary is where the raw tail starts, so the whole tail keeps its distances; with
+    ``exact``, so do the last ``exact`` compacted tokens (SelfExtend's neighbour window: the
+    boundary moves back by ``exact`` and the older rows share the rest of ``room``).
     """
-    boundary = cache.tail_start
+    boundary = max(min(protect, cache.tail_start), cache.tail_start - exact)
     protect = min(protect, boundary)
-    return Placement(protect, boundary, min(room, boundary - protect))
+    return Placement(protect, boundary, min(max(0, room - (cache.tail_start - boundary)), boundary - protect))
 
 
 def replace_positions(engine, cache, placement: Placement):

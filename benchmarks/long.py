@@ -95,6 +95,10 @@ SUMMARY_FRAME = "Summary of the conversation so far:\n"
 CODE_MODULES = ("email.message", "json.decoder", "textwrap", "heapq", "fractions", "configparser", "difflib")
 METHODS = ("session", "in-window", "StreamingLLM", "summary")
 NOT_RUN = "not run"
+# Placements compared on the session's own cache at every position (issue: "measure which placement
+# keeps most"): (room, exact) as fractions of the window; see agentmem.placement.placement_for.
+PLACEMENTS = {"room 1/8": (1 / 8, 0), "room 1/4": (1 / 4, 0), "room 1/2": (1 / 2, 0),
+              "room 1/4, last 1/8 exact": (1 / 4, 1 / 8), "room 1/2, last 1/4 exact": (1 / 2, 1 / 4)}
 
 
 # ------------------------------------------------------------------------------------------ text
@@ -218,7 +222,7 @@ class Streaming:
                 self.cache = compact(engine, self.cache, "window", target_tokens=target, keep_recent=policy.keep_recent)
                 self.evictions += 1
                 if self.place is not None:
-                    tail_start = self.cache.logical_length - self.cache.layers[0].tail_length
+                    tail_start = self.cache.tail_start
                     self.cache = self.place(engine, self.cache, 4, tail_start - (target - 4))
             if self.place is None and position(self.cache) + len(delta) + self.reserve > engine.max_context:
                 self.stopped = f"{NOT_RUN} (no placement)"
@@ -275,6 +279,17 @@ def position(cache) -> int:
 
 
 # ------------------------------------------------------------------------------------------- run
+
+
+def placed_copies(engine: Engine, cache) -> dict[str, object]:
+    """The session's cache re-placed now by each of :data:`PLACEMENTS` (copies; ``cache`` is unchanged):
+    the same rows and fits, only their positions differ, so the probes compare placements alone."""
+    from agentmem.placement import SINK_TOKENS, placement_for, replace_positions
+
+    window = engine.max_context
+    return {name: replace_positions(engine, cache, placement_for(
+        cache, protect=SINK_TOKENS, room=round(room * window), exact=round(exact * window)))
+            for name, (room, exact) in PLACEMENTS.items()}
 
 
 def nll(values: torch.Tensor) -> float:
@@ -391,6 +406,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             caches = {"session": session.cache, "in-window": engine.prefill(held[-IN_WINDOW:]),
                       "StreamingLLM": None if streaming.stopped else streaming.cache, "summary": summary.cache}
             scored = measure(engine, caches, probes)
+            placed = placed_copies(engine, session.cache) if args.placements else {}
+            placed_scores = measure(engine, placed, probes)
             if never is not None:
                 never_fact = measure(engine, {"never": never.cache}, {"fact": fact_probe(
                     engine, never.cache.token_ids, never.messages)})["never"]["fact"]
@@ -422,6 +439,17 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                         "—" if not counted else missing)
             entry["never-told fact log-prob"] = None if never_fact is None else never_fact.sum().item()
             entry["fresh passage nll"] = {f"passage {p.turn}": p.fresh for p in counted}
+            entry["placements"] = {}
+            for name, cache in placed.items():
+                s = placed_scores[name]
+                loss = None if s["chunk prose"] is None or s["chunk code"] is None else \
+                    (nll(s["chunk prose"]) + nll(s["chunk code"])) / 2
+                entry["placements"][name] = {
+                    "placement": cache.placement.as_list(), "next position": cache.next_position,
+                    "loss": loss, "loss / in-window": loss / entry["in-window"]["loss"] if loss else None,
+                    "retention": retention(s, never_passage, counted),
+                    "fact log ratio": None if s["fact"] is None or never_fact is None else
+                    (s["fact"].sum() - never_fact.sum()).item()}
             ratio = entry["session"]["loss"] / entry["in-window"]["loss"] if entry["session"]["loss"] else None
             row["loss session / in-window"] = round(ratio, 3) if ratio else NOT_RUN
             rows.append(row)
@@ -486,6 +514,32 @@ def targets(result: dict[str, object]) -> list[dict[str, object]]:
 # -------------------------------------------------------------------------------------- output
 
 
+def placement_rows(detail: list[dict[str, object]]) -> list[dict[str, object]]:
+    """One row per candidate placement: its loss ratio and retention at every position, then the worst and mean."""
+    names = list(dict.fromkeys(name for e in detail for name in e.get("placements", {})))
+    rows = []
+    for name in names:
+        row = {"placement": name}
+        ratios, kept = [], []
+        for e in detail:
+            got = e.get("placements", {}).get(name)
+            if got is None:
+                continue
+            x = f"{e['tokens read']:,}"
+            if got["loss / in-window"] is not None:
+                ratios.append(got["loss / in-window"])
+            if got["retention"] is not None:
+                kept.append(got["retention"])
+            row[f"{x}: loss ratio / retention / position"] = (
+                f"{got['loss / in-window']:.3f} / " if got["loss / in-window"] is not None else "— / ") + (
+                f"{got['retention']:.3f}" if got["retention"] is not None else "—") + f" / {got['next position']:,}"
+        row["worst loss ratio"] = round(max(ratios), 3) if ratios else NOT_RUN
+        row["mean loss ratio"] = round(sum(ratios) / len(ratios), 3) if ratios else NOT_RUN
+        row["mean retention"] = round(sum(kept) / len(kept), 3) if kept else NOT_RUN
+        rows.append(row)
+    return rows
+
+
 def save(result: dict[str, object], args: argparse.Namespace) -> None:
     title = (f"Reading {args.window_multiple:g}x the window ({result['total']:,} tokens of prose and code in "
              f"{args.turn_tokens}-token turns), budget {args.budget:,} rows: {model_label(EMBEDDED)}")
@@ -503,8 +557,14 @@ def save(result: dict[str, object], args: argparse.Namespace) -> None:
     md = write_results("long", title, result["rows"], extra)
     table_end = md.index("\n\n", md.index("| "))
     md = md[:table_end] + f"\n\n## Targets\n\n{markdown_table(targets(result))}" + md[table_end:]
+    compared = placement_rows(result["detail"])
+    if compared:
+        md += ("\n## Placements compared\n\nAt every position, the session's cache re-placed by each candidate "
+               "(the same rows and fits; `agentmem.placement.placement_for` with room and exact tokens as "
+               "fractions of the window): next-chunk loss over the in-window cache's, passage retention, "
+               "and the position the next token would take.\n\n" + markdown_table(compared) + "\n")
     (RESULTS / "long.md").write_text(md)
-    saved = {"rows": result["rows"], "targets": targets(result), **extra,
+    saved = {"rows": result["rows"], "targets": targets(result), "placements compared": compared, **extra,
              **{k: result[k] for k in ("detail", "passages", "window", "total", "last summary")}}
     (RESULTS / "long.json").write_text(json.dumps(saved, indent=2, default=str))
     plot(saved, title)
@@ -554,6 +614,8 @@ def main() -> None:
     parser.add_argument("--summary-tokens", type=int, default=128, help="longest summary the baseline writes")
     parser.add_argument("--never-told", choices=("session", "window"), default="window",
                         help="the fact's reference: a second session never told it, or the in-window cache")
+    parser.add_argument("--no-placements", dest="placements", action="store_false",
+                        help="leave out the comparison of placements on the session's cache")
     parser.add_argument("--plot-only", action="store_true", help="redraw long.png from long.json and exit")
     args = parser.parse_args()
     if args.plot_only:

@@ -580,7 +580,7 @@ def test_rows_whose_compaction_kept_no_queries_are_re_read(llama, monkeypatch):
 def rows_by_position(cache: SessionCache) -> list[list[dict[int, tuple[torch.Tensor, float]]]]:
     """Per layer and head: token position -> (key, recorded score) of every row, compacted or raw."""
     tables = []
-    tail_start = cache.logical_length - cache.layers[0].tail_length
+    tail_start = cache.tail_start
     for layer in cache.layers:
         heads = [{} for _ in range(layer.num_heads)]
         for seg in layer.segments:

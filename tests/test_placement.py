@@ -55,7 +55,7 @@ def test_replacing_rotates_each_row_from_its_old_position_to_its_new_one(tiny_en
     cache = compact(engine, engine.prefill(list(range(100, 420))), "global-eviction", ratio=4, keep_recent=32,
                     protect_prefix=4)
     placement = placement_for(cache, protect=4, room=40)
-    tail_start = cache.logical_length - cache.layers[0].tail_length
+    tail_start = cache.tail_start
     assert placement == Placement(4, tail_start, 40)
     moved = replace_positions(engine, cache, placement)
     assert cache.placement == IDENTITY and moved.placement == placement  # the original is left as it was
@@ -73,6 +73,24 @@ def test_replacing_rotates_each_row_from_its_old_position_to_its_new_one(tiny_en
         assert torch.equal(after.bias, before.bias) and torch.equal(after.tail_values, before.tail_values)
     with pytest.raises(InvalidInput, match="raw tail"):
         replace_positions(engine, cache, Placement(0, tail_start + 1, 10))
+
+
+def test_an_exact_neighbour_window_keeps_the_last_compacted_tokens_distances_in_the_same_room(tiny_engine):
+    """placement_for(exact=): the last ``exact`` compacted tokens keep their distances to the tail
+    (shifted like it), the older ones share what is left of ``room``; the next position is the
+    same as without it. When the window covers every compacted token, nothing moves."""
+    engine = tiny_engine
+    cache = compact(engine, engine.prefill(list(range(100, 420))), "global-eviction", ratio=4, keep_recent=32,
+                    protect_prefix=4)
+    tail_start = cache.tail_start
+    plain = placement_for(cache, protect=4, room=40)
+    near = placement_for(cache, protect=4, room=40, exact=16)
+    assert near == Placement(4, tail_start - 16, 24) and near.offset == plain.offset
+    logical = torch.arange(tail_start - 16, tail_start + 5)
+    assert (near.positions(logical) == logical - near.offset).all()  # the window and the tail: shifted alike
+    older = torch.arange(4, tail_start - 16)
+    assert near.positions(older).max() < 4 + 24 and (near.positions(older).diff() >= 0).all()
+    assert placement_for(cache, protect=4, room=40, exact=tail_start).is_identity
 
 
 def test_a_replaced_cache_round_trips_through_export(tiny_engine):

@@ -526,7 +526,7 @@ def test_a_long_first_message_keeps_its_system_prompt_protected(tiny, tmp_path):
         usage = session.chat([system, {"role": "user", "content": filler(0) * 3}], max_new_tokens=2).usage
         assert usage.compactions >= 2 and protected > policy.keep_recent
         layer = session.cache.layers[0]
-        positions = layer.slot_positions(0, layer.length, session.cache.logical_length - layer.tail_length)
+        positions = layer.slot_positions(0, layer.length, session.cache.tail_start)
         for head in positions:  # every head still holds every row of the system prompt
             assert set(range(protected)) <= set(head.tolist())
 
