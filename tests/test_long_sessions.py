@@ -33,15 +33,17 @@ def read_past_the_window(session, engine: Engine, times: float = 3) -> list:
     raise AssertionError("the text ran out before the session passed the window")
 
 
-def test_a_compacting_session_reads_past_the_window_with_positions_in_range(engine, tmp_path):
-    with SessionManager(engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=POLICY) as manager:
+@pytest.mark.parametrize("method", ["global-eviction", "summary"])
+def test_a_compacting_session_reads_past_the_window_with_positions_in_range(engine, tmp_path, method):
+    policy = POLICY.model_copy(update={"method": method})
+    with SessionManager(engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
         session = manager.session("long")
         usages = read_past_the_window(session, engine)
         assert session.cache.logical_length > 3 * engine.max_context
         assert all(u.position < engine.max_context and u.position <= u.logical_tokens for u in usages)
         assert sum(u.replacements for u in usages) >= 2 and usages[-1].position < usages[-1].logical_tokens
         assert usages[0].position == usages[0].logical_tokens and not usages[0].replacements  # far from the window
-        assert session.cache.physical_length <= POLICY.max_live_tokens
+        assert session.cache.physical_length <= policy.max_live_tokens
         listed = {e["session_id"]: e for e in manager.list("default")}["long"]
         assert listed["logical_tokens"] == session.cache.logical_length
         assert listed["position"] == session.cache.next_position

@@ -104,3 +104,29 @@ def test_a_replaced_cache_round_trips_through_export(tiny_engine):
     probe = [7, 8, 9, 10]
     torch.testing.assert_close(engine.score(back, probe), engine.score(moved, probe), atol=0, rtol=0)
     assert "placement" not in cache.to_tensors()[1]  # never re-placed: exported exactly as before
+
+
+def test_a_summary_written_into_a_replaced_cache_is_the_unplaced_one_moved_into_place(tiny_engine, monkeypatch):
+    """A summary compaction of a re-placed cache reads its summary after the prefix at the
+    distances of the unplaced cache (the span's first position under the placement), then its rows
+    sit where the placement puts them: the same values, keys rotated by the placement's shift. The
+    summary text is fixed so that the two compactions summarise alike."""
+    engine = tiny_engine
+    monkeypatch.setattr(engine, "generate", lambda cache, prompt, **kwargs: list(range(300, 316)))
+    unplaced = compact(engine, engine.prefill(list(range(100, 420))), "global-eviction", ratio=4, keep_recent=32,
+                       protect_prefix=4)
+    placement = placement_for(unplaced, protect=4, room=40)
+    placed = replace_positions(engine, unplaced, placement)
+    for cache in (unplaced, placed):
+        engine.prefill(list(range(500, 540)), cache)
+    summaries = [compact(engine, cache, "summary", ratio=4, keep_recent=32, protect_prefix=4)
+                 for cache in (unplaced, placed)]
+    assert summaries[1].placement == placement and summaries[1].next_position == placed.next_position
+    for plain, moved in zip(*(s.layers for s in summaries)):
+        want, got = plain.segment(len(plain.layouts) - 1), moved.segment(len(moved.layouts) - 1)
+        assert got.span == want.span == (4, 328) and (got.positions == want.positions).all()
+        assert sum(got.head_rows) == 16 * engine.num_kv_heads
+        torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-5)
+        shift = placement.positions(want.positions.long()) - want.positions.long()
+        assert shift.any()  # squeezed: the rows do move
+        torch.testing.assert_close(got.keys.float(), engine.rotate(want.keys, shift), rtol=1e-5, atol=1e-5)

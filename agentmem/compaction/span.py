@@ -21,10 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentmem.cache import CompactedSegment, LayerCache, SegmentQueries, SessionCache
+from agentmem.placement import IDENTITY, Placement
+
+if TYPE_CHECKING:
+    from agentmem.engine import Engine
 
 
 @dataclass
@@ -218,7 +223,10 @@ def _identity_segment(layer: LayerCache, rows: int, start: int) -> CompactedSegm
 def prefix_cache(cache: SessionCache, plan: SpanPlan) -> SessionCache:
     """Only what precedes the span — kept segments and protected raw rows — with the prefix's tokens.
 
-    New tokens read into it take the span's first positions (used to re-read a summary).
+    New tokens read into it start at the RoPE position ``cache``'s placement gives the span's
+    first token, so they see the prefix at the distances the span did (used to re-read a
+    summary). Under a placement that squeezes the span, the positions after that first one are
+    not the placement's: the reader rotates its rows into place (:func:`place_read_rows`).
     """
     tail_start = cache.tail_start
     layers = []
@@ -228,7 +236,24 @@ def prefix_cache(cache: SessionCache, plan: SpanPlan) -> SessionCache:
             segments.append(_identity_segment(layer, plan.protected_raw, tail_start))
         empty = layer.tail_keys[:, :0]
         layers.append(LayerCache(segments, empty, empty))
-    return SessionCache(layers, cache.token_ids[: plan.start], cache.fingerprint, cache.placement)
+    first = int(cache.placement.positions(torch.tensor(plan.start, device="cpu")))  # host bookkeeping
+    reading = IDENTITY if first == plan.start else Placement(0, plan.start, first)  # next position: first
+    return SessionCache(layers, cache.token_ids[: plan.start], cache.fingerprint, reading)
+
+
+def place_read_rows(engine: Engine, prefix: SessionCache, placement: Placement, start: int) -> None:
+    """Rotate the raw rows read into ``prefix`` (:func:`prefix_cache`), which took consecutive
+    positions, to where ``placement`` puts the logical positions ``start, start + 1, …`` they are
+    given: every row of a cache must sit where its placement says, or the next re-placement
+    (which rotates from there) would move it wrongly. Nothing moves without a placement."""
+    if placement.is_identity:
+        return
+    read = prefix.layers[0].tail_length
+    logical = torch.arange(start, start + read, device=prefix.device)
+    shift = placement.positions(logical) - (logical - start + prefix.next_position - read)
+    for layer in prefix.layers:
+        keys = layer.keys_view(layer.prefix_length, layer.length)
+        keys.copy_(engine.rotate(keys, shift))
 
 
 def span_of_rows(layer: LayerCache, kept: list[CompactedSegment], tail_start: int) -> LayerSpan:

@@ -10,7 +10,7 @@ import torch
 from agentmem.cache import SessionCache
 from agentmem.compaction.attention_matching import AttentionMatching
 from agentmem.compaction.base import Compactor, Job, check_count
-from agentmem.compaction.span import Selection, SpanPlan, assemble, prefix_cache, span_of_rows
+from agentmem.compaction.span import Selection, SpanPlan, assemble, place_read_rows, prefix_cache, span_of_rows
 from agentmem.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -24,7 +24,8 @@ class Summary(Compactor):
     """The model summarises the span (greedily); the summary's rows replace it.
 
     The summary is generated over the full cache, then read on top of the protected prefix
-    alone (its own rows, β = 0); the recent rows stay as they were. ``tokens`` caps its length
+    alone (its own rows, β = 0, at the span's first positions under the cache's placement); the
+    recent rows stay as they were. ``tokens`` caps its length
     (``None``: the budget in token-equivalents).
     """
 
@@ -48,6 +49,7 @@ class Summary(Compactor):
         written = [t for t in written if t not in engine.eos_token_ids] or written[:1]
         prefix = prefix_cache(cache, plan)
         engine.prefill(written, prefix)
+        place_read_rows(engine, prefix, cache.placement, plan.start)
         summary_plan = SpanPlan(plan.start, plan.raw_start, plan.end, plan.protected_raw, plan.recent,
                                 [span_of_rows(layer, span.kept_segments, plan.start)
                                  for layer, span in zip(prefix.layers, plan.layers)])
