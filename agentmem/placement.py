@@ -22,7 +22,9 @@ never compound: each is computed from the token positions, whatever came before.
 What is exact: attention among the raw tail and new tokens (a uniform shift keeps every
 relative distance). What is approximate: the compacted rows' distances to the rest, squeezed;
 their β and values were fitted at the positions they had. The default placement's room is a
-quarter of the window, so a session re-places about once per half window it reads.
+quarter of the window and so is the margin kept free, so a session re-places about once per half
+window it reads, less its raw tail. Each re-placement rounds the moved keys to the cache's dtype
+again (``benchmarks/rounding.py`` measures what that adds up to in bf16).
 """
 
 from __future__ import annotations

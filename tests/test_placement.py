@@ -130,3 +130,31 @@ def test_a_summary_written_into_a_replaced_cache_is_the_unplaced_one_moved_into_
         shift = placement.positions(want.positions.long()) - want.positions.long()
         assert shift.any()  # squeezed: the rows do move
         torch.testing.assert_close(got.keys.float(), engine.rotate(want.keys, shift), rtol=1e-5, atol=1e-5)
+
+
+def test_repeated_replacements_of_a_bf16_cache_add_up_roundings(tokenizer):
+    """Each re-placement rotates keys already rounded to bf16 and rounds them again, so a row
+    moved k times carries k roundings, not one (no unrotated key is kept to start from). They add
+    up faster than independent roundings (√k) and slower than a drift (k): a rotation smaller than
+    half a bf16 step is lost each time (``benchmarks/rounding.py`` measures it on the embedded model)."""
+    from agentmem import Engine
+    from helpers import tiny_model
+
+    engine = Engine(tiny_model("llama").to(torch.bfloat16), tokenizer)
+    cache = compact(engine, engine.prefill(list(range(100, 612))), "global-eviction", ratio=2, keep_recent=32,
+                    protect_prefix=4)
+    assert cache.layers[0].tail_keys.dtype == torch.bfloat16
+    tail_start, moves = cache.tail_start, 16
+    stepped = cache
+    for room in torch.linspace(tail_start - 40, 60, moves).long().tolist():  # each squeezes the past further
+        stepped = replace_positions(engine, stepped, Placement(4, tail_start, room))
+    once = replace_positions(engine, cache, stepped.placement)
+    errors = {"stepped": [], "once": []}
+    for before, *after in zip(cache.layers, stepped.layers, once.layers):
+        logical = before.slot_positions(0, before.length, tail_start)
+        shift = torch.where(logical < 0, 0, stepped.placement.positions(logical) - logical)
+        exact = engine.rotate(before.keys_view(0, before.length), shift)  # one rotation, in float32
+        for name, layer in zip(errors, after):
+            errors[name].append((layer.keys_view(0, layer.length).float() - exact).norm() / exact.norm())
+    stepped_error, once_error = (torch.stack(e).mean().item() for e in errors.values())
+    assert 0 < moves**0.5 * once_error < stepped_error < moves * once_error
