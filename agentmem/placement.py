@@ -21,9 +21,9 @@ never compound: each is computed from the token positions, whatever came before.
 
 What is exact: attention among the raw tail and new tokens (a uniform shift keeps every
 relative distance). What is approximate: the compacted rows' distances to the rest, squeezed;
-their β and values were fitted at the positions they had. The default placement's room is a
-quarter of the window and so is the margin kept free, so a session re-places about once per half
-window it reads, less its raw tail. Each re-placement rounds the moved keys to the cache's dtype
+their β and values were fitted at the positions they had. The default placement's room is half
+the window (:func:`placement_room`) and a quarter is the margin kept free, so a session re-places
+about once per quarter window it reads, less its raw tail. Each re-placement rounds the moved keys to the cache's dtype
 again (``benchmarks/rounding.py`` measures what that adds up to in bf16).
 """
 
@@ -83,6 +83,15 @@ def placement_margin(engine) -> int:
     """Positions a session keeps free below the model's window: a compaction reads its reference
     text on top of the cache, and a re-placement is due once the next token would pass this."""
     return engine.max_context // 4
+
+
+def placement_room(engine, protect: int) -> int:
+    """Positions the compacted past is squeezed into: what is left of the window after the
+    protected prefix, the margin and a quarter window for the raw tail and new tokens — half the
+    window less the prefix. Of the placements ``benchmarks/long.py`` compares, half the window kept
+    most (a quarter or an eighth squeezes the newest compacted rows too close to the tail)."""
+    window = engine.max_context
+    return max(0, window - placement_margin(engine) - window // 4 - protect)
 
 
 def placement_for(cache, *, protect: int, room: int, exact: int = 0) -> Placement:

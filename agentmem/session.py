@@ -29,7 +29,7 @@ from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine, stop_strings
 from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, InvalidInput
 from agentmem.keys import SessionKey
-from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, replace_positions
+from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, placement_room, replace_positions
 from agentmem.policy import BudgetPolicy
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -392,16 +392,17 @@ class Session:
 
     def _replace(self, usage: Usage, conversation: list[dict[str, Any]], incoming: int) -> None:
         """Move the rows so the next ``incoming`` tokens fit the window: the compacted past squeezed
-        into a quarter of it, the raw tail shifted (exactly) after it (:mod:`agentmem.placement`).
+        into half of it, the raw tail shifted (exactly) after it (:mod:`agentmem.placement`).
         Compacts first when the raw tail is too long to fit; does nothing for a policy that
         rejects compaction (the engine then refuses what does not fit)."""
         if self.policy.on_over_budget == "reject":
             return
         window, margin = self.engine.max_context, placement_margin(self.engine)
         protect = max(SINK_TOKENS, self._system_tokens(conversation))
-        if protect + window // 4 + self.cache.layers[0].tail_length + incoming > window - margin:
+        room = placement_room(self.engine, protect)
+        if protect + room + self.cache.layers[0].tail_length + incoming > window - margin:
             self._compact(usage, conversation, incoming=incoming)
-        placement = placement_for(self.cache, protect=protect, room=window // 4)
+        placement = placement_for(self.cache, protect=protect, room=room)
         if placement.offset > self.cache.placement.offset:
             self.cache = replace_positions(self.engine, self.cache, placement)
             usage.replacements += 1

@@ -7,7 +7,7 @@ import torch
 
 from agentmem.compaction import compact
 from agentmem.errors import InvalidInput
-from agentmem.placement import IDENTITY, Placement, placement_for, replace_positions, rotate_by
+from agentmem.placement import IDENTITY, Placement, placement_for, placement_room, replace_positions, rotate_by
 
 
 def test_a_placement_keeps_the_prefix_squeezes_the_compacted_past_and_shifts_the_rest():
@@ -73,6 +73,13 @@ def test_replacing_rotates_each_row_from_its_old_position_to_its_new_one(tiny_en
         assert torch.equal(after.bias, before.bias) and torch.equal(after.tail_values, before.tail_values)
     with pytest.raises(InvalidInput, match="raw tail"):
         replace_positions(engine, cache, Placement(0, tail_start + 1, 10))
+
+
+def test_the_compacted_past_gets_half_the_window_less_the_protected_prefix(tiny_engine):
+    window = tiny_engine.max_context
+    assert placement_room(tiny_engine, 4) == window // 2 - 4
+    assert placement_room(tiny_engine, window // 3) == window // 2 - window // 3  # a quarter left for the rest
+    assert placement_room(tiny_engine, window) == 0
 
 
 def test_an_exact_neighbour_window_keeps_the_last_compacted_tokens_distances_in_the_same_room(tiny_engine):
