@@ -9,8 +9,8 @@ the window. So positions in use are decoupled from the token count by a :class:`
 - tokens in ``[protect, boundary)`` — by construction all compacted — are squeezed linearly into
   ``[protect, protect + room)`` (positional interpolation on the old rows, as SelfExtend groups
   distant positions: nearby order kept, distances shrunk);
-- tokens from ``boundary`` on (the raw tail when the placement was made, and everything read
-  since) are shifted down by ``offset = boundary − protect − room``: their distances to each
+- tokens from ``boundary`` on (the raw tail when the placement was made, everything read since
+  and, with an exact neighbour window, the last compacted tokens before the tail) are shifted down by ``offset = boundary − protect − room``: their distances to each
   other, and to every new token, are exactly what they were.
 
 RoPE rotations compose, so a key rotated for one position is moved to another by one more
@@ -22,7 +22,7 @@ never compound: each is computed from the token positions, whatever came before.
 What is exact: attention among the raw tail and new tokens (a uniform shift keeps every
 relative distance). What is approximate: the compacted rows' distances to the rest, squeezed;
 their β and values were fitted at the positions they had. The default placement's room is half
-the window (:func:`placement_room`) and a quarter is the margin kept free, so a session re-places
+the window less the protected prefix (:func:`placement_room`) and a quarter is the margin kept free, so a session re-places
 about once per quarter window it reads, less its raw tail. Each re-placement rounds the moved keys to the cache's dtype
 again (``benchmarks/rounding.py`` measures what that adds up to in bf16).
 """
@@ -85,13 +85,17 @@ def placement_margin(engine) -> int:
     return engine.max_context // 4
 
 
-def placement_room(engine, protect: int) -> int:
-    """Positions the compacted past is squeezed into: what is left of the window after the
-    protected prefix, the margin and a quarter window for the raw tail and new tokens — half the
-    window less the prefix. Of the placements ``benchmarks/long.py`` compares, half the window kept
-    most (a quarter or an eighth squeezes the newest compacted rows too close to the tail)."""
+def placement_room(engine, protect: int, tail: int = 0) -> int:
+    """Positions the compacted past is squeezed into: half the window less the protected prefix,
+    which leaves a quarter window (after the margin) for the raw tail and new tokens. Of the
+    placements ``benchmarks/long.py`` compares, half the window kept most (a quarter or an eighth
+    squeezes the newest compacted rows too close to the tail). Less when a raw ``tail`` that
+    compaction cannot shorten (its recent rows) would leave under an eighth of the window for new
+    tokens; 0 when the prefix takes half the window or more (the compacted past then shares one
+    position)."""
     window = engine.max_context
-    return max(0, window - placement_margin(engine) - window // 4 - protect)
+    free = window - placement_margin(engine) - protect
+    return max(0, min(free - window // 4, free - tail - window // 8))
 
 
 def placement_for(cache, *, protect: int, room: int, exact: int = 0) -> Placement:
@@ -99,8 +103,12 @@ def placement_for(cache, *, protect: int, room: int, exact: int = 0) -> Placemen
 
     Its boundary is where the raw tail starts, so the whole tail keeps its distances; with
     ``exact``, so do the last ``exact`` compacted tokens (SelfExtend's neighbour window: the
-    boundary moves back by ``exact`` and the older rows share the rest of ``room``).
+    boundary moves back by ``exact``, at most ``room``, and the older rows share the rest of
+    ``room``), and the next position is the same as without it.
     """
+    if exact < 0:
+        raise InvalidInput(f"exact must be >= 0, got {exact}")
+    exact = min(exact, room)
     boundary = max(min(protect, cache.tail_start), cache.tail_start - exact)
     protect = min(protect, boundary)
     return Placement(protect, boundary, min(max(0, room - (cache.tail_start - boundary)), boundary - protect))
@@ -111,9 +119,8 @@ def replace_positions(engine, cache, placement: Placement):
 
     Every row's key is rotated from its position under the cache's placement to its position
     under the new one; values, β and the token log are unchanged. Kept reference queries move
-    with the tail (they were recorded at the newest positions). The new boundary may not lie
-    inside the raw tail's compacted past: rows after it must all be raw, which
-    :func:`placement_for` ensures.
+    with the tail (they were recorded at the newest positions). The new boundary may not pass
+    the raw tail's start: every raw row keeps its distances, which :func:`placement_for` ensures.
     """
     tail_start = cache.tail_start
     if placement.boundary > tail_start:

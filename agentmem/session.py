@@ -392,16 +392,17 @@ class Session:
 
     def _replace(self, usage: Usage, conversation: list[dict[str, Any]], incoming: int) -> None:
         """Move the rows so the next ``incoming`` tokens fit the window: the compacted past squeezed
-        into half of it, the raw tail shifted (exactly) after it (:mod:`agentmem.placement`).
+        into half of it less the protected prefix, the raw tail shifted (exactly) after it
+        (:func:`~agentmem.placement.placement_room`, :mod:`agentmem.placement`).
         Compacts first when the raw tail is too long to fit; does nothing for a policy that
         rejects compaction (the engine then refuses what does not fit)."""
         if self.policy.on_over_budget == "reject":
             return
         window, margin = self.engine.max_context, placement_margin(self.engine)
         protect = max(SINK_TOKENS, self._system_tokens(conversation))
-        room = placement_room(self.engine, protect)
-        if protect + room + self.cache.layers[0].tail_length + incoming > window - margin:
+        if protect + placement_room(self.engine, protect) + self.cache.layers[0].tail_length + incoming > window - margin:
             self._compact(usage, conversation, incoming=incoming)
+        room = placement_room(self.engine, protect, self.cache.layers[0].tail_length)
         placement = placement_for(self.cache, protect=protect, room=room)
         if placement.offset > self.cache.placement.offset:
             self.cache = replace_positions(self.engine, self.cache, placement)

@@ -49,6 +49,17 @@ def test_a_compacting_session_reads_past_the_window_with_positions_in_range(engi
         assert listed["position"] == session.cache.next_position
 
 
+def test_a_session_whose_recent_rows_take_a_quarter_of_the_window_still_reads_on(engine, tmp_path):
+    """keep_recent = a quarter of the window: the raw tail left after a compaction would fill the
+    room for new tokens, so the compacted past gets less room than half the window."""
+    policy = BudgetPolicy(max_live_tokens=512, keep_recent=engine.max_context // 4, method="global-eviction")
+    with SessionManager(engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("long")
+        usages = read_past_the_window(session, engine, times=2)
+        assert all(u.position < engine.max_context for u in usages) and sum(u.replacements for u in usages) >= 2
+        assert session.cache.placement.room < engine.max_context // 2 - 4
+
+
 def test_a_session_that_rejects_compaction_still_meets_the_window(engine, tmp_path):
     policy = BudgetPolicy(max_live_tokens=4096, keep_recent=32, on_over_budget="reject")
     with SessionManager(engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:

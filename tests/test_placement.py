@@ -80,12 +80,16 @@ def test_the_compacted_past_gets_half_the_window_less_the_protected_prefix(tiny_
     assert placement_room(tiny_engine, 4) == window // 2 - 4
     assert placement_room(tiny_engine, window // 3) == window // 2 - window // 3  # a quarter left for the rest
     assert placement_room(tiny_engine, window) == 0
+    # a raw tail compaction cannot shorten: the room shrinks so an eighth of the window stays free
+    margin = window // 4
+    assert placement_room(tiny_engine, 4, tail=window // 4) == window - margin - 4 - window // 4 - window // 8
+    assert placement_room(tiny_engine, 4, tail=window) == 0
 
 
 def test_an_exact_neighbour_window_keeps_the_last_compacted_tokens_distances_in_the_same_room(tiny_engine):
     """placement_for(exact=): the last ``exact`` compacted tokens keep their distances to the tail
     (shifted like it), the older ones share what is left of ``room``; the next position is the
-    same as without it. When the window covers every compacted token, nothing moves."""
+    same as without it, also when ``exact`` asks for more than the room."""
     engine = tiny_engine
     cache = compact(engine, engine.prefill(list(range(100, 420))), "global-eviction", ratio=4, keep_recent=32,
                     protect_prefix=4)
@@ -97,7 +101,10 @@ def test_an_exact_neighbour_window_keeps_the_last_compacted_tokens_distances_in_
     assert (near.positions(logical) == logical - near.offset).all()  # the window and the tail: shifted alike
     older = torch.arange(4, tail_start - 16)
     assert near.positions(older).max() < 4 + 24 and (near.positions(older).diff() >= 0).all()
-    assert placement_for(cache, protect=4, room=40, exact=tail_start).is_identity
+    wide = placement_for(cache, protect=4, room=40, exact=tail_start)  # at most the room is exact
+    assert wide == Placement(4, tail_start - 40, 0) and wide.offset == plain.offset
+    with pytest.raises(InvalidInput):
+        placement_for(cache, protect=4, room=40, exact=-1)
 
 
 def test_a_replaced_cache_round_trips_through_export(tiny_engine):
