@@ -10,8 +10,9 @@ the window. So positions in use are decoupled from the token count by a :class:`
   ``[protect, protect + room)`` (positional interpolation on the old rows, as SelfExtend groups
   distant positions: nearby order kept, distances shrunk);
 - tokens from ``boundary`` on (the raw tail when the placement was made, everything read since
-  and, with an exact neighbour window, the last compacted tokens before the tail) are shifted down by ``offset = boundary − protect − room``: their distances to each
-  other, and to every new token, are exactly what they were.
+  and, with an exact neighbour window, the last compacted tokens before the tail) are shifted
+  down by ``offset = boundary − protect − room``: their distances to each other, and to every
+  new token, are exactly what they were.
 
 RoPE rotations compose, so a key rotated for one position is moved to another by one more
 rotation (:meth:`Engine.rotate <agentmem.engine.Engine.rotate>`): :func:`replace_positions`
@@ -22,9 +23,10 @@ never compound: each is computed from the token positions, whatever came before.
 What is exact: attention among the raw tail and new tokens (a uniform shift keeps every
 relative distance). What is approximate: the compacted rows' distances to the rest, squeezed;
 their β and values were fitted at the positions they had. The default placement's room is half
-the window less the protected prefix (:func:`placement_room`) and a quarter is the margin kept free, so a session re-places
-about once per quarter window it reads, less its raw tail. Each re-placement rounds the moved keys to the cache's dtype
-again (``benchmarks/rounding.py`` measures what that adds up to in bf16).
+the window less the protected prefix (:func:`placement_room`) and a quarter is the margin kept
+free, so a session re-places about once per quarter window it reads, less its raw tail. Each
+re-placement rounds the moved keys to the cache's dtype again (``benchmarks/rounding.py``
+measures what that adds up to in bf16).
 """
 
 from __future__ import annotations

@@ -400,9 +400,10 @@ class Session:
             return
         window, margin = self.engine.max_context, placement_margin(self.engine)
         protect = max(SINK_TOKENS, self._system_tokens(conversation))
-        if protect + placement_room(self.engine, protect) + self.cache.layers[0].tail_length + incoming > window - margin:
-            self._compact(usage, conversation, incoming=incoming)
-        room = placement_room(self.engine, protect, self.cache.layers[0].tail_length)
+        needed = protect + placement_room(self.engine, protect) + self.cache.layers[0].tail_length + incoming
+        if needed > window - margin:
+            self._compact(usage, conversation, incoming=incoming)  # the tail is shorter after it
+        room = placement_room(self.engine, protect, tail=self.cache.layers[0].tail_length)
         placement = placement_for(self.cache, protect=protect, room=room)
         if placement.offset > self.cache.placement.offset:
             self.cache = replace_positions(self.engine, self.cache, placement)

@@ -46,15 +46,15 @@ def stepped(engine: Engine, cache, moves: int):
 
 def key_errors(engine: Engine, before, after) -> dict[str, float]:
     """Relative distance of ``after``'s keys to ``before``'s rotated once in float32 to ``after``'s positions."""
-    half = engine.head_dim // 4  # rotate_half pairs dim i with i + head_dim/2; pairs 0.. are the fast ones
+    pair = torch.arange(engine.head_dim) % (engine.head_dim // 2)  # rotate_half pairs dim i with i + head_dim/2
+    fast = pair < engine.head_dim // 4  # the low pair indices rotate fastest
     sums = {"all": [0.0, 0.0], "fast": [0.0, 0.0], "slow": [0.0, 0.0]}
     for old, new in zip(before.layers, after.layers):
         logical = old.slot_positions(0, old.length, before.tail_start)
         shift = torch.where(logical < 0, 0, after.placement.positions(logical) - before.placement.positions(logical))
         exact = engine.rotate(old.keys_view(0, old.length), shift)
         error = new.keys_view(0, new.length).float() - exact
-        dims = torch.arange(engine.head_dim) % (engine.head_dim // 2)
-        for name, mask in (("all", dims >= 0), ("fast", dims < half), ("slow", dims >= half)):
+        for name, mask in (("all", torch.ones_like(fast)), ("fast", fast), ("slow", ~fast)):
             sums[name][0] += error[..., mask].square().sum().item()
             sums[name][1] += exact[..., mask].square().sum().item()
     return {name: (err / norm) ** 0.5 for name, (err, norm) in sums.items()}
