@@ -132,3 +132,31 @@ def cut_pieces(pieces: Sequence[TextPiece], chars: int) -> list[TextPiece]:
         rest.append(TextPiece(piece.text[chars:], piece.content))
         chars = 0
     return rest
+
+
+def fewest_tokens(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> int:
+    """A lower bound on the tokens ``texts`` encode to, without tokenising them: their UTF-8 bytes
+    over the most bytes one vocabulary entry decodes to.
+
+    Message text is encoded with its control tokens split (:func:`encode`), so only the regular
+    vocabulary can cover it, and no entry covers more bytes than it decodes to. A server refuses
+    a request far over its prompt cap with this before a megabyte is tokenised.
+    """
+    longest = longest_token_bytes(tokenizer)
+    return -(-sum(len(text.encode("utf-8", "surrogatepass")) for text in texts) // longest)
+
+
+_longest_lock = threading.Lock()
+
+
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """UTF-8 bytes of the longest regular (not added, not special) vocabulary entry, decoded;
+    computed once per tokenizer object (about half a second for a 49k vocabulary) and kept on it."""
+    with _longest_lock:
+        found = getattr(tokenizer, "_agentmem_longest_token_bytes", None)
+        if found is None:
+            added = set(tokenizer.get_added_vocab()) | set(tokenizer.all_special_tokens)
+            ids = [[i] for token, i in tokenizer.get_vocab().items() if token not in added]
+            found = max([1] + [len(text.encode("utf-8", "surrogatepass")) for text in tokenizer.batch_decode(ids)])
+            tokenizer._agentmem_longest_token_bytes = found
+        return found

@@ -30,6 +30,7 @@ from agentmem.errors import (
     one_line,
 )
 from agentmem.home import DEFAULT_TENANT
+from agentmem.limits import ServerLimits
 
 if TYPE_CHECKING:
     from agentmem.engine import Engine
@@ -263,7 +264,7 @@ class _CountingFileHandler(logging.FileHandler):
 @clean_errors
 def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on"),
-    port: int = typer.Option(8000, help="port to listen on"),
+    port: int = typer.Option(8000, min=1, max=65535, help="port to listen on"),
     store: Optional[str] = StoreOpt,
     model: str = ModelOpt,
     device: Optional[str] = DeviceOpt,
@@ -275,26 +276,64 @@ def serve(
                                                                          "forward a step"),
     step_tokens: int = typer.Option(2048, "--step-tokens", help="most tokens one batched forward reads: decode steps "
                                                                 "first, then prompt chunks"),
+    device_budget: Optional[int] = typer.Option(None, "--device-budget", min=1, help="bytes all live caches may hold "
+                                                "(default: a share of the device's free memory; idle sessions past "
+                                                "it are spilled, least recently used first)"),
+    host_budget: Optional[int] = typer.Option(None, "--host-budget", min=1, help="bytes of the host-memory tier "
+                                              "(default: a share of available host memory)"),
+    sync_spill: bool = typer.Option(False, "--sync-spill", help="answer a turn only once it is in the store (default: "
+                                                                "written right behind the reply)"),
+    session_from_user: bool = typer.Option(False, "--session-from-user", help="read a request's `user` as its "
+                                                                              "session ID (default: only X-Session-Id "
+                                                                              "or metadata.session_id)"),
+    max_body_bytes: int = typer.Option(ServerLimits.max_body_bytes, "--max-body-bytes", min=1,
+                                       help="largest request body (larger: 413)"),
+    max_tokens: int = typer.Option(ServerLimits.max_new_tokens, "--max-tokens", min=1,
+                                   help="most tokens one reply may ask for (a tenant's policy may set its own)"),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", min=1,
+                                                    help="most tokens one turn may read (default: the model's context; "
+                                                         "a tenant's policy may set its own)"),
+    tenant_turns: int = typer.Option(ServerLimits.max_concurrent_turns, "--tenant-turns", min=1,
+                                     help="turns of one tenant running at once (more: 429)"),
+    max_turns: int = typer.Option(ServerLimits.max_turns, "--max-turns", min=1,
+                                  help="turns running at once in all (more: 429)"),
+    drain_seconds: float = typer.Option(30.0, "--drain-seconds", min=0,
+                                        help="on SIGTERM or SIGINT, how long running turns may finish before they are "
+                                             "cancelled; every live session is then spilled"),
 ) -> None:
     """Serve sessions over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models, /metrics).
 
-    The session ID travels in the X-Session-Id header (or metadata.session_id, or user); the
-    tenant comes from the API key. Live sessions are spilled to the store when it stops.
+    The session ID travels in the X-Session-Id header (or metadata.session_id); the tenant comes
+    from the API key. Every answered turn is written to the store right behind its reply; on
+    SIGTERM or SIGINT the server drains and spills every live session, then exits 0.
     """
     keys = _load_api_keys(api_keys)
     loaded, default = _load_policies(policies)
+    if sync_spill:
+        loaded = {tenant: policy.with_overrides(checkpoint="sync") for tenant, policy in loaded.items()}
+        default = default.with_overrides(checkpoint="sync")
     options = _engine_options(device, dtype)
     try:
         from agentmem.server import serve as run
     except ImportError as exc:
         raise InvalidInput(f"agentmem serve needs FastAPI and uvicorn: pip install 'agentmem[serve]' ({exc})") from exc
     from agentmem.batching import DecodeBatcher
+    from agentmem.machine import default_device_budget, default_host_budget
     from agentmem.sessions import SessionManager
 
+    limits = ServerLimits(max_body_bytes=max_body_bytes, max_new_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
+                          max_concurrent_turns=tenant_turns, max_turns=max_turns, session_from_user=session_from_user)
     engine = _load_engine(model, options)
     if batching:
         engine.batcher = DecodeBatcher(engine, step_tokens=step_tokens)
-    run(SessionManager(engine, store, policies=loaded, default_policy=default), host=host, port=port, api_keys=keys)
+    device_budget = device_budget or default_device_budget(engine.device)
+    host_budget = host_budget or default_host_budget()
+    if logging.getLogger("agentmem").level == logging.NOTSET:  # an operator sees what a stop spilled
+        logging.getLogger("agentmem").setLevel(logging.INFO)
+    log.info("device budget %.1f MiB, host tier %.1f MiB", device_budget / 2**20, host_budget / 2**20)
+    manager = SessionManager(engine, store, policies=loaded, default_policy=default,
+                             device_budget_bytes=device_budget, host_budget_bytes=host_budget)
+    run(manager, host=host, port=port, api_keys=keys, limits=limits, drain_seconds=drain_seconds)
 
 
 def _load_api_keys(path: Path | None) -> dict[str, str] | None:

@@ -100,7 +100,20 @@ class BudgetExceeded(AgentMemError):
 
 
 class SessionBusy(AgentMemError):
-    """Another process holds the session's lease (it is live there)."""
+    """Another process holds the session's lease (it is live there), or a turn on it is under way."""
+
+
+class RequestTooLarge(InvalidInput):
+    """A request asks for more work than a limit allows: a body, prompt or reply over the server's
+    or the tenant's cap. Refused before the work starts; nothing changed."""
+
+
+class Overloaded(AgentMemError):
+    """Too many turns are running for the tenant (or the server): retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 BRIEF_CHARS = 160

@@ -20,6 +20,7 @@ COUNTERS = {
     "spills": "sessions written to the store and dropped from memory",
     "resumes": "sessions loaded from the store",
     "turns": "chat turns served",
+    "checkpoints": "answered turns written to the store while their session stayed live",
     "store_errors": "store calls that failed while live sessions kept serving (lease renewals, spills)",
 }
 GAUGES = {
@@ -30,6 +31,8 @@ GAUGES = {
     "logical_tokens": "tokens the live sessions have read (what their caches would hold uncompacted)",
     "host_bytes": "bytes of session records in the host-memory tier",
     "pending_writes": "spills written behind that have not reached the store yet",
+    "pending_checkpoints": "answered turns queued or being written to the store",
+    "checkpoint_lag_seconds": "age of the oldest answered turn not yet in the store (what a crash now would lose)",
 }
 
 

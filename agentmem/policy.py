@@ -63,6 +63,16 @@ class BudgetPolicy(BaseModel):
         description="what a session over max_live_tokens does: compact, spill others, or refuse (BudgetExceeded)")
     max_context_tokens: int | None = Field(None, gt=0, description="logical tokens a session may read (a compacting session "
                                                                     "is otherwise not limited by the model's context)")
+    checkpoint: Literal["behind", "sync", "spill"] = Field(
+        "behind", description="when an answered turn reaches the store: right after its reply, written behind it "
+                              "(behind: a crash loses at most the write lag), before the reply (sync: slower turns, "
+                              "nothing answered is lost), or only when the session is spilled (spill)")
+    max_prompt_tokens: int | None = Field(None, gt=0, description="tokens one request may have read (the part of the "
+                                                                   "conversation the session does not hold yet); "
+                                                                   "unset: the server's default")
+    max_new_tokens: int | None = Field(None, gt=0, description="tokens one reply may ask for; unset: the server's default")
+    max_concurrent_turns: int | None = Field(None, gt=0, description="turns of the tenant served at once (more: 429); "
+                                                                     "unset: the server's default")
 
     @field_validator("target_ratio")
     @classmethod

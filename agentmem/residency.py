@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from agentmem.cache import SessionCache
+from agentmem.checkpoint import Checkpointer
 from agentmem.errors import (
     AgentMemError,
     BudgetExceeded,
@@ -59,6 +60,8 @@ class Residency:
         self.host, self.engine, self.registry, self.ledger, self.spiller = host, host.engine, registry, ledger, spiller
         self.leases, self.quota, self.metrics = leases, quota, metrics
         self.lease_wait = lease_wait
+        self.checkpoints = Checkpointer(self._put_checkpoint, on_store_error=functools.partial(metrics.add, "store_errors"),
+                                        on_landed=functools.partial(metrics.add, "checkpoints"))
 
     def policy_for(self, tenant: str) -> BudgetPolicy:
         return self.host.policy_for(tenant)
@@ -92,7 +95,8 @@ class Residency:
             with self.room(self._decoded_nbytes(record, rebuild), key):
                 cache = self._decode(record, rebuild)
                 session = self.registry.spilled(key) or Session(self.host, key, cache, [], 0, record.created_at)
-                session.restore(cache, record.messages, record.version, len(record.blob))
+                session.restore(cache, record.messages, record.version, len(record.blob),
+                                rebuilt=rebuild and cache.logical_length == 0 and bool(record.messages))
                 self._register(session)
         except BaseException:
             self.leases.release(tenant, session_id)
@@ -195,6 +199,12 @@ class Residency:
                 if durable:
                     self.settle(key)
                 return session.version
+            self.checkpoints.settle(key)
+            if not session.dirty:  # its last turn's checkpoint holds it (or there is nothing to hold)
+                self.leases.release(*key)
+                self._free(session, self.registry.park)
+                self.metrics.add("spills")
+                return session.version
             record = self._record_of(session)
             put = functools.partial(self.quota.put, replaced_bytes=session.stored_bytes)
             behind = False
@@ -218,6 +228,24 @@ class Residency:
             self._free(session, self.registry.park)  # a revive reloads it
             self.metrics.add("spills")
             return version
+
+    def checkpoint(self, session: Session) -> None:
+        """Store ``session``'s answered turn as its tenant's policy says (called under its lock):
+        behind the reply (``behind``, the default), before it (``sync``: raises what the write
+        raised), or not until it is spilled (``spill``)."""
+        mode = self.policy_for(session.tenant).checkpoint
+        if mode == "spill" or not session.dirty:
+            return
+        written = self.checkpoints.submit(session, self._record_of(session))
+        if mode == "sync":
+            written.result()
+
+    def _put_checkpoint(self, session: Session, record: SessionRecord) -> int:
+        """A checkpoint's write (on the checkpointer's thread): over the session's stored version, within
+        its tenant's quota; a clean copy stays in the host tier, so a spill needs no write and a resume no read."""
+        version = self.quota.put(record, session.version, replaced_bytes=session.stored_bytes)
+        self.spiller.cache(record.model_copy(update={"version": version}))
+        return version
 
     def settle(self, key: SessionKey) -> None:
         """Return once any write behind of ``key`` has landed; raise what dropped it, if something did."""

@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from agentmem.cache import SessionCache
-from agentmem.chat import encode
+from agentmem.chat import encode, fewest_tokens
 from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine, stop_strings
-from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, InvalidInput
+from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, InvalidInput, RequestTooLarge
 from agentmem.keys import SessionKey
 from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, placement_room, replace_positions
 from agentmem.policy import BudgetPolicy
@@ -100,7 +100,9 @@ class Session:
     """One live conversation; calls on it are serialised by its lock.
 
     ``version`` and ``stored_bytes`` describe its last stored copy (0 when it was never stored);
-    the lease its host holds makes this object that copy's only writer.
+    the lease its host holds makes this object that copy's only writer. ``revision`` counts the
+    changes worth storing (answered turns, compactions asked for, a fork's start); the session is
+    :attr:`dirty` while the store holds an older revision, and only then is a spill a write.
     """
 
     def __init__(self, host: SessionHost, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]],
@@ -112,6 +114,8 @@ class Session:
         self._last_reply_ids: list[int] = []
         self._tools: list[dict[str, Any]] | None = None  # tools the last turn was rendered with
         self.stored_bytes = 0
+        self.revision = 1 if messages or cache.logical_length else 0  # a fork starts with something to store
+        self._stored_revision = 0
 
     @property
     def tenant(self) -> str:
@@ -124,6 +128,11 @@ class Session:
     @property
     def engine(self) -> Engine:
         return self._host.engine
+
+    @property
+    def dirty(self) -> bool:
+        """Whether the session holds changes its stored copy lacks (a new, untouched session holds none)."""
+        return self.revision != self._stored_revision
 
     @property
     def policy(self) -> BudgetPolicy:
@@ -146,19 +155,26 @@ class Session:
     def stream(self, message_or_messages, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
                seed: int | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
-               reply_prefix: str = "") -> Iterator[str | Usage]:
+               reply_prefix: str = "", max_prompt_tokens: int | None = None) -> Iterator[str | Usage]:
         """Like :meth:`chat`, yielding text pieces as they are generated and finally the :class:`Usage`.
 
         ``tools`` (OpenAI-style function specs) are rendered into the prompt (see
         :mod:`agentmem.tools`); ``reply_prefix`` is text the reply is made to start with (read
-        as part of the prompt, yielded first, and part of the stored reply).
+        as part of the prompt, yielded first, and part of the stored reply). A turn that would
+        read more than ``max_prompt_tokens`` tokens the cache lacks is refused with
+        :class:`RequestTooLarge` before anything changes — one far over it before it is tokenised.
         """
         with self.lock:
             self._host.begin_turn(self)
             usage = Usage()
             conversation = self._conversation(message_or_messages)
             tools = list(tools) if tools else None
+            if max_prompt_tokens is not None:
+                self._refuse_if_far_over(conversation, max_prompt_tokens)
             keep, delta = self._plan(conversation, tools)
+            if max_prompt_tokens is not None and len(delta) > max_prompt_tokens:
+                raise RequestTooLarge(f"this turn would read {len(delta)} tokens the session does not hold; "
+                                      f"at most {max_prompt_tokens} per turn")
             prefix = encode(self.engine.tokenizer, reply_prefix, split_special_tokens=True) if reply_prefix else []
             self.engine.check_sampling(max_new_tokens, temperature, top_p, top_k)
             stop = stop_strings(stop)
@@ -198,6 +214,7 @@ class Session:
                 content = reply_prefix + self.engine.tokenizer.decode([t for t in generated if t not in eos])
             self._messages = conversation + [{"role": "assistant", "content": content}]
             self._last_reply_ids = generated
+            self.revision += 1
             usage.generated_tokens = len(generated)
             usage.live_tokens, usage.logical_tokens = self.cache.physical_length, self.cache.logical_length
             usage.position = self.cache.next_position
@@ -217,13 +234,19 @@ class Session:
 
     # ------------------------------------------------------------------------ what its keeper does
 
-    def restore(self, cache: SessionCache, messages: list[dict[str, Any]], version: int, stored_bytes: int) -> None:
-        """Take the state of a stored copy (a resume), replacing what this object held."""
+    def restore(self, cache: SessionCache, messages: list[dict[str, Any]], version: int, stored_bytes: int, *,
+                rebuilt: bool = False) -> None:
+        """Take the state of a stored copy (a resume), replacing what this object held; ``rebuilt``:
+        its cache was damaged and starts empty, so the copy to store is no longer the stored one."""
         self.cache, self._messages, self.version, self.stored_bytes = cache, list(messages), version, stored_bytes
+        self.revision += 1  # a revision no write made yet: restored copies of one object never look alike
+        self._stored_revision = self.revision - rebuilt
 
-    def mark_stored(self, version: int, stored_bytes: int) -> None:
-        """This session's state was written to the store as ``version``, ``stored_bytes`` long."""
+    def mark_stored(self, version: int, stored_bytes: int, revision: int | None = None) -> None:
+        """This session's state as of ``revision`` (default: now) was written to the store as
+        ``version``, ``stored_bytes`` long."""
         self.version, self.stored_bytes = version, stored_bytes
+        self._stored_revision = self.revision if revision is None else revision
 
     def unload(self, empty: SessionCache) -> None:
         """Let go of the cache's device memory (spilled or dropped); ``empty`` stands in until a resume."""
@@ -239,6 +262,15 @@ class Session:
         if isinstance(given, Sequence) and given:
             return [dict(m) if isinstance(m, Mapping) else m for m in given]
         raise InvalidInput("chat takes a string, a message mapping or a non-empty list of messages")
+
+    def _refuse_if_far_over(self, conversation: list[dict[str, Any]], max_prompt_tokens: int) -> None:
+        """Refuse a conversation whose text alone encodes to more than ``max_prompt_tokens`` tokens
+        beyond those the cache has read, without tokenising it (:func:`~agentmem.chat.fewest_tokens`)."""
+        texts = [m["content"] for m in conversation if isinstance(m.get("content"), str)]
+        fewest = fewest_tokens(self.engine.tokenizer, texts) - self.cache.logical_length
+        if fewest > max_prompt_tokens:
+            raise RequestTooLarge(f"this turn would read at least {fewest} tokens the session does not hold; "
+                                  f"at most {max_prompt_tokens} per turn")
 
     def _plan(self, conversation: list[dict[str, Any]], tools: list[Mapping[str, Any]] | None) -> tuple[int, list[int]]:
         """How many of the held tokens the turn keeps, and the tokens it reads after them; changes
@@ -433,7 +465,9 @@ class Session:
             protect = self._system_tokens()
             check_reachable(self.cache, target_tokens=policy.compaction_target(self.cache.logical_length, protect),
                             keep_recent=policy.keep_recent, protect_prefix=protect)
-            return self._compact_with(policy, protect)
+            event = self._compact_with(policy, protect)
+            self.revision += 1
+            return event
 
     def _compact_with(self, policy: BudgetPolicy, protect: int, incoming: int = 0) -> dict[str, Any]:
         before, began = self.cache.physical_length, time.perf_counter()

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from agentmem.cache import SessionCache
@@ -133,6 +135,13 @@ class SessionManager:
             self._residency.enforce(keep=session)
         return session
 
+    def ephemeral(self, tenant: str = "default") -> Session:
+        """A session for one stateless turn: it never touches the store, takes no lease and is not
+        listed; it holds device memory only through its turn's room in the device budget, and is
+        gone once the caller drops it."""
+        key = SessionKey(check_tenant(tenant), f"ephemeral-{uuid.uuid4().hex}")
+        return Session(_EphemeralHost(self), key, self.engine.new_cache(), [], 0, time.time())
+
     def spill(self, tenant: str, session_id: str, *, durable: bool = True) -> int:
         """Drop the session from the device; returns the version it is stored as.
 
@@ -166,19 +175,23 @@ class SessionManager:
         if failures:
             raise failures[0]
 
-    def delete(self, tenant: str, session_id: str) -> bool:
+    def delete(self, tenant: str, session_id: str, *, wait: float | None = None) -> bool:
         """Forget a session, live and stored.
 
         A turn, spill or resume of it under way here finishes first, and resumes asked for
         meanwhile wait for the delete: a spill that landed after the store's delete would bring
         the deleted session back, and so would a resume that had read the store before it.
+        ``wait`` bounds how many seconds a delete waits for a turn under way (None: as long as it
+        takes); past it :class:`SessionBusy` is raised and nothing is deleted.
         """
         key = check_key(tenant, session_id)
         while True:
             handle = self._handle(key)
-            with handle.lock if handle is not None else nullcontext(), self._registry.exclusive(key):
+            with _held(handle.lock, wait, key) if handle is not None else nullcontext(), \
+                    self._registry.exclusive(key):
                 if self._handle(key) is not handle:
                     continue  # a resume under way made it live as another handle: lock that one
+                self._residency.checkpoints.discard(key)  # none lands after the delete
                 live = self._registry.forget(key)
                 self._spiller.discard(key)
                 removed = self.store.delete(tenant, session_id)
@@ -228,6 +241,8 @@ class SessionManager:
             "logical_tokens": sum(s.cache.logical_length for s in live),
             "host_bytes": self._spiller.host.nbytes() if self._spiller.host is not None else 0,
             "pending_writes": len(self._spiller.pending()),
+            "pending_checkpoints": self._residency.checkpoints.pending(),
+            "checkpoint_lag_seconds": round(self._residency.checkpoints.lag(), 3),
         }
         return {**self.metrics.snapshot(), **gauges}
 
@@ -235,14 +250,17 @@ class SessionManager:
         """:meth:`stats` in the Prometheus text format."""
         return prometheus_text(self.stats)
 
-    def close(self) -> None:
-        """Spill every live session, stop renewing leases and close the store."""
+    def close(self) -> int:
+        """Spill every live session, stop renewing leases and close the store; how many sessions were spilled."""
+        live = len(self._registry.keys())
         try:
             self.spill_all()
         finally:
+            self._residency.checkpoints.close()
             self._spiller.close()  # queued writes behind land first
             self._leases.stop()
             self.store.close()
+        return live
 
     def __enter__(self) -> SessionManager:
         return self
@@ -260,6 +278,17 @@ class SessionManager:
     def _handle(self, key: SessionKey) -> Session | None:
         """The session object callers hold for ``key``: the live one, else a spilled handle still held."""
         return self._registry.get(key) or self._registry.spilled(key)
+
+
+@contextmanager
+def _held(lock: threading.RLock, wait: float | None, key: SessionKey) -> Iterator[None]:
+    """``lock`` held, waited for at most ``wait`` seconds (None: without limit) before :class:`SessionBusy`."""
+    if not lock.acquire(timeout=-1 if wait is None else wait):
+        raise SessionBusy(f"session {key.session_id!r} of tenant {key.tenant!r} is in a turn; try again when it ends")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class _SessionHost:
@@ -303,6 +332,7 @@ class _SessionHost:
         for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "dropped_tokens", "reprefilled_tokens"):
             self._manager.metrics.add(name, getattr(usage, name))  # compactions are counted where they happen
         self._manager.metrics.add("turns")
+        self._manager._residency.checkpoint(session)
         self._manager._residency.enforce(keep=session)
 
     def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
@@ -310,3 +340,19 @@ class _SessionHost:
         session = self._manager._residency.adopt(check_key(*key), cache, messages)
         self._manager._residency.enforce(keep=session)
         return session
+
+
+class _EphemeralHost(_SessionHost):
+    """The host of :meth:`SessionManager.ephemeral` sessions: the manager's engine, policies, device
+    budget and counters, without its registry, leases or store."""
+
+    def begin_turn(self, session: Session) -> None:
+        session.last_used = time.monotonic()
+
+    def turn_done(self, session: Session, usage: Usage) -> None:
+        for name in ("prefilled_tokens", "reused_tokens", "generated_tokens"):
+            self._manager.metrics.add(name, getattr(usage, name))
+        self._manager.metrics.add("turns")
+
+    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
+        raise InvalidInput("a stateless session cannot be forked: it is not kept")

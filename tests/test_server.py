@@ -62,7 +62,7 @@ def test_a_session_resumes_its_cache_across_requests_and_reports_cached_tokens(u
     reply = first.choices[0].message.content
     assert first.usage.prompt_tokens_details.cached_tokens == 0 and first.usage.completion_tokens == 4
     history = HELLO + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
-    second = api.chat.completions.create(model=name, messages=history, max_tokens=4, user="chat-1")
+    second = api.chat.completions.create(model=name, messages=history, max_tokens=4, metadata={"session_id": "chat-1"})
     cached = second.usage.prompt_tokens_details.cached_tokens
     # The first turn's prompt and reply were not read again: only the new message was.
     assert cached >= first.usage.prompt_tokens and second.usage.prompt_tokens - cached < 16
@@ -106,10 +106,10 @@ def test_async_clients_run_sessions_concurrently(url, manager):
 
 def test_a_key_sees_only_its_tenants_sessions(url, manager):
     name = client(url).models.list().data[0].id
-    client(url).chat.completions.create(model=name, messages=HELLO, max_tokens=2, user="mine")
+    client(url).chat.completions.create(model=name, messages=HELLO, max_tokens=2, extra_headers={SESSION_HEADER: "mine"})
     auth = {"Authorization": "Bearer key-globex"}
     assert httpx.get(f"{url}/v1/sessions/mine", headers=auth).status_code == 404
-    client(url, "key-globex").chat.completions.create(model=name, messages=HELLO, max_tokens=2, user="mine")
+    client(url, "key-globex").chat.completions.create(model=name, messages=HELLO, max_tokens=2, extra_headers={SESSION_HEADER: "mine"})
     assert [s["session_id"] for s in manager.list("globex")] == ["mine"]  # its own session of that name
     assert httpx.get(f"{url}/v1/sessions/mine", headers={"Authorization": "Bearer key-acme"}).json()["live"]
     assert httpx.delete(f"{url}/v1/sessions/mine", headers=auth).json()["deleted"]
@@ -126,22 +126,22 @@ def test_errors_are_openai_shaped_with_their_status(url):
     with pytest.raises(openai.BadRequestError, match="n"):
         client(url).chat.completions.create(model=name, messages=HELLO, n=2)
     with pytest.raises(openai.BadRequestError, match="invalid session id"):
-        client(url).chat.completions.create(model=name, messages=HELLO, user="no spaces allowed")
+        client(url).chat.completions.create(model=name, messages=HELLO, extra_headers={SESSION_HEADER: "no spaces allowed"})
     missing = httpx.delete(f"{url}/v1/sessions/nobody", headers={"Authorization": "Bearer key-acme"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "session_not_found"
     long = [{"role": "user", "content": "word " * 60}]
     for stream in (False, True):  # refused before the response starts: a status, not an event in a stream
         with pytest.raises(openai.RateLimitError) as caught:
             result = client(url, "key-tight").chat.completions.create(model=name, messages=long, max_tokens=2,
-                                                                      user="t", stream=stream)
+                                                                      extra_headers={SESSION_HEADER: "t"}, stream=stream)
             list(result) if stream else None
         assert caught.value.status_code == 429 and caught.value.body["code"] == "budget_exceeded"
 
 
 def test_health_models_and_prometheus_metrics(url):
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "turns_running": 0}
     name = client(url).models.list().data[0].id
-    client(url).chat.completions.create(model=name, messages=HELLO, max_tokens=2, user="m")
+    client(url).chat.completions.create(model=name, messages=HELLO, max_tokens=2, extra_headers={SESSION_HEADER: "m"})
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
     turns = next(s.value for s in families["agentmem_turns"].samples)
     assert turns == 1 and families["agentmem_live_sessions"].samples[0].value == 1
@@ -183,7 +183,7 @@ def test_tool_calls_round_trip_as_openai_tool_calls(url, scripted, manager):
     api = client(url)
     name = api.models.list().data[0].id
     ask = [{"role": "user", "content": "What is 2+3?"}]
-    reply = api.chat.completions.create(model=name, messages=ask, tools=[ADD], max_tokens=64, user="tools")
+    reply = api.chat.completions.create(model=name, messages=ask, tools=[ADD], max_tokens=64, extra_headers={SESSION_HEADER: "tools"})
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
     call = choice.message.tool_calls[0]
@@ -195,7 +195,7 @@ def test_tool_calls_round_trip_as_openai_tool_calls(url, scripted, manager):
     # The call goes back with its result: the session reads the result alone and answers.
     history = ask + [choice.message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": "5"}]
-    answer = api.chat.completions.create(model=name, messages=history, tools=[ADD], max_tokens=64, user="tools")
+    answer = api.chat.completions.create(model=name, messages=history, tools=[ADD], max_tokens=64, extra_headers={SESSION_HEADER: "tools"})
     assert answer.choices[0].message.content == "2 + 3 is 5." and answer.choices[0].finish_reason == "stop"
     assert answer.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens
     assert [m["role"] for m in manager.session("tools", tenant="acme").messages] == [

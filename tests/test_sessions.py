@@ -736,30 +736,40 @@ def test_bad_manager_settings_are_typed_errors(tiny, tmp_path):
             SessionManager(tiny, url, **bad)
 
 
-def test_a_spill_after_a_turn_writes_only_what_changed(tiny, tmp_path, monkeypatch):
-    """The second spill of a session that compacted nothing shares its unchanged chunks with the first."""
+def test_each_turn_is_stored_writing_only_what_changed_and_a_spill_then_writes_nothing(tiny, tmp_path, monkeypatch):
+    """A turn's checkpoint (``checkpoint="sync"``: landed when the turn returns) shares its
+    unchanged chunks with the version before; a spill after it writes nothing, and a resumed
+    session's next turn is as incremental."""
     from agentmem.storage import data_offset, sql
 
     monkeypatch.setattr(sql, "CHUNK_BYTES", 4096)
-    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}") as manager:
+    policy = BudgetPolicy(checkpoint="sync")
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
         session = manager.session("s")
-        for i in range(5):
-            session.chat(filler(i), max_new_tokens=2)
-        manager.spill("default", "s")
+        session.chat(filler(0), max_new_tokens=2)
         first = manager.store.bytes_written
-        stored = manager.store.get("default", "s")
-        assert first == len(stored.blob)
-        resumed = manager.session("s")  # decoded from the store and encoded again: the same bytes
-        resumed.chat("And one more short line.", max_new_tokens=2)
-        manager.spill("default", "s")
-        second = manager.store.bytes_written - first
-        after = manager.store.get("default", "s")
-        # Written: the header's chunk, then from the last 256-token block the turn changed to the
-        # end (its rows, the token log) — each end rounded out to a whole chunk — not the session.
-        last_block = stored.logical_length // 256 * 256
-        changed = data_offset(after.blob) + (after.logical_length - last_block) * tiny.bytes_per_token
-        assert 0 < second <= changed + 8 * after.logical_length + 2 * 4096
-        assert second < len(after.blob) / 4
+        assert first == len(manager.store.get("default", "s").blob) and session.version == 1
+
+        def written_by_a_turn(turn, text: str) -> int:
+            stored, before = manager.store.get("default", "s"), manager.store.bytes_written
+            turn.chat(text, max_new_tokens=2)
+            after = manager.store.get("default", "s")
+            # Written: the header's chunk, then from the last 256-token block the turn changed to
+            # the end (its rows, the token log), each end rounded out to a whole chunk.
+            last_block = stored.logical_length // 256 * 256
+            changed = data_offset(after.blob) + (after.logical_length - last_block) * tiny.bytes_per_token
+            written = manager.store.bytes_written - before
+            assert 0 < written <= changed + 8 * after.logical_length + 2 * 4096
+            return written / len(after.blob)
+
+        for i in range(1, 5):
+            written_by_a_turn(session, filler(i))
+        assert session.version == 5 and not session.dirty
+        before = manager.store.bytes_written
+        assert manager.spill("default", "s") == 5
+        assert manager.store.bytes_written == before  # the last turn's checkpoint holds it already
+        # Resumed (decoded and encoded again: the same bytes), a short turn rewrites a small share.
+        assert written_by_a_turn(manager.session("s"), "And one more short line.") < 1 / 4
 
 
 def test_incremental_compaction_keeps_its_queries_across_a_spill_and_reads_only_new_text(tiny, tmp_path, monkeypatch):

@@ -1,0 +1,83 @@
+"""Stopping a process that holds live sessions without losing one: SIGTERM drains as SIGINT does.
+
+Orchestrators (systemd, Docker, Kubernetes) stop a process with SIGTERM, whose default action
+ends it at once: no ``finally``, no ``atexit``, every live session lost. Here both signals
+mean "stop": a server stops accepting, lets its running turns finish up to a deadline (then
+cancels them at their next token), and spills every live session before the process exits 0.
+A signal that arrives while sessions are being spilled is logged, not obeyed: the spill is what
+the stop is for (a supervisor's SIGKILL after its grace period still ends it).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentmem.sessions import SessionManager
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(BaseException):
+    """Raised in the main thread by a stop signal (a ``BaseException``, like ``KeyboardInterrupt``)."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise StopRequested(signal.Signals(signum).name)
+
+
+@contextmanager
+def signals(handler: Callable[[int, FrameType | None], Any]) -> Iterator[None]:
+    """SIGTERM and SIGINT handled by ``handler`` within the block (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _already_stopping(signum: int, frame: FrameType | None) -> None:
+    log.warning("%s received while live sessions are being spilled; finishing the spill first",
+                signal.Signals(signum).name)
+
+
+def close_keeping_sessions(manager: SessionManager) -> int:
+    """Close ``manager`` (spilling every live session) deaf to stop signals; returns how many were spilled."""
+    with signals(_already_stopping):
+        spilled = manager.close()
+    log.info("stopped: %d live session%s spilled to the store", spilled, "" if spilled == 1 else "s")
+    return spilled
+
+
+def serve_until_stopped(app: Any, manager: SessionManager, *, host: str, port: int, drain_seconds: float) -> int:
+    """Serve ``app`` with uvicorn until SIGTERM or SIGINT, drain, then close ``manager``; the sessions spilled.
+
+    uvicorn handles both signals while it runs (a graceful shutdown: no new connections, running
+    requests get ``drain_seconds``, then are cancelled) and raises the signal again once it has
+    stopped; ours turns that into :class:`StopRequested` instead of the default SIGTERM death.
+    """
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off",
+                            timeout_graceful_shutdown=drain_seconds)
+    try:
+        with signals(_raise_stop):
+            try:
+                uvicorn.Server(config).run()
+            except StopRequested as stop:
+                log.info("%s: stopping", stop)
+    finally:
+        spilled = close_keeping_sessions(manager)
+    return spilled
