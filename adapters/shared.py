@@ -14,6 +14,10 @@ interpreter shutdown"), so the stores' writers and hashers could no longer run a
 session was lost at exit. :func:`close_shared` is therefore registered with
 ``threading._register_atexit``, the hook ``concurrent.futures`` itself uses, which runs hooks in
 reverse order of registration, before non-daemon threads are joined.
+
+SIGTERM, which orchestrators stop a process with, would end it before any hook: where SIGTERM
+still has its default action, the first shared manager makes it exit the process cleanly
+instead (:func:`agentmem.shutdown.exit_on_sigterm`), so the hooks spill as on a normal exit.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from agentmem.errors import InvalidInput
 from agentmem.policy import BudgetPolicy, configured_policies
 from agentmem.sessions import SessionManager
 from agentmem.settings import AdapterSettings, read
+from agentmem.shutdown import exit_on_sigterm
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()  # guards the dicts below; never held while a model loads
@@ -96,6 +101,7 @@ def shared_manager(model: str, store: str | None, tenant: str, policy: BudgetPol
             policies, default = configured_policies()
             manager = _managers[(model, url)] = SessionManager(
                 engine, url, policies=policies, default_policy=default, host_budget_bytes=host_budget_bytes())
+            exit_on_sigterm()
         if policy is not None:
             given = _given.setdefault((model, url, tenant), policy)
             if given != policy:

@@ -48,6 +48,26 @@ def signals(handler: Callable[[int, FrameType | None], Any]) -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def exit_on_sigterm() -> bool:
+    """Make SIGTERM end this process as ``sys.exit(0)`` does — the main thread unwinds, exit hooks
+    run (the LangChain adapter's spill every shared session) — instead of killing it at once.
+
+    Only where SIGTERM still has its default action (a program's own handler is left alone) and
+    from the main thread (the only one that may set handlers); returns whether it was installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    return True
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    log.info("SIGTERM: exiting; live sessions are spilled on the way out")
+    raise SystemExit(0)
+
+
 def _already_stopping(signum: int, frame: FrameType | None) -> None:
     log.warning("%s received while live sessions are being spilled; finishing the spill first",
                 signal.Signals(signum).name)

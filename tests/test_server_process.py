@@ -1,0 +1,160 @@
+"""``agentmem serve`` run the way orchestrators run it: a real process, signals, kill -9, hostile clients."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from server_process import ServerProcess, save_tiny_model
+
+from agentmem.storage import open_store
+
+pytestmark = pytest.mark.slow
+HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
+LONG_TURN = 2000  # tokens: several seconds of decoding for the tiny model on 2 CPU cores
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    with ServerProcess(model, tmp_path_factory.mktemp("serve")) as process:
+        yield process
+
+
+def running_turns(server: ServerProcess) -> int:
+    return httpx.get(f"{server.url}/health", timeout=5).json()["turns_running"]
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def in_background(call) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def follow_up(first: dict) -> list[dict]:
+    return HELLO + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "And then?"}]
+
+
+def test_sigterm_drains_the_running_turn_spills_every_session_and_a_restart_resumes_them(model, tmp_path):
+    with ServerProcess(model, tmp_path) as server:
+        firsts = {sid: server.chat(HELLO, session=sid, max_tokens=6).json() for sid in ("s1", "s2")}
+        thread, answered = in_background(lambda: server.chat(HELLO, session="s3", max_tokens=400))
+        wait_for(lambda: running_turns(server) == 1)
+        assert server.stop(signal.SIGTERM) == 0  # not 143: drained and spilled
+        thread.join(60)
+        assert answered[0].status_code == 200  # the turn under way was let finish
+        assert "3 live sessions spilled" in server.output()
+    with ServerProcess(model, tmp_path) as again:
+        for sid, first in firsts.items():
+            second = again.chat(follow_up(first), session=sid, max_tokens=2).json()["usage"]
+            cached = second["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= first["usage"]["prompt_tokens"] and second["prompt_tokens"] - cached < 16
+
+
+def test_kill_9_after_replies_loses_no_answered_turn(model, tmp_path):
+    with ServerProcess(model, tmp_path) as server:
+        history = list(HELLO)
+        for _ in range(3):
+            reply = server.chat(history, session="k", max_tokens=5).json()
+            history += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "Go on."}]
+        time.sleep(0.5)  # the write-behind lag, a fixed delay after the last reply
+        server.kill()
+    store = open_store(server.store)
+    try:
+        stored = store.get("acme", "k").messages
+    finally:
+        store.close()
+    assert stored == history[:-1]  # every answered turn, the last reply included
+
+
+def test_deletes_of_a_busy_session_answer_409_at_once_while_the_control_plane_answers(server):
+    thread, answered = in_background(lambda: server.chat(HELLO, session="busy", max_tokens=LONG_TURN, timeout=120))
+    wait_for(lambda: running_turns(server) == 1)
+    url, auth = server.url, server.headers()
+
+    def delete() -> tuple[int, str, float]:
+        began = time.monotonic()
+        response = httpx.delete(f"{url}/v1/sessions/busy", headers=auth, timeout=30)
+        return response.status_code, response.json()["error"]["code"], time.monotonic() - began
+
+    with ThreadPoolExecutor(45) as pool:
+        deletes = [pool.submit(delete) for _ in range(45)]
+        probes = []
+        for _ in range(10):
+            for path, headers in (("/health", {}), ("/metrics", {}), ("/v1/models", auth),
+                                  ("/v1/sessions/other", server.headers("key-globex"))):
+                began = time.monotonic()
+                status = httpx.get(f"{url}{path}", headers=headers, timeout=30).status_code
+                probes.append((path, status, time.monotonic() - began))
+        results = [d.result() for d in deletes]
+    assert running_turns(server) == 1  # all of this happened while the turn ran
+    assert {(status, code) for status, code, _ in results} == {(409, "session_busy")}
+    assert max(seconds for *_, seconds in results) < 2
+    assert {(path, status) for path, status, _ in probes} == {
+        ("/health", 200), ("/metrics", 200), ("/v1/models", 200), ("/v1/sessions/other", 404)}
+    assert max(seconds for *_, seconds in probes) < 1
+    thread.join(120)
+    assert answered[0].status_code == 200
+
+
+def test_huge_bodies_are_refused_at_once_and_leave_no_session(server):
+    began = time.monotonic()
+    megabyte = server.chat([{"role": "user", "content": "word " * 200_000}], session="big", max_tokens=2)
+    assert time.monotonic() - began < 1
+    assert megabyte.status_code == 400 and megabyte.json()["error"]["code"] == "request_too_large"
+    began = time.monotonic()
+    too_big = server.chat([{"role": "user", "content": "x" * (5 * 2**20)}], session="big", max_tokens=2)
+    assert time.monotonic() - began < 1
+    assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
+    missing = httpx.get(f"{server.url}/v1/sessions/big", headers=server.headers(), timeout=10)
+    assert missing.status_code == 404
+
+
+def test_a_client_that_leaves_cancels_its_turn_streaming_or_not(server):
+    with pytest.raises(httpx.ReadTimeout):
+        server.chat(HELLO, session="leaver", max_tokens=LONG_TURN, timeout=1.0)
+    wait_for(lambda: running_turns(server) == 0, timeout=3)  # long before the 2,000 tokens would end
+    sessions = live_sessions(server)
+    body = {"model": server.model_name, "messages": HELLO, "max_tokens": LONG_TURN, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers(),
+                      timeout=30) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+    wait_for(lambda: running_turns(server) == 0, timeout=3)  # stateless, streaming: nothing left running
+    assert live_sessions(server) == sessions  # and no session left behind
+
+
+def live_sessions(server: ServerProcess) -> float:
+    metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+    return float(next(line for line in metrics.splitlines() if line.startswith("agentmem_live_sessions ")).split()[1])
+
+
+def test_an_error_after_the_first_chunk_is_the_streams_last_event(server):
+    body = {"model": server.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                      headers=server.headers("key-tight", "tight-1"), timeout=60) as response:
+        assert response.status_code == 200
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "budget_exceeded" and len(events) > 3  # pieces came first
