@@ -12,9 +12,10 @@ rewrites only the chunks whose digest changed) and then tells the session which 
 - **The lag** is how long a turn waits between its reply and its landing; :meth:`lag` is the age
   of the oldest write not yet landed, what a crash now would lose. ``sync`` checkpoints (a policy
   or ``agentmem serve --sync-spill``) make the turn wait for its write before it is answered.
-- **One writer per session.** A spill or delete of the session first :meth:`settle`\\ s (or
-  :meth:`discard`\\ s) its checkpoint, under the session's lock, so no two writes of one session
-  race and none lands after a delete.
+- **One writer per session.** A spill or delete of the session first :meth:`discard`\\ s its
+  checkpoints (a write under way ends first), under the session's lock, so no two writes of one
+  session race, none lands after a delete, and a spill while the store is down fails at once
+  rather than waiting behind a retrying checkpoint.
 - **Failures.** A store outage is retried until the store returns or the checkpointer closes; a
   refused write (a newer version elsewhere, the tenant's quota) is dropped and logged: the session
   stays live, and its next spill meets the same refusal, as it always did.
@@ -96,12 +97,18 @@ class Checkpointer:
             while key in self._queued or (self._writing is not None and self._writing.session.key == key):
                 self._changed.wait()
 
-    def discard(self, key: SessionKey) -> None:
-        """Drop ``key``'s queued checkpoint and wait for one under way (the session is being deleted)."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or under way (at most ``timeout`` seconds); whether that happened."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._queued and self._writing is None, timeout)
+
+    def discard(self, key: SessionKey, why: str) -> None:
+        """Drop ``key``'s queued checkpoint, stop one under way from retrying an outage, and wait for it
+        to end: the session is being deleted, or spilled (the spill writes its newest state itself)."""
         with self._changed:
             job = self._queued.pop(key, None)
             if job is not None:
-                job.done.set_exception(AgentMemError(f"session {key} was deleted before its checkpoint was written"))
+                job.done.set_exception(AgentMemError(f"checkpoint of session {key} not written: {why}"))
             if self._writing is not None and self._writing.session.key == key:
                 self._abandoned.add(key)  # a write retrying an outage stops at its next try
         self.settle(key)

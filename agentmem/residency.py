@@ -85,6 +85,14 @@ class Residency:
             if not create:
                 self.leases.release(tenant, session_id)
                 raise
+            parked = self.registry.spilled(key)
+            if parked is not None and parked.version == 0:  # spilled before anything was stored: revived empty
+                try:
+                    parked.restore(self.engine.new_cache(), [], 0, 0)
+                    return self._register(parked)
+                except BaseException:
+                    self.leases.release(tenant, session_id)
+                    raise
             return self.adopt(key, self.engine.new_cache(), [], leased=True)
         except BaseException:
             self.leases.release(tenant, session_id)
@@ -199,7 +207,7 @@ class Residency:
                 if durable:
                     self.settle(key)
                 return session.version
-            self.checkpoints.settle(key)
+            self.checkpoints.discard(key, "the session is being spilled, which writes its newest state")
             if not session.dirty:  # its last turn's checkpoint holds it (or there is nothing to hold)
                 self.leases.release(*key)
                 self._free(session, self.registry.park)

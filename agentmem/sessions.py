@@ -152,6 +152,11 @@ class SessionManager:
         """
         return self._residency.spill(check_key(tenant, session_id), durable)
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every answered turn's checkpoint queued so far is in the store (or was refused
+        and logged), at most ``timeout`` seconds; whether nothing is left pending."""
+        return self._residency.checkpoints.flush(timeout)
+
     def prefetch(self, tenant: str, session_id: str) -> Future[None]:
         """Bring a stored session into the host-memory tier ahead of its turn (needs ``host_budget_bytes``).
 
@@ -191,7 +196,7 @@ class SessionManager:
                     self._registry.exclusive(key):
                 if self._handle(key) is not handle:
                     continue  # a resume under way made it live as another handle: lock that one
-                self._residency.checkpoints.discard(key)  # none lands after the delete
+                self._residency.checkpoints.discard(key, "the session was deleted")  # none lands after it
                 live = self._registry.forget(key)
                 self._spiller.discard(key)
                 removed = self.store.delete(tenant, session_id)
@@ -305,8 +310,11 @@ class _SessionHost:
     def begin_turn(self, session: Session) -> None:
         """Make a handle whose session was spilled (by the device budget, say) live again, in place;
         mark it used and confirm its lease: a copy whose lease was lost is dropped, not served."""
-        if not self._manager._registry.is_live(session):
-            if self._manager.session(session.session_id, tenant=session.tenant, create=False) is not session:
+        registry = self._manager._registry
+        if not registry.is_live(session):
+            # A session spilled before anything of it was stored (nothing to write) is revived empty.
+            untouched = session.version == 0 and registry.spilled(session.key) is session
+            if self._manager.session(session.session_id, tenant=session.tenant, create=untouched) is not session:
                 raise InvalidInput(f"session {session.key} was replaced by another handle; "
                                    "get it again from manager.session()")
         session.last_used = time.monotonic()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -15,6 +17,7 @@ from helpers import script_replies, tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.limits import ServerLimits
 from agentmem.server import SESSION_HEADER, create_app
 
 KEYS = {"key-acme": "acme", "key-globex": "globex"}
@@ -33,13 +36,12 @@ def manager(tiny, tmp_path) -> Iterator[SessionManager]:
         yield manager
 
 
-@pytest.fixture
-def url(manager) -> Iterator[str]:
-    """A real server on a free loopback port, serving ``manager`` with KEYS and a key of the tight tenant."""
+@contextmanager
+def running(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port, in a thread; its URL."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    app = create_app(manager, api_keys={**KEYS, "key-tight": "tight"})
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -48,6 +50,13 @@ def url(manager) -> Iterator[str]:
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(30)
+
+
+@pytest.fixture
+def url(manager) -> Iterator[str]:
+    """A real server on a free loopback port, serving ``manager`` with KEYS and a key of the tight tenant."""
+    with running(create_app(manager, api_keys={**KEYS, "key-tight": "tight"})) as address:
+        yield address
 
 
 def client(url: str, key: str = "key-acme") -> openai.OpenAI:
@@ -232,3 +241,123 @@ def test_malformed_messages_are_400s_naming_the_problem(url):
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}
     with pytest.raises(openai.BadRequestError, match="tool call arguments are not JSON"):
         client(url).chat.completions.create(model=name, messages=HELLO + [call])
+
+
+# ---------------------------------------------------------------------------- bounded, typed refusals
+
+
+def raw(url: str, body: object, key: str = "key-acme", **headers: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {key}", **headers})
+
+
+@pytest.mark.parametrize("messages, problem", [
+    ([{"role": "assistant", "tool_calls": [{"type": "function"}]}], "function"),
+    ([{"role": "assistant", "tool_calls": "add(2, 3)"}], "tool_calls"),
+    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": ""}}]}], "name"),
+    ([{"role": "robot", "content": "beep"}], "role"),
+    ([{"content": "no role"}], "role"),
+    (["a string"], "messages"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "text"),
+])
+def test_malformed_messages_are_400s(url, messages, problem):
+    name = client(url).models.list().data[0].id
+    response = raw(url, {"model": name, "messages": messages})
+    assert response.status_code == 400, response.text
+    assert problem in response.json()["error"]["message"] and response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field, value", [("seed", 2**64), ("seed", -(2**63) - 1), ("temperature", -1),
+                                          ("top_p", 0), ("max_tokens", 0), ("stop", ["a"] * 5), ("n", 3)])
+def test_out_of_range_settings_are_400s(url, field, value):
+    name = client(url).models.list().data[0].id
+    response = raw(url, {"model": name, "messages": HELLO, field: value})
+    assert response.status_code == 400 and field in response.json()["error"]["message"]
+
+
+def test_a_reply_over_the_cap_is_refused_and_seeds_take_the_whole_int64_range(url):
+    name = client(url).models.list().data[0].id
+    over = raw(url, {"model": name, "messages": HELLO, "max_tokens": 10**9})
+    assert over.status_code == 400 and over.json()["error"]["code"] == "request_too_large"
+    for seed in (2**63 - 1, -(2**63)):
+        assert raw(url, {"model": name, "messages": HELLO, "max_tokens": 2, "seed": seed}).status_code == 200
+
+
+def test_error_bodies_are_bounded_and_unknown_routes_are_openai_shaped(url):
+    huge = raw(url, {"model": "m" * 10_000, "messages": HELLO})
+    assert huge.status_code == 400 and len(huge.content) < 1000
+    bad_key = raw(url, {"x" * 10_000: 1, "model": "m", "messages": HELLO})
+    assert bad_key.status_code == 400 and len(bad_key.content) < 1000
+    for response, status, code in ((httpx.get(f"{url}/v1/nothing"), 404, "not_found"),
+                                   (httpx.post(f"{url}/health"), 405, "method_not_allowed")):
+        assert response.status_code == status and response.json()["error"]["code"] == code
+
+
+def test_user_is_not_a_session_unless_the_server_says_so(url, manager, tiny):
+    name = client(url).models.list().data[0].id
+    client(url).chat.completions.create(model=name, messages=HELLO, max_tokens=2, user="end-user-7")
+    assert manager.list("acme") == []  # a stateless completion: `user` names the end user, not a session
+    app = create_app(manager, limits=ServerLimits(session_from_user=True))
+    with running(app) as other:
+        client(other).chat.completions.create(model=name, messages=HELLO, max_tokens=2, user="end-user-7")
+    assert [s["session_id"] for s in manager.list("default")] == ["end-user-7"]
+
+
+def test_stateless_requests_touch_no_store(url, manager, monkeypatch):
+    """A stateless completion is served while the store is down: it takes no lease and reads nothing."""
+    from agentmem.errors import StoreUnavailable
+
+    def down(*args, **kwargs):
+        raise StoreUnavailable("the store is down")
+
+    for method in ("get", "put", "version", "stamp", "delete", "list"):
+        monkeypatch.setattr(manager.store, method, down)
+    monkeypatch.setattr(manager.store.leases, "acquire", down)
+    name = client(url).models.list().data[0].id
+    assert client(url).chat.completions.create(model=name, messages=HELLO, max_tokens=2).choices
+    with pytest.raises(openai.InternalServerError) as caught:  # a session needs the store: 503, retryable
+        client(url).chat.completions.create(model=name, messages=HELLO, max_tokens=2,
+                                            extra_headers={SESSION_HEADER: "needs-store"})
+    assert caught.value.status_code == 503
+
+
+def test_a_tenant_over_its_concurrent_turns_gets_429_with_retry_after(manager, scripted):
+    scripted += ["word " * 200, "Fine.", "Fine."]
+    release = threading.Event()
+    original = manager.engine.stream
+
+    def slow_stream(*args, **kwargs):
+        for token in original(*args, **kwargs):
+            release.wait(10)
+            yield token
+
+    app = create_app(manager, api_keys=KEYS, limits=ServerLimits(max_concurrent_turns=1))
+    with running(app) as url:
+        name = client(url).models.list().data[0].id
+        first = threading.Thread(target=lambda: client(url).chat.completions.create(
+            model=name, messages=HELLO, max_tokens=4, extra_headers={SESSION_HEADER: "one"}))
+        manager.engine.stream = slow_stream
+        try:
+            first.start()
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{url}/health").json()["turns_running"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            second = raw(url, {"model": name, "messages": HELLO, "max_tokens": 2})
+            other = raw(url, {"model": name, "messages": HELLO, "max_tokens": 2}, key="key-globex")
+        finally:
+            release.set()
+            first.join(30)
+            manager.engine.stream = original
+    assert second.status_code == 429 and second.headers["Retry-After"] == "1"
+    assert second.json()["error"]["code"] == "too_many_turns"
+    assert other.status_code == 200  # another tenant is not held back
+
+
+def test_store_and_session_failures_have_their_statuses():
+    from agentmem.errors import CorruptSessionError, CorruptStoreError, ModelMismatch, VersionConflict
+    from agentmem.server import error_body
+
+    assert error_body(CorruptStoreError("damaged page"))[0] == 500  # not retryable: restore the store
+    assert {error_body(e("x"))[0] for e in (VersionConflict, CorruptSessionError, ModelMismatch)} == {409}
+    assert error_body(RuntimeError("secret internals"))[1]["error"]["message"].startswith("internal error")

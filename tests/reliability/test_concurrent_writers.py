@@ -35,12 +35,15 @@ def test_second_manager_gets_session_busy_while_the_first_holds_it(small_engine,
 
 
 def test_a_stale_writer_after_lease_expiry_gets_version_conflict_not_a_lost_update(small_engine, url):
-    first = SessionManager(small_engine, url, default_policy=POLICY, lease_seconds=LEASE_SECONDS)
+    # First writes only when it spills, so its copy holds a turn the store has not seen.
+    unwritten = POLICY.with_overrides(checkpoint="spill")
+    first = SessionManager(small_engine, url, default_policy=unwritten, lease_seconds=LEASE_SECONDS)
     second = SessionManager(small_engine, url, default_policy=POLICY, lease_wait=WAIT_SECONDS)
     stale = first.session("t-1", tenant="acme")
     stale.chat("hello", max_new_tokens=4)
     first.spill("acme", "t-1")
     stale = first.session("t-1", tenant="acme")  # first holds it again, then stalls past its lease
+    stale.chat("a turn only the stale copy holds", max_new_tokens=4)
     with first._leases.paused():  # a stalled process renews nothing
         winner = second.session("t-1", tenant="acme")  # waits for first's lease to run out
         winner.chat("the winner's turn", max_new_tokens=4)

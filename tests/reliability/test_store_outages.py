@@ -22,9 +22,11 @@ def test_redis_restart_mid_session_loses_nothing_acknowledged(small_engine, loca
     manager = SessionManager(small_engine, local_redis.url, default_policy=POLICY)
     session = manager.session("t-1", tenant="acme")
     session.chat("first message", max_new_tokens=4)
-    acknowledged = manager.spill("acme", "t-1")
+    manager.spill("acme", "t-1")
     session = manager.session("t-1", tenant="acme")
     session.chat("second message", max_new_tokens=4)
+    assert manager.flush(timeout=30)  # its checkpoint landed: acknowledged as durable
+    acknowledged = session.version
 
     local_redis.stop()
     reply = session.chat("third message while the store is down", max_new_tokens=4)  # live sessions keep working
