@@ -297,6 +297,9 @@ def serve(
                                      help="turns of one tenant running at once (more: 429)"),
     max_turns: int = typer.Option(ServerLimits.max_turns, "--max-turns", min=1,
                                   help="turns running at once in all (more: 429)"),
+    lease_seconds: float = typer.Option(30.0, "--lease-seconds", min=0.5,
+                                        help="how long a session stays leased to this process after it stops renewing "
+                                             "(a crashed server blocks its sessions at most this long)"),
     drain_seconds: float = typer.Option(30.0, "--drain-seconds", min=0,
                                         help="on SIGTERM or SIGINT, how long running turns may finish before they are "
                                              "cancelled; every live session is then spilled"),
@@ -332,7 +335,8 @@ def serve(
         logging.getLogger("agentmem").setLevel(logging.INFO)
     log.info("device budget %.1f MiB, host tier %.1f MiB", device_budget / 2**20, host_budget / 2**20)
     manager = SessionManager(engine, store, policies=loaded, default_policy=default,
-                             device_budget_bytes=device_budget, host_budget_bytes=host_budget)
+                             device_budget_bytes=device_budget, host_budget_bytes=host_budget,
+                             lease_seconds=lease_seconds)
     run(manager, host=host, port=port, api_keys=keys, limits=limits, drain_seconds=drain_seconds)
 
 

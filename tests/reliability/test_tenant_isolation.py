@@ -28,6 +28,7 @@ def test_same_session_id_in_another_tenant_is_another_session(manager):
     assert [s["session_id"] for s in manager.list("globex")] == ["t-1"]
     with pytest.raises(SessionNotFound):
         manager.session("t-2", tenant="globex", create=False)
+    other.chat("What is the vault code?", max_new_tokens=4)
     manager.spill("globex", "t-1")
     assert "9931" in str(manager.store.get("acme", "t-1").messages)
     assert "9931" not in str(manager.store.get("globex", "t-1").messages)
