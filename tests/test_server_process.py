@@ -158,3 +158,32 @@ def test_an_error_after_the_first_chunk_is_the_streams_last_event(server):
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "budget_exceeded" and len(events) > 3  # pieces came first
+
+
+ADAPTER_CHILD = """
+import sys, time
+from agentmem.adapters.langchain import ChatAgentMem
+model = ChatAgentMem(model=sys.argv[1], store=sys.argv[2], max_tokens=4)
+model.invoke("Hello there", config={"configurable": {"session_id": "lc-1"}})
+print("answered", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_langchain_process_stopped_with_sigterm_spills_its_sessions(model, tmp_path):
+    import subprocess
+    import sys
+
+    store = f"sqlite:///{tmp_path / 'lc.db'}"
+    env = {**__import__("os").environ, "AGENTMEM_HOME": str(tmp_path / "home"),
+           "AGENTMEM_CHECKPOINT": "spill"}  # nothing written before the stop: the stop must write it
+    child = subprocess.Popen([sys.executable, "-c", ADAPTER_CHILD, str(model), store], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env)
+    assert child.stdout.readline().strip() == "answered", child.stdout.read()
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(60) == 0
+    stored = open_store(store)
+    try:
+        assert [m["role"] for m in stored.get("default", "lc-1").messages] == ["user", "assistant"]
+    finally:
+        stored.close()
