@@ -361,3 +361,35 @@ def test_store_and_session_failures_have_their_statuses():
     assert error_body(CorruptStoreError("damaged page"))[0] == 500  # not retryable: restore the store
     assert {error_body(e("x"))[0] for e in (VersionConflict, CorruptSessionError, ModelMismatch)} == {409}
     assert error_body(RuntimeError("secret internals"))[1]["error"]["message"].startswith("internal error")
+
+
+def test_fuzzed_requests_get_a_reply_or_a_bounded_4xx_never_a_500(url):
+    """Random values in every field of the request schema (and in the messages): a 200, or a 4xx
+    with an OpenAI-shaped body of bounded size; never a server error."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    name = client(url).models.list().data[0].id
+    json_values = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+                               | st.text(max_size=20),
+                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                            max_size=3), max_leaves=8)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system", "x"]) | json_values},
+                                    optional={"content": st.text(max_size=40) | json_values,
+                                              "tool_calls": json_values, "tool_call_id": json_values})
+    fields = st.fixed_dictionaries(
+        {"model": st.just(name) | json_values, "messages": st.lists(message, max_size=3) | json_values,
+         "max_tokens": st.integers(1, 3)},
+        optional={field: json_values for field in ("stream", "temperature", "top_p", "stop", "seed", "tools",
+                                                    "tool_choice", "user", "metadata", "n", "stream_options")})
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(fields)
+    def check(body):
+        response = raw(url, body)
+        assert response.status_code == 200 or 400 <= response.status_code < 500, response.text
+        if response.status_code != 200:
+            error = response.json()["error"]
+            assert len(response.content) < 1000 and error["type"] and "message" in error
+
+    check()
