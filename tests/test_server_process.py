@@ -187,3 +187,39 @@ def test_a_langchain_process_stopped_with_sigterm_spills_its_sessions(model, tmp
         assert [m["role"] for m in stored.get("default", "lc-1").messages] == ["user", "assistant"]
     finally:
         stored.close()
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+    return float(next(line for line in metrics.splitlines() if line.startswith(f"agentmem_{name} ")).split()[1])
+
+
+def test_a_stop_cancels_a_turn_past_the_drain_deadline_and_exits_0(model, tmp_path):
+    with ServerProcess(model, tmp_path, "--drain-seconds", "1") as server:
+        server.chat(HELLO, session="kept", max_tokens=4)
+        thread, _ = in_background(lambda: server.chat(HELLO, session="slow", max_tokens=LONG_TURN, timeout=120))
+        wait_for(lambda: running_turns(server) == 1)
+        began = time.monotonic()
+        assert server.stop(signal.SIGINT) == 0
+        assert time.monotonic() - began < 10  # the 2,000-token turn was cancelled after the 1 s drain
+        thread.join(10)
+        assert "live sessions spilled" in server.output() and "Event loop is closed" not in server.output()
+    stored = open_store(server.store)
+    try:
+        assert [m["role"] for m in stored.get("acme", "kept").messages] == ["user", "assistant"]
+    finally:
+        stored.close()
+
+
+def test_live_sessions_stay_under_the_device_budget_and_all_resume(model, tmp_path):
+    budget = 150_000  # bytes: room for about three of the tiny model's sessions (49 KiB each here), not eight
+    with ServerProcess(model, tmp_path, "--device-budget", str(budget)) as server:
+        firsts = {}
+        for i in range(8):
+            firsts[f"m{i}"] = server.chat(HELLO, session=f"m{i}", max_tokens=4).json()
+            assert metric(server, "live_bytes") <= budget
+        assert metric(server, "live_sessions") < 8
+        for sid, first in firsts.items():  # the spilled ones resume from the store
+            usage = server.chat(follow_up(first), session=sid, max_tokens=2).json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+            assert metric(server, "live_bytes") <= budget

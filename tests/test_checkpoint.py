@@ -1,0 +1,151 @@
+"""The checkpointer on its own (a fake session and store write), and checkpoints through a manager."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers import tiny_model
+
+from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.checkpoint import Checkpointer
+from agentmem.errors import StoreUnavailable, VersionConflict
+from agentmem.keys import SessionKey
+from agentmem.record import SessionRecord
+
+
+class FakeSession:
+    def __init__(self, name: str) -> None:
+        self.key = SessionKey("acme", name)
+        self.revision, self.version, self.stored = 0, 0, []
+
+    def mark_stored(self, version: int, stored_bytes: int, revision: int) -> None:
+        self.version = version
+        self.stored.append(revision)
+
+
+def record(session: FakeSession) -> SessionRecord:
+    session.revision += 1
+    return SessionRecord(tenant="acme", session_id=session.key.session_id, model_fingerprint="f", logical_length=0,
+                         blob=bytes(8), messages=[{"role": "user", "content": str(session.revision)}])
+
+
+class Writes:
+    """A store write that can be held (to queue work behind it) or made to fail."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[str, str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.failures: list[Exception] = []
+        self.errors = 0
+
+    def put(self, session: FakeSession, rec: SessionRecord) -> int:
+        self.gate.wait(10)
+        if self.failures:
+            raise self.failures.pop(0)
+        self.written.append((rec.session_id, rec.messages[0]["content"]))
+        return session.version + 1
+
+    def checkpointer(self) -> Checkpointer:
+        def error() -> None:
+            self.errors += 1
+
+        return Checkpointer(self.put, on_store_error=error, on_landed=lambda: None)
+
+
+def test_a_busy_session_coalesces_to_its_newest_record_and_every_future_lands():
+    writes = Writes()
+    checkpoints = writes.checkpointer()
+    a, b = FakeSession("a"), FakeSession("b")
+    writes.gate.clear()  # the first write is held: the rest queue behind it
+    first = checkpoints.submit(a, record(a))
+    time.sleep(0.05)
+    queued = [checkpoints.submit(a, record(a)) for _ in range(3)] + [checkpoints.submit(b, record(b))]
+    assert checkpoints.pending() == 3 and checkpoints.lag() > 0  # a's newest, b's, and a's first under way
+    writes.gate.set()
+    for future in [first, *queued]:
+        future.result(5)
+    assert writes.written == [("a", "1"), ("a", "4"), ("b", "1")]  # a's 2 and 3 superseded by 4
+    assert a.version == 2 and a.stored == [1, 4] and checkpoints.lag() == 0
+    assert checkpoints.flush(1) and len(checkpoints.recent_lags()) == 3
+    checkpoints.close()
+
+
+def test_an_outage_is_retried_with_the_newest_record_and_a_refusal_is_dropped(monkeypatch):
+    monkeypatch.setattr("agentmem.checkpoint.RETRY_SECONDS", 0.01)
+    writes = Writes()
+    checkpoints = writes.checkpointer()
+    session = FakeSession("s")
+    writes.failures = [StoreUnavailable("down"), StoreUnavailable("down")]
+    checkpoints.submit(session, record(session)).result(5)
+    assert writes.written == [("s", "1")] and writes.errors == 2
+    writes.failures = [VersionConflict("newer elsewhere")]
+    with pytest.raises(VersionConflict):
+        checkpoints.submit(session, record(session)).result(5)
+    assert session.stored == [1]  # the refused revision is not marked stored
+    checkpoints.close()
+
+
+def test_discard_drops_the_queued_write_and_stops_a_retrying_one(monkeypatch):
+    monkeypatch.setattr("agentmem.checkpoint.RETRY_SECONDS", 0.01)
+    writes = Writes()
+    checkpoints = writes.checkpointer()
+    session = FakeSession("s")
+    writes.failures = [StoreUnavailable("down")] * 1000
+    retrying = checkpoints.submit(session, record(session))
+    time.sleep(0.05)
+    queued = checkpoints.submit(session, record(session))
+    began = time.monotonic()
+    checkpoints.discard(session.key, "deleted")
+    assert time.monotonic() - began < 2 and checkpoints.pending() == 0
+    assert writes.written == []
+    for future in (retrying, queued):
+        with pytest.raises(Exception):
+            future.result(1)
+    checkpoints.close()
+
+
+def test_close_writes_what_is_queued_and_then_refuses_more():
+    writes = Writes()
+    checkpoints = writes.checkpointer()
+    sessions = [FakeSession(f"s{i}") for i in range(5)]
+    for session in sessions:
+        checkpoints.submit(session, record(session))
+    checkpoints.close()
+    assert sorted(name for name, _ in writes.written) == [f"s{i}" for i in range(5)]
+    with pytest.raises(StoreUnavailable):
+        checkpoints.submit(sessions[0], record(sessions[0]))
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer) -> Engine:
+    return Engine(tiny_model("llama"), tokenizer)
+
+
+@pytest.mark.parametrize("mode", ["behind", "sync", "spill"])
+def test_an_answered_turn_is_in_the_store_without_a_spill_as_the_policy_says(tiny, tmp_path, mode):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with SessionManager(tiny, url, default_policy=BudgetPolicy(checkpoint=mode)) as manager:
+        session = manager.session("t")
+        reply = session.chat("Hello there", max_new_tokens=3)
+        if mode == "sync":  # landed before the turn returned
+            assert manager.store.get("default", "t").messages[-1]["content"] == reply.text
+        assert manager.flush(timeout=30)
+        if mode == "spill":
+            assert manager.store.list("default").items == [] and session.dirty
+        else:
+            assert manager.store.get("default", "t").messages[-1]["content"] == reply.text
+            assert session.version == 1 and not session.dirty
+            assert manager.stats()["checkpoints"] == 1 and manager.stats()["pending_checkpoints"] == 0
+
+
+def test_a_deleted_session_is_not_brought_back_by_its_checkpoint(tiny, tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with SessionManager(tiny, url) as manager:
+        for _ in range(5):
+            manager.session("gone").chat("Hello there", max_new_tokens=2)
+            assert manager.delete("default", "gone")
+            assert manager.flush(timeout=30)
+            assert manager.store.list("default").items == []
