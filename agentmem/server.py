@@ -81,6 +81,10 @@ class Unauthorized(AgentMemError):
     """The request's API key is missing or not one the server knows."""
 
 
+class ServerStopping(AgentMemError):
+    """The server is stopping and cancelled the turn past its drain deadline: retry it (on another server)."""
+
+
 # ---------------------------------------------------------------------------- the request
 
 
@@ -208,6 +212,7 @@ ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
     (BudgetExceeded, 429, "budget_exceeded", "budget_exceeded"),
     (Overloaded, 429, "rate_limit_error", "too_many_turns"),
     (CorruptStoreError, 500, "server_error", "store_damaged"),
+    (ServerStopping, 503, "service_unavailable", "server_stopping"),
     (StoreUnavailable, 503, "store_unavailable", "store_unavailable"),
 ]
 
@@ -291,38 +296,47 @@ async def _nothing() -> Message:
 
 
 class TurnSlots:
-    """How many turns run, per tenant and in all; a turn over either limit is refused (429), not queued.
+    """The turns running, per tenant and in all; a turn over either limit is refused (429), not queued.
 
-    Thread-safe: a slot is taken on the event loop and given back by the turn's thread when it ends.
+    Thread-safe: a slot is taken on the event loop and given back by the turn's thread when it
+    ends. :meth:`cancel_all` is how a stop past its drain deadline ends the turns still running.
     """
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self._running: dict[str, int] = {}
+        self._running: dict[str, set[Turn]] = {}
         self._lock = threading.Lock()
 
-    def take(self, tenant: str, limit: int) -> Callable[[], None]:
-        """A slot of ``tenant`` (at most ``limit`` at once); returns its release, safe to call twice."""
+    def take(self, tenant: str, limit: int, turn: Turn) -> Callable[[], None]:
+        """A slot for ``turn`` of ``tenant`` (at most ``limit`` at once); returns its release, safe to call twice."""
         with self._lock:
-            mine = self._running.get(tenant, 0)
-            if mine >= limit:
-                raise Overloaded(f"tenant {tenant!r} has {mine} turns running, its limit; retry when one ends")
-            if sum(self._running.values()) >= self.total:
+            mine = self._running.setdefault(tenant, set())
+            if len(mine) >= limit:
+                raise Overloaded(f"tenant {tenant!r} has {len(mine)} turns running, its limit; retry when one ends")
+            if self._count() >= self.total:
                 raise Overloaded(f"the server runs {self.total} turns, its limit; retry when one ends")
-            self._running[tenant] = mine + 1
-        released = threading.Event()
+            mine.add(turn)
 
         def release() -> None:
             with self._lock:
-                if not released.is_set():
-                    released.set()
-                    self._running[tenant] -= 1
+                mine.discard(turn)
 
         return release
 
     def running(self) -> int:
         with self._lock:
-            return sum(self._running.values())
+            return self._count()
+
+    def cancel_all(self) -> int:
+        """Cancel every running turn at its next token; how many there were."""
+        with self._lock:
+            turns = [turn for mine in self._running.values() for turn in mine]
+        for turn in turns:
+            turn.cancel()
+        return len(turns)
+
+    def _count(self) -> int:
+        return sum(len(mine) for mine in self._running.values())
 
 
 # ---------------------------------------------------------------------------- running a turn
@@ -339,10 +353,10 @@ class Turn:
     _END = object()
 
     def __init__(self, open_session: Callable[[], Session], conversation: list[dict[str, Any]],
-                 generation: dict[str, Any], on_end: Callable[[], None],
-                 on_refused: Callable[[Session], None] = lambda session: None) -> None:
+                 generation: dict[str, Any], on_refused: Callable[[Session], None] = lambda session: None) -> None:
         self.open_session, self.conversation, self.generation = open_session, conversation, generation
-        self.on_end, self.on_refused = on_end, on_refused
+        self.on_refused = on_refused
+        self.on_end: Callable[[], None] = lambda: None  # the turn's slot, given back when its thread ends
         self.usage: Usage | None = None
         self._cancelled = threading.Event()
 
@@ -362,6 +376,8 @@ class Turn:
                 yield item
         finally:
             self.cancel()  # a client that left stops the generation at its next token
+        if self.usage is None:  # it ended without finishing or failing: cancelled by a stop
+            raise ServerStopping("the server is stopping and cancelled this turn past its drain deadline; retry it")
 
     def _run(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[object]) -> None:
         def put(item: object) -> None:
@@ -501,12 +517,12 @@ def create_app(manager: SessionManager, *, api_keys: Mapping[str, str] | None = 
         generation["max_prompt_tokens"] = (policy.max_prompt_tokens or limits.max_prompt_tokens
                                            or manager.engine.max_context)
         conversation = [to_message(m) for m in body.messages]
-        release = slots.take(tenant, policy.max_concurrent_turns or limits.max_concurrent_turns)
         if session_id is None:
-            turn = Turn(lambda: manager.ephemeral(tenant), conversation, generation, release)
+            turn = Turn(lambda: manager.ephemeral(tenant), conversation, generation)
         else:
-            turn = Turn(lambda: manager.session(session_id, tenant=tenant), conversation, generation, release,
+            turn = Turn(lambda: manager.session(session_id, tenant=tenant), conversation, generation,
                         on_refused=release_untouched)
+        turn.on_end = slots.take(tenant, policy.max_concurrent_turns or limits.max_concurrent_turns, turn)
         headers = {SESSION_HEADER: session_id} if session_id else None
         try:
             if not body.stream:
@@ -616,5 +632,6 @@ def serve(manager: SessionManager, *, host: str = "127.0.0.1", port: int = 8000,
     """
     from agentmem.shutdown import serve_until_stopped
 
-    return serve_until_stopped(create_app(manager, api_keys=api_keys, limits=limits), manager, host=host, port=port,
-                               drain_seconds=drain_seconds)
+    app = create_app(manager, api_keys=api_keys, limits=limits)
+    return serve_until_stopped(app, manager, host=host, port=port, drain_seconds=drain_seconds,
+                               cancel_running=app.state.slots.cancel_all)

@@ -157,6 +157,11 @@ class SessionManager:
         and logged), at most ``timeout`` seconds; whether nothing is left pending."""
         return self._residency.checkpoints.flush(timeout)
 
+    def recent_checkpoint_lags(self) -> list[float]:
+        """Seconds from reply to landing of the last checkpoints written (up to
+        :data:`~agentmem.checkpoint.RECENT_LAGS`): what a crash would have lost, turn by turn."""
+        return self._residency.checkpoints.recent_lags()
+
     def prefetch(self, tenant: str, session_id: str) -> Future[None]:
         """Bring a stored session into the host-memory tier ahead of its turn (needs ``host_budget_bytes``).
 

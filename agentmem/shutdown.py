@@ -81,23 +81,37 @@ def close_keeping_sessions(manager: SessionManager) -> int:
     return spilled
 
 
-def serve_until_stopped(app: Any, manager: SessionManager, *, host: str, port: int, drain_seconds: float) -> int:
+def serve_until_stopped(app: Any, manager: SessionManager, *, host: str, port: int, drain_seconds: float,
+                        cancel_running: Callable[[], int]) -> int:
     """Serve ``app`` with uvicorn until SIGTERM or SIGINT, drain, then close ``manager``; the sessions spilled.
 
-    uvicorn handles both signals while it runs (a graceful shutdown: no new connections, running
-    requests get ``drain_seconds``, then are cancelled) and raises the signal again once it has
-    stopped; ours turns that into :class:`StopRequested` instead of the default SIGTERM death.
+    At the first signal uvicorn stops accepting connections and waits for the open ones; after
+    ``drain_seconds`` ``cancel_running()`` cancels the turns still running at their next token
+    (their clients get a retryable 503, or a last error event), so the connections end on their
+    own. uvicorn raises the signal again once it has stopped; ours turns that into
+    :class:`StopRequested` instead of the default SIGTERM death.
     """
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                log.info("%s: draining (running turns get %s s)", signal.Signals(sig).name, drain_seconds)
+                timer = threading.Timer(drain_seconds, lambda: log.info("drain deadline: %d turns cancelled",
+                                                                         cancel_running()))
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    # uvicorn's own deadline is a backstop: the turns cancelled at ours end within a token.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off",
-                            timeout_graceful_shutdown=drain_seconds)
+                            timeout_graceful_shutdown=drain_seconds + 10)
     try:
         with signals(_raise_stop):
             try:
-                uvicorn.Server(config).run()
+                DrainingServer(config).run()
             except StopRequested as stop:
-                log.info("%s: stopping", stop)
+                log.info("%s: stopped serving", stop)
     finally:
         spilled = close_keeping_sessions(manager)
     return spilled

@@ -197,13 +197,16 @@ def metric(server: ServerProcess, name: str) -> float:
 def test_a_stop_cancels_a_turn_past_the_drain_deadline_and_exits_0(model, tmp_path):
     with ServerProcess(model, tmp_path, "--drain-seconds", "1") as server:
         server.chat(HELLO, session="kept", max_tokens=4)
-        thread, _ = in_background(lambda: server.chat(HELLO, session="slow", max_tokens=LONG_TURN, timeout=120))
+        thread, cut = in_background(lambda: server.chat(HELLO, session="slow", max_tokens=LONG_TURN, timeout=120))
         wait_for(lambda: running_turns(server) == 1)
         began = time.monotonic()
         assert server.stop(signal.SIGINT) == 0
         assert time.monotonic() - began < 10  # the 2,000-token turn was cancelled after the 1 s drain
         thread.join(10)
-        assert "live sessions spilled" in server.output() and "Event loop is closed" not in server.output()
+        assert cut[0].status_code == 503 and cut[0].json()["error"]["code"] == "server_stopping"  # retryable
+        output = server.output()
+        assert "live sessions spilled" in output and "1 turns cancelled" in output
+        assert "Traceback" not in output and "Event loop is closed" not in output
     stored = open_store(server.store)
     try:
         assert [m["role"] for m in stored.get("acme", "kept").messages] == ["user", "assistant"]
