@@ -673,3 +673,12 @@ def test_serve_maps_each_key_to_its_tenant(tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text('{"sk-a": "acme", "sk-b": "globex"}')
     assert _load_api_keys(keys) == {"sk-a": "acme", "sk-b": "globex"}
+
+
+@pytest.mark.parametrize("args, problem", [(["--port", "99999"], "--port"), (["--port", "0"], "--port"),
+                                           (["--max-body-bytes", "0"], "--max-body-bytes"),
+                                           (["--drain-seconds", "-1"], "--drain-seconds")])
+def test_serve_refuses_bad_settings_in_a_few_lines(args, problem):
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 2 and problem in result.output
+    assert len(result.output.splitlines()) < 10 and "Traceback" not in result.output
