@@ -397,8 +397,9 @@ def test_a_killed_holder_blocks_its_session_only_until_its_short_lease_expires(e
 
 def test_a_killed_holder_on_this_machine_is_replaced_at_once_whatever_its_lease(engine, tmp_path):
     db = f"sqlite:///{tmp_path / 'lease.db'}"
-    # Live, with a turn more than the stored version 1.
-    holder = holding_process(db, lease_seconds=600, then='m.session("busy", tenant="acme").chat("again", max_new_tokens=2)')
+    # Live, with a turn more than the stored version 1, stored by its checkpoint (flushed: no lag here).
+    holder = holding_process(db, lease_seconds=600,
+                             then='m.session("busy", tenant="acme").chat("again", max_new_tokens=2); m.flush()')
     try:
         assert holder.stdout.readline().strip() == "ready"
         manager = SessionManager(engine, db)
@@ -409,7 +410,8 @@ def test_a_killed_holder_on_this_machine_is_replaced_at_once_whatever_its_lease(
         killed = time.monotonic()
         resumed = manager.session("busy", tenant="acme")
         assert time.monotonic() - killed < 60  # not the 600 s lease
-        assert resumed.version == 1 and [m["content"] for m in resumed.messages] == ["hello", resumed.messages[1]["content"]]
+        # The answered turn outlived the kill: its checkpoint is version 2.
+        assert resumed.version == 2 and [m["content"] for m in resumed.messages[::2]] == ["hello", "again"]
         manager.close()
     finally:
         holder.kill()
