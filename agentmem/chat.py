@@ -139,10 +139,15 @@ def fewest_tokens(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> i
     over the most bytes one vocabulary entry decodes to.
 
     Message text is encoded with its control tokens split (:func:`encode`), so only the regular
-    vocabulary can cover it, and no entry covers more bytes than it decodes to. A server refuses
-    a request far over its prompt cap with this before a megabyte is tokenised.
+    vocabulary can cover it, and no entry covers more bytes than it decodes to. A tokenizer that
+    normalizes text first may shrink it (NFKC turns a three-byte fullwidth letter into one byte),
+    so its bound allows four input bytes per normalized one. A server refuses a request far over
+    its prompt cap with this before a megabyte is tokenised.
     """
     longest = longest_token_bytes(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:  # unknown or normalizing: text may shrink
+        longest *= 4
     return -(-sum(len(text.encode("utf-8", "surrogatepass")) for text in texts) // longest)
 
 

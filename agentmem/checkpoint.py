@@ -11,12 +11,14 @@ rewrites only the chunks whose digest changed) and then tells the session which 
   is bounded by two records per session and a busy session cannot queue up behind a slow store.
 - **The lag** is how long a turn waits between its reply and its landing; :meth:`lag` is the age
   of the oldest write not yet landed, what a crash now would lose. ``sync`` checkpoints (a policy
-  or ``agentmem serve --sync-spill``) make the turn wait for its write before it is answered.
+  or ``agentmem serve --sync-spill``) make the turn wait for its write's first attempt before it
+  is answered: a store outage fails that turn at once (not acknowledged), while its write is
+  retried behind.
 - **One writer per session.** A spill or delete of the session first :meth:`discard`\\ s its
   checkpoints (a write under way ends first), under the session's lock, so no two writes of one
   session race, none lands after a delete, and a spill while the store is down fails at once
   rather than waiting behind a retrying checkpoint.
-- **Failures.** A store outage is retried until the store returns or the checkpointer closes; a
+- **Failures.** A store outage is retried until the store returns or the manager closes; a
   refused write (a newer version elsewhere, the tenant's quota) is dropped and logged: the session
   stays live, and its next spill meets the same refusal, as it always did.
 """
@@ -54,7 +56,19 @@ class _Job:
     record: SessionRecord
     revision: int
     queued_at: float
-    done: Future[None] = field(default_factory=Future)
+    done: Future[None] = field(default_factory=Future)  # landed (or dropped)
+    tried: Future[None] = field(default_factory=Future)  # its first write attempt's outcome
+
+    def follow(self, newer: _Job) -> None:
+        """This job was superseded by ``newer``: it ends as ``newer`` does."""
+        newer.queued_at = self.queued_at
+        for mine, theirs in ((self.done, newer.done), (self.tried, newer.tried)):
+            theirs.add_done_callback(lambda finished, target=mine: _copy_outcome(finished, target))
+
+    def fail(self, exc: BaseException) -> None:
+        for future in (self.tried, self.done):
+            if not future.done():
+                future.set_exception(exc)
 
 
 class Checkpointer:
@@ -68,27 +82,29 @@ class Checkpointer:
         self._put, self._on_store_error, self._on_landed = put, on_store_error, on_landed
         self._queued: OrderedDict[SessionKey, _Job] = OrderedDict()
         self._writing: _Job | None = None
-        self._abandoned: set[SessionKey] = set()  # deleted while their write was retrying an outage
+        self._abandoned: set[SessionKey] = set()  # discarded while their write was under way
         self._lags: deque[float] = deque(maxlen=RECENT_LAGS)
         self._changed = threading.Condition()
+        self._retrying = True  # outages are retried until stop_retrying()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="agentmem-checkpoint", daemon=True)
         self._thread.start()
 
-    def submit(self, session: Session, record: SessionRecord) -> Future[None]:
-        """Queue ``record`` (``session``'s state now) for the store; the future is done once it, or a
-        newer record of the session, has landed, and raises what dropped it if it was dropped."""
+    def submit(self, session: Session, record: SessionRecord) -> _Job:
+        """Queue ``record`` (``session``'s state now) for the store. The job's ``done`` future is done
+        once it, or a newer record of the session, has landed (it raises what dropped it, if
+        something did); its ``tried`` future once the first attempt to write it has (it raises
+        that attempt's failure, while an outage is retried in the background)."""
         job = _Job(session, record, session.revision, time.monotonic())
         with self._changed:
             if self._closing:
-                raise StoreUnavailable("the session manager is closing: no more checkpoints are written")
-            older = self._queued.pop(session.key, None)
-            if older is not None:  # superseded: it lands when the newer record does
-                job.queued_at = older.queued_at
-                job.done.add_done_callback(lambda done: _copy_outcome(done, older.done))
+                raise StoreUnavailable("the session manager is closed: no more checkpoints are written")
+            older = self._queued.get(session.key)
+            if older is not None:  # superseded: it lands when the newer record does, in its place in line
+                older.follow(job)
             self._queued[session.key] = job
             self._changed.notify_all()
-        return job.done
+        return job
 
     def settle(self, key: SessionKey) -> None:
         """Return once no checkpoint of ``key`` is queued or under way (raises nothing: a dropped
@@ -103,15 +119,24 @@ class Checkpointer:
             return self._changed.wait_for(lambda: not self._queued and self._writing is None, timeout)
 
     def discard(self, key: SessionKey, why: str) -> None:
-        """Drop ``key``'s queued checkpoint, stop one under way from retrying an outage, and wait for it
-        to end: the session is being deleted, or spilled (the spill writes its newest state itself)."""
+        """Drop ``key``'s queued checkpoint, stop one under way from trying again, and wait for its
+        attempt to end: the session is being deleted, dropped, or spilled (the spill writes its
+        newest state itself)."""
         with self._changed:
             job = self._queued.pop(key, None)
             if job is not None:
-                job.done.set_exception(AgentMemError(f"checkpoint of session {key} not written: {why}"))
+                job.fail(AgentMemError(f"checkpoint of session {key} not written: {why}"))
             if self._writing is not None and self._writing.session.key == key:
-                self._abandoned.add(key)  # a write retrying an outage stops at its next try
+                self._abandoned.add(key)
+                self._changed.notify_all()  # a write waiting to retry an outage gives up now
         self.settle(key)
+
+    def stop_retrying(self) -> None:
+        """From now on a write that meets an outage fails at once (the manager is closing: its spills
+        write every dirty session themselves, and must not wait behind a retry)."""
+        with self._changed:
+            self._retrying = False
+            self._changed.notify_all()
 
     def pending(self) -> int:
         """Checkpoints queued or under way."""
@@ -132,7 +157,7 @@ class Checkpointer:
     def close(self) -> None:
         """Write what is queued (outages no longer retried), then stop the writer."""
         with self._changed:
-            self._closing = True
+            self._closing, self._retrying = True, False
             self._changed.notify_all()
         self._thread.join()
 
@@ -162,41 +187,47 @@ class Checkpointer:
                 version = self._put(job.session, job.record)
             except StoreUnavailable as exc:
                 self._on_store_error()
+                if not job.tried.done():
+                    job.tried.set_exception(exc)
                 with self._changed:
-                    closing = self._closing or key in self._abandoned
                     newer = self._queued.pop(key, None)
-                if closing:
-                    log.error("checkpoint of %s not written (the store is unavailable and the manager is "
-                              "closing; its spill writes it if the store returns): %s", key, exc)
-                    job.done.set_exception(exc)
-                    if newer is not None:
-                        newer.done.set_exception(exc)
+                    if newer is not None:  # retry with the newest state, not the one the outage held up
+                        job.follow(newer)
+                        job = newer
+                    give_up = lambda: not self._retrying or key in self._abandoned  # noqa: E731
+                    if not give_up():
+                        self._changed.wait_for(give_up, RETRY_SECONDS)  # woken at once by discard or close
+                    stopped = give_up()
+                if stopped:
+                    log.error("checkpoint of %s not written (the store is unavailable, and the session is being "
+                              "spilled or deleted, or the manager is closing): %s", key, exc)
+                    job.fail(exc)
                     return
-                if newer is not None:  # retry with the newest state, not the one the outage held up
-                    newer.done.add_done_callback(lambda done, older=job.done: _copy_outcome(done, older))
-                    newer.queued_at, job = job.queued_at, newer
                 log.warning("checkpoint of %s failed, retrying: %s", key, exc)
-                time.sleep(RETRY_SECONDS)
             except AgentMemError as exc:  # a newer version elsewhere, the tenant's quota: not retried
                 log.error("checkpoint of %s refused; the session stays live and its next spill tries again: %s",
                           key, exc)
-                job.done.set_exception(exc)
+                job.fail(exc)
                 return
             except BaseException as exc:  # noqa: BLE001 - the writer thread must outlive any one write
                 log.exception("checkpoint of %s failed", key)
-                job.done.set_exception(exc)
+                job.fail(exc)
                 return
             else:
                 job.session.mark_stored(version, len(job.record.blob), job.revision)
                 with self._changed:
                     self._lags.append(time.monotonic() - job.queued_at)
                 self._on_landed()
-                job.done.set_result(None)
+                for future in (job.tried, job.done):
+                    if not future.done():
+                        future.set_result(None)
                 return
 
 
 def _copy_outcome(source: Future[None], target: Future[None]) -> None:
-    """Finish ``target`` as ``source`` finished (a superseded checkpoint lands with the one that replaced it)."""
+    """Finish ``target`` as ``source`` finished (a superseded checkpoint ends with the one that replaced it)."""
+    if target.done():
+        return
     failure = source.exception()
     if failure is None:
         target.set_result(None)

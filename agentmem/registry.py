@@ -15,13 +15,14 @@ spilling and evicting happen in :mod:`agentmem.residency`. A session's state is 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from agentmem.errors import InvalidInput
+from agentmem.errors import InvalidInput, SessionBusy
 from agentmem.keys import SessionKey
 
 if TYPE_CHECKING:
@@ -55,19 +56,24 @@ class Registry:
             return load(), True
 
     @contextmanager
-    def exclusive(self, key: SessionKey) -> Iterator[None]:
+    def exclusive(self, key: SessionKey, timeout: float | None = None) -> Iterator[None]:
         """Hold ``key``'s loader: no other load of ``key`` runs (or starts) until the block ends.
 
         A load (:meth:`live_or_load`) runs inside it, and so does a delete, which must not race
         a resume that read the store before it. Waiters get the loader in turn; one retired while
         waited on (its holder finished) is replaced by a new one, so waiters never run beside a
         newer holder. Take the session's own lock first: a turn reviving a spilled handle holds
-        that lock and then loads.
+        that lock and then loads. Waiting longer than ``timeout`` seconds (None: no limit)
+        raises :class:`SessionBusy`.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
                 loader = self._loaders.setdefault(key, threading.Lock())
-            with loader:
+            wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            if not loader.acquire(timeout=wait):
+                raise SessionBusy(f"session {key.session_id!r} of tenant {key.tenant!r} is being resumed; try again")
+            try:
                 with self._lock:
                     if self._loaders.get(key) is not loader:
                         continue  # its holder finished and retired it: take a loader of our own
@@ -77,6 +83,8 @@ class Registry:
                     with self._lock:  # retired while held, so no waiter can load beside a newer loader
                         del self._loaders[key]
                 return
+            finally:
+                loader.release()
 
     def add(self, session: Session) -> None:
         """Make ``session`` live (most recently used); a live session of the same key is an error."""

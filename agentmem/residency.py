@@ -226,7 +226,11 @@ class Residency:
             if behind:
                 version = session.version + 1  # what the queued compare-and-set will make it
             else:
-                version = put(record, session.version)
+                try:
+                    version = put(record, session.version)
+                except StoreUnavailable:  # the session stays live: its state is written behind when the store returns
+                    self.checkpoints.submit(session, record)
+                    raise
                 self.spiller.cache(record.model_copy(update={"version": version}))
             session.mark_stored(version, len(record.blob))
             if not behind:  # else the lease is kept until the write lands (written_behind)
@@ -245,8 +249,8 @@ class Residency:
         if mode == "spill" or not session.dirty:
             return
         written = self.checkpoints.submit(session, self._record_of(session))
-        if mode == "sync":
-            written.result()
+        if mode == "sync":  # an outage fails the turn now (not acknowledged); the write is retried behind
+            written.tried.result()
 
     def _put_checkpoint(self, session: Session, record: SessionRecord) -> int:
         """A checkpoint's write (on the checkpointer's thread): over the session's stored version, within
@@ -273,7 +277,10 @@ class Residency:
 
         The lease goes first, as in :meth:`spill`: a load of the session in this process cannot
         start while it is live, so it cannot take the lease just before this release drops it.
+        Its pending checkpoints go before that: one landing later would be a write without the
+        lease, over whatever a resume of the session writes next.
         """
+        self.checkpoints.discard(session.key, "the live copy was dropped")
         self.leases.release(session.tenant, session.session_id)
         self._free(session, self.registry.remove)
 

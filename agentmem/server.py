@@ -40,7 +40,7 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -499,13 +499,13 @@ def create_app(manager: SessionManager, *, api_keys: Mapping[str, str] | None = 
         return given or (body.user if limits.session_from_user else None)
 
     def release_untouched(session: Session) -> None:
-        """A session this request made and then refused is given up: nothing of it stays or is stored."""
-        if session.version == 0 and session.revision == 0:
-            manager.release(session.tenant, session.session_id)
+        """A session this request made and then refused is given up: nothing of it stays or is stored
+        (unless another request answered a turn in it meanwhile: checked under its lock)."""
+        manager.release(session.tenant, session.session_id, if_untouched=True)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request, body: ChatRequest, authorization: str | None = Header(None),
-                               x_session_id: str | None = Header(None)) -> JSONResponse | StreamingResponse:
+                               x_session_id: str | None = Header(None)) -> Response:
         tenant = tenant_of(authorization)
         if body.model != name:
             raise InvalidInput(f"this server serves model {name!r}, not {body.model!r}")
@@ -536,14 +536,17 @@ def create_app(manager: SessionManager, *, api_keys: Mapping[str, str] | None = 
 
 
 async def _complete(request: Request, turn: Turn, body: ChatRequest, name: str,
-                    headers: dict[str, str] | None) -> JSONResponse:
+                    headers: dict[str, str] | None) -> JSONResponse | Response:
     """A non-streaming turn; a client that leaves before the reply cancels it."""
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     async def collect() -> str:
         return "".join([piece async for piece in turn.pieces()])
 
-    text = await _unless_disconnected(request, collect())
+    try:
+        text = await _unless_disconnected(request, collect())
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it: the client has gone (nginx's code for that)
     message, called = reply_message(text, bool(body.tools))
     return JSONResponse({
         "id": completion_id, "object": "chat.completion", "created": created, "model": name,
@@ -553,13 +556,17 @@ async def _complete(request: Request, turn: Turn, body: ChatRequest, name: str,
     }, headers=headers)
 
 
+class ClientGone(Exception):
+    """The client disconnected before its reply was ready."""
+
+
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """``work``'s result, or :class:`asyncio.CancelledError` (cancelling it) once the client is gone."""
+    """``work``'s result, or :class:`ClientGone` (``work`` cancelled) once the client is gone."""
     task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_until_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            raise asyncio.CancelledError("the client disconnected")
+            raise ClientGone()
         return task.result()
     finally:
         for pending in (task, gone):
@@ -567,7 +574,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 async def _stream(request: Request, turn: Turn, body: ChatRequest, name: str,
-                  headers: dict[str, str] | None) -> StreamingResponse:
+                  headers: dict[str, str] | None) -> StreamingResponse | Response:
     """A streaming turn as server-sent events. Its first piece is awaited before the response
     starts, so a turn refused at once (over a budget, past the context) is an HTTP error with its
     status, not an event in a 200 stream; a later error is a last ``data: {"error": …}`` event."""
@@ -581,7 +588,10 @@ async def _stream(request: Request, turn: Turn, body: ChatRequest, name: str,
         except StopAsyncIteration:
             return []
 
-    first = await _unless_disconnected(request, first_piece())
+    try:
+        first = await _unless_disconnected(request, first_piece())
+    except ClientGone:
+        return Response(status_code=499)
 
     def chunk(delta: dict[str, Any] | None, finish_reason: str | None = None, **extra: Any) -> str:
         choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,

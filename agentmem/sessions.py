@@ -198,7 +198,7 @@ class SessionManager:
         while True:
             handle = self._handle(key)
             with _held(handle.lock, wait, key) if handle is not None else nullcontext(), \
-                    self._registry.exclusive(key):
+                    self._registry.exclusive(key, timeout=wait):
                 if self._handle(key) is not handle:
                     continue  # a resume under way made it live as another handle: lock that one
                 self._residency.checkpoints.discard(key, "the session was deleted")  # none lands after it
@@ -208,17 +208,20 @@ class SessionManager:
                 self._leases.release(tenant, session_id)
                 return removed or live is not None
 
-    def release(self, tenant: str, session_id: str) -> None:
+    def release(self, tenant: str, session_id: str, *, if_untouched: bool = False) -> None:
         """Give a live session up without writing it: the store keeps what it had (or nothing).
 
         For callers that changed nothing worth a new version — a session opened and left
         without a turn, a compaction that could not help — so closing the manager, which spills
-        every live session, does not store it.
+        every live session, does not store it. Its queued checkpoint is dropped; one already being
+        written lands first (under the session's lease). ``if_untouched``: only if, once its lock is held,
+        it is still a new session with no answered turn (another caller may have used it since).
         """
         session = self._registry.get(check_key(tenant, session_id))
         if session is not None:
             with session.lock:
-                self._residency.drop(session)
+                if not if_untouched or (session.version == 0 and session.revision == 0):
+                    self._residency.drop(session)
 
     def list(self, tenant: str) -> list[dict[str, Any]]:
         """Every session of ``tenant``: stored ones with their size, live ones marked live."""
@@ -263,6 +266,7 @@ class SessionManager:
     def close(self) -> int:
         """Spill every live session, stop renewing leases and close the store; how many sessions were spilled."""
         live = len(self._registry.keys())
+        self._residency.checkpoints.stop_retrying()  # spills write dirty sessions; none waits behind a retry
         try:
             self.spill_all()
         finally:

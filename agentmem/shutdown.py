@@ -69,7 +69,7 @@ def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
 
 
 def _already_stopping(signum: int, frame: FrameType | None) -> None:
-    log.warning("%s received while live sessions are being spilled; finishing the spill first",
+    log.warning("%s received while the server starts or stops; live sessions are spilled before it exits",
                 signal.Signals(signum).name)
 
 
@@ -93,25 +93,31 @@ def serve_until_stopped(app: Any, manager: SessionManager, *, host: str, port: i
     """
     import uvicorn
 
+    deadline: list[threading.Timer] = []
+
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if not self.should_exit:
                 log.info("%s: draining (running turns get %s s)", signal.Signals(sig).name, drain_seconds)
-                timer = threading.Timer(drain_seconds, lambda: log.info("drain deadline: %d turns cancelled",
-                                                                         cancel_running()))
-                timer.daemon = True
-                timer.start()
+                deadline.append(threading.Timer(drain_seconds, lambda: log.info("drain deadline: %d turns cancelled",
+                                                                                cancel_running())))
+                deadline[0].daemon = True
+                deadline[0].start()
             super().handle_exit(sig, frame)
 
     # uvicorn's own deadline is a backstop: the turns cancelled at ours end within a token.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off",
                             timeout_graceful_shutdown=drain_seconds + 10)
-    try:
-        with signals(_raise_stop):
-            try:
-                DrainingServer(config).run()
-            except StopRequested as stop:
-                log.info("%s: stopped serving", stop)
-    finally:
-        spilled = close_keeping_sessions(manager)
+    # Outside uvicorn's run (starting, stopping, spilling), a stop signal is logged, never the default death.
+    with signals(_already_stopping):
+        try:
+            with signals(_raise_stop):
+                try:
+                    DrainingServer(config).run()
+                except StopRequested:
+                    pass
+        finally:
+            for timer in deadline:
+                timer.cancel()
+            spilled = close_keeping_sessions(manager)
     return spilled

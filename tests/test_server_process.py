@@ -141,6 +141,7 @@ def test_a_client_that_leaves_cancels_its_turn_streaming_or_not(server):
         assert next(response.iter_lines()).startswith("data: ")
     wait_for(lambda: running_turns(server) == 0, timeout=3)  # stateless, streaming: nothing left running
     assert live_sessions(server) == sessions  # and no session left behind
+    assert "Traceback" not in server.output()  # a client leaving is not a server error
 
 
 def live_sessions(server: ServerProcess) -> float:
