@@ -16,7 +16,7 @@ stop, and at the end:
 - turn latency p50/p99 (answered turns), ``/health`` latency p99/max under the load, and the largest
   checkpoint lag ``/metrics`` showed.
 
-    python benchmarks/soak.py --clients 8 --turns 12
+    python benchmarks/soak.py --clients 16 --turns 20
 """
 
 from __future__ import annotations
