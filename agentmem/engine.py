@@ -66,6 +66,12 @@ class StepBatcher(Protocol):
     def decoding(self) -> AbstractContextManager[None]:
         """Held while a turn reads its prompt and decodes: the batcher waits for every such turn's read."""
 
+    def away(self) -> AbstractContextManager[None]:
+        """Held inside :meth:`decoding` while the turn's caller holds its token: not waited for."""
+
+    def withdraw(self, cache: SessionCache) -> int:
+        """Withdraw the reads of ``cache``'s cancelled turn (they raise :class:`~agentmem.errors.TurnCancelled`)."""
+
     def read(self, cache: SessionCache, tokens: torch.Tensor, bias_rows: BiasRows, *,
              log: Sequence[int] | None = None) -> torch.Tensor:
         """Read ``tokens`` (device ids ``(n,)``) into ``cache``, sharing forwards with the other
@@ -285,7 +291,7 @@ class Engine:
             yield from self._sampling_loop(
                 hidden, lambda hidden: head(hidden[0, -1:]), advance,
                 lambda: cache.next_position < self.max_context, cache.extend_log, max_new_tokens, processors,
-                generator, stop)
+                generator, stop, away=batcher.away if batcher is not None else nullcontext)
 
     def _static_decode_loop(
         self,
@@ -322,9 +328,12 @@ class Engine:
         processors: LogitsProcessorList,
         generator: torch.Generator | None,
         stop: list[str],
+        away: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> Iterator[int]:
         """Sample from ``logits_of(state)``, read the token on the device (``advance(token)`` gives the
         next state) and only then learn its id on the host, ``log`` it and yield it; until a stop.
+        Each yield is inside ``away()``: while the caller holds the token, a batcher does not wait
+        for this turn's next read.
 
         The two decode paths share this loop: the eager one advances by a forward that commits the
         token (state: hidden states), the static one by a decoder step (state: logits).
@@ -338,7 +347,8 @@ class Engine:
                 state = advance(token)
             generated.append(host.receive())
             log(generated[-1:])
-            yield generated[-1]
+            with away():
+                yield generated[-1]
             if generated[-1] in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
                 break
 

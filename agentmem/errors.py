@@ -103,6 +103,15 @@ class SessionBusy(AgentMemError):
     """Another process holds the session's lease (it is live there), or a turn on it is under way."""
 
 
+class TurnCancelled(AgentMemError):
+    """The turn was cancelled (its client left, the server is stopping): its queued reads were
+    withdrawn. What it had read stays read, consistently logged."""
+
+
+class SchedulerStopped(AgentMemError):
+    """The batcher's scheduler was closed or died: a read queued on it did not run."""
+
+
 class RequestTooLarge(InvalidInput):
     """A request asks for more work than a limit allows: a body, prompt or reply over the server's
     or the tenant's cap. Refused before the work starts; nothing changed."""

@@ -59,6 +59,7 @@ from agentmem.errors import (
     SessionBusy,
     SessionNotFound,
     StoreUnavailable,
+    TurnCancelled,
     VersionConflict,
 )
 from agentmem.home import DEFAULT_TENANT
@@ -358,10 +359,14 @@ class Turn:
         self.on_refused = on_refused
         self.on_end: Callable[[], None] = lambda: None  # the turn's slot, given back when its thread ends
         self.usage: Usage | None = None
+        self._session: Session | None = None
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
+        """Stop the turn: at its next token, or at once where it waits for a read (withdrawn)."""
         self._cancelled.set()
+        if self._session is not None:
+            self._session.cancel()
 
     async def pieces(self) -> AsyncIterator[str]:
         """The reply's text as it is generated; :attr:`usage` is set once it ends. Raises what the turn raised."""
@@ -371,6 +376,9 @@ class Turn:
         thread.start()
         try:
             while (item := await queue.get()) is not self._END:
+                if isinstance(item, TurnCancelled):  # only a stop cancels a turn whose client is still here
+                    raise ServerStopping("the server is stopping and cancelled this turn past its drain "
+                                         "deadline; retry it") from item
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -387,7 +395,9 @@ class Turn:
                 self.cancel()
 
         try:
-            session = self.open_session()
+            session = self._session = self.open_session()
+            if self._cancelled.is_set():  # cancelled while it waited for its session
+                session.cancel()
             stream = session.stream(self.conversation, **self.generation)
             started = False
             try:

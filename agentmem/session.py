@@ -222,6 +222,15 @@ class Session:
             self._host.turn_done(self, usage)
             yield usage
 
+    def cancel(self) -> int:
+        """Withdraw the reads this session's turn has queued on the engine's batcher; called from
+        another thread when the turn's caller has gone. The turn raises
+        :class:`~agentmem.errors.TurnCancelled` from its read (a long prompt stops between chunks,
+        what it read kept); without a batcher it stops only where its caller stops taking tokens.
+        Returns how many reads were withdrawn."""
+        batcher = self.engine.batcher
+        return 0 if batcher is None else batcher.withdraw(self.cache)
+
     def fork(self, new_id: str) -> Session:
         """A new session of the same tenant starting from this one's cache and messages.
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from agentmem import BudgetPolicy, Engine, SessionManager
-from agentmem.batching import DecodeBatcher
+from agentmem.attention import BiasRows
+from agentmem.batching import DecodeBatcher, PendingRead, plan_forward
 from agentmem.compaction import compact
-from agentmem.errors import InvalidInput
+from agentmem.errors import InvalidInput, SchedulerStopped, TurnCancelled
 from helpers import tiny_model, wide_model
 
 STEPS = 12
@@ -219,3 +220,144 @@ def test_batched_replies_equal_alone_on_the_embedded_model(engine):
     finally:
         engine.batcher, engine.eos_token_ids = None, saved
     assert together == alone
+
+
+# ---------------------------------------------------------------------------- robust scheduling
+
+
+def fake_read(tokens: int, *, step: bool = False) -> PendingRead:
+    """A read for the planner alone: ``tokens`` waiting; a decode step (one token, no log) or a prompt."""
+    return PendingRead(None, torch.zeros(tokens, dtype=torch.long), None, None if step else [0] * tokens)
+
+
+def test_prompts_get_a_row_and_tokens_in_every_forward_even_behind_a_full_batch_of_steps():
+    steps = [fake_read(1, step=True) for _ in range(8)]
+    prompt = fake_read(500)
+    plan = plan_forward(steps + [prompt], max_batch=8, step_tokens=64)
+    assert len(plan) == 8 and plan[-1] == (prompt, 64 - 7)  # seven steps and the prompt's chunk
+    assert plan_forward(steps, max_batch=8, step_tokens=64) == [(r, 1) for r in steps]  # no prompt: all steps
+
+
+def test_a_short_prompt_is_not_stuck_behind_a_long_one_and_the_long_one_still_progresses():
+    long, short = fake_read(10_000), fake_read(20)
+    plan = dict((id(r), n) for r, n in plan_forward([long, short], max_batch=8, step_tokens=2048))
+    assert plan[id(short)] == 20 and plan[id(long)] == 2048 - 20  # the short one done in one forward
+    three = [fake_read(10_000), fake_read(10_000), fake_read(300)]
+    shares = [n for _, n in plan_forward(three, max_batch=8, step_tokens=2048)]
+    assert shares == [874, 874, 300] and sum(shares) == 2048  # water-filling: equal shares of what is left
+
+
+def test_more_prompts_than_rows_take_rows_oldest_first():
+    waiting = [fake_read(5) for _ in range(10)]
+    plan = plan_forward(waiting, max_batch=4, step_tokens=64)
+    assert [r for r, _ in plan] == waiting[:4]
+
+
+def test_a_forced_failure_of_one_read_fails_only_its_turn(tiny_engine, monkeypatch):
+    engine = tiny_engine
+    engine.eos_token_ids, saved = frozenset(), engine.eos_token_ids
+    made = caches(engine)
+    jobs = [(c, [11, 12, 13]) for c in made]
+    alone = [engine.generate(c.clone(), p, max_new_tokens=6) for c, p in jobs]
+    culprit = made[2].clone()
+    real = engine.commit_rows
+
+    def fails_with_the_culprit(caches, *args, **kwargs):
+        if any(c is culprit for c in caches):
+            raise RuntimeError("out of memory reading this one")
+        return real(caches, *args, **kwargs)
+
+    engine.batcher = DecodeBatcher(engine, max_batch=8, step_tokens=32, gather_seconds=0.05)
+    monkeypatch.setattr(engine, "commit_rows", fails_with_the_culprit)
+    try:
+        together = [c.clone() for c, _ in jobs]
+        together[2] = culprit
+        results: list = [None] * len(jobs)
+
+        def turn(i: int) -> None:
+            try:
+                results[i] = engine.generate(together[i], jobs[i][1], max_new_tokens=6)
+            except RuntimeError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(jobs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        engine.batcher.close()
+        engine.eos_token_ids = saved
+    assert isinstance(results[2], RuntimeError) and culprit.logical_length == made[2].logical_length
+    assert [r for i, r in enumerate(results) if i != 2] == [r for i, r in enumerate(alone) if i != 2]
+
+
+def test_a_withdrawn_read_leaves_the_scheduler_and_its_cache_consistent(tiny_engine):
+    engine = tiny_engine
+    engine.batcher = batcher = DecodeBatcher(engine, max_batch=2, step_tokens=4)
+    cache = engine.prefill([5, 6, 7])
+    prompt = list(range(100, 400))  # 75 forwards of 4 tokens
+    outcome: list = []
+
+    def read() -> None:
+        try:
+            engine.generate(cache, prompt, max_new_tokens=2)
+        except TurnCancelled as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=read)
+    try:
+        thread.start()
+        while batcher.forwards < 3:
+            threading.Event().wait(0.005)
+        assert batcher.withdraw(cache) == 1
+        thread.join(30)
+        assert outcome and batcher.forwards < 75
+        read_so_far = cache.logical_length - 3  # whole chunks, each committed and logged
+        assert read_so_far % 4 == 0 and cache.token_ids == [5, 6, 7] + prompt[:read_so_far]
+        assert len(engine.generate(cache, [9], max_new_tokens=2)) == 2  # the batcher serves on
+    finally:
+        batcher.close()
+
+
+def test_a_dead_or_closed_scheduler_fails_its_waiters_with_a_typed_error(tiny_engine, monkeypatch):
+    engine = tiny_engine
+    engine.batcher = batcher = DecodeBatcher(engine)
+    monkeypatch.setattr("agentmem.batching.plan_forward", lambda *args: 1 / 0)
+    with pytest.raises(SchedulerStopped, match="died: ZeroDivisionError"):
+        engine.generate(engine.prefill([5, 6]), [7], max_new_tokens=2)
+    with pytest.raises(SchedulerStopped):  # and every read after it, at once
+        engine.generate(engine.prefill([5, 6]), [7], max_new_tokens=2)
+    batcher.close()
+    assert engine.batcher is None and batcher.engine is None and not batcher._thread.is_alive()
+    closed = DecodeBatcher(engine)
+    closed.close()
+    with pytest.raises(SchedulerStopped, match="closed"):
+        closed.read(engine.prefill([5]), torch.tensor([6]), BiasRows())
+
+
+def test_a_slow_consumer_does_not_hold_the_other_turns_forwards(tiny_engine):
+    """While a turn's caller sits on its token, the scheduler does not wait for that turn's next read."""
+    engine = tiny_engine
+    engine.eos_token_ids, saved = frozenset(), engine.eos_token_ids
+    engine.batcher = batcher = DecodeBatcher(engine, gather_seconds=2.0)  # a long wait, were it waited
+    slow_tokens: list[int] = []
+    release = threading.Event()
+
+    def slow() -> None:
+        for token in engine.stream(engine.prefill([5, 6]), [7], max_new_tokens=3):
+            slow_tokens.append(token)
+            release.wait(30)  # the caller holds its first token until the fast turn is done
+
+    thread = threading.Thread(target=slow)
+    try:
+        thread.start()
+        while not slow_tokens:
+            threading.Event().wait(0.005)
+        fast = engine.generate(engine.prefill([8, 9]), [10], max_new_tokens=20)
+        assert len(fast) == 20 and len(slow_tokens) == 1  # 20 forwards ran while the slow turn was away
+    finally:
+        release.set()
+        thread.join(30)
+        batcher.close()
+        engine.eos_token_ids = saved

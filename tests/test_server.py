@@ -321,7 +321,7 @@ def test_stateless_requests_touch_no_store(url, manager, monkeypatch):
     assert caught.value.status_code == 503
 
 
-def test_a_tenant_over_its_concurrent_turns_gets_429_with_retry_after(manager, scripted):
+def test_a_tenant_over_its_concurrent_turns_gets_429_with_retry_after(manager, scripted, monkeypatch):
     scripted += ["word " * 200, "Fine.", "Fine."]
     release = threading.Event()
     original = manager.engine.stream
@@ -336,7 +336,7 @@ def test_a_tenant_over_its_concurrent_turns_gets_429_with_retry_after(manager, s
         name = client(url).models.list().data[0].id
         first = threading.Thread(target=lambda: client(url).chat.completions.create(
             model=name, messages=HELLO, max_tokens=4, extra_headers={SESSION_HEADER: "one"}))
-        manager.engine.stream = slow_stream
+        monkeypatch.setattr(manager.engine, "stream", slow_stream)
         try:
             first.start()
             deadline = time.monotonic() + 10
@@ -348,7 +348,6 @@ def test_a_tenant_over_its_concurrent_turns_gets_429_with_retry_after(manager, s
         finally:
             release.set()
             first.join(30)
-            manager.engine.stream = original
     assert second.status_code == 429 and second.headers["Retry-After"] == "1"
     assert second.json()["error"]["code"] == "too_many_turns"
     assert other.status_code == 200  # another tenant is not held back
@@ -393,3 +392,34 @@ def test_fuzzed_requests_get_a_reply_or_a_bounded_4xx_never_a_500(url):
             assert len(response.content) < 1000 and error["type"] and "message" in error
 
     check()
+
+
+def test_a_client_leaving_mid_prompt_withdraws_the_turns_queued_reads(manager, tiny, monkeypatch):
+    """The turn stops between prompt chunks, not after the whole prompt: its reads leave the batcher."""
+    from agentmem.batching import DecodeBatcher
+
+    real = tiny.commit_rows
+
+    def slow(*args, **kwargs):
+        time.sleep(0.03)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tiny, "commit_rows", slow)
+    tiny.batcher = batcher = DecodeBatcher(tiny, max_batch=2, step_tokens=4)
+    app = create_app(manager, api_keys=KEYS)
+    long = [{"role": "user", "content": "word " * 300}]  # about 80 forwards of 4 tokens: 2.4 s or more
+    try:
+        with running(app) as url:
+            name = client(url).models.list().data[0].id
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/chat/completions", timeout=0.5, headers={"Authorization": "Bearer key-acme"},
+                           json={"model": name, "messages": long, "max_tokens": 2})
+            deadline = time.monotonic() + 2
+            while httpx.get(f"{url}/health").json()["turns_running"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            stopped_at = batcher.forwards
+            time.sleep(0.3)
+            assert batcher.forwards == stopped_at < 60  # withdrawn: no more of its chunks are read
+    finally:
+        batcher.close()
