@@ -31,6 +31,7 @@ from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, 
 from agentmem.keys import SessionKey
 from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, placement_room, replace_positions
 from agentmem.policy import BudgetPolicy
+from agentmem.reply_text import ReplyText, cut_at_stop
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -188,7 +189,8 @@ class Session:
             usage.prefilled_tokens += len(delta)
             delta = self._read_within_budget(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
             delta = self._read_within_positions(delta, usage, conversation)
-            generated: list[int] = []
+            reply = ReplyText(self.engine.tokenizer, stop)
+            generated = reply.ids
             shown, replied_from = "", self.cache.logical_length + len(delta)  # where the reply's tokens go
             growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
             with self._host.room(growth, self):
@@ -196,16 +198,17 @@ class Session:
                     yield reply_prefix
                 for token in self._generate(delta, usage, max_new_tokens, conversation, temperature=temperature,
                                             top_p=top_p, top_k=top_k, stop=stop, seed=seed):
-                    generated.append(token)
-                    text = _visible(self.engine, generated, stop)
-                    if len(text) > len(shown) and not text.endswith("\ufffd"):
+                    reply.push(token)
+                    text = reply.visible()
+                    if len(text) > len(shown):
                         yield text[len(shown):]
                         shown = text
-            text = _visible(self.engine, generated, stop, final=True)
+            full = self.engine.tokenizer.decode(generated, skip_special_tokens=True)  # once, whole: the record
+            text = cut_at_stop(full, stop)
             if len(text) > len(shown):
                 yield text[len(shown):]
             eos = self.engine.eos_token_ids
-            stopped = text != _visible(self.engine, generated, None)
+            stopped = text != full
             usage.finish_reason = "stop" if generated and (generated[-1] in eos or stopped) else "length"
             if stopped:  # the caller got the reply up to its stop string: record that, and keep that
                 self._take_back(self._tokens_shown(generated, text), replied_from)
@@ -521,7 +524,7 @@ class Session:
                 count += 1
                 yield token
             ended = count < step or produced[-1] in engine.eos_token_ids
-            if ended or _visible(engine, produced, sampling.get("stop"), final=True) != _visible(engine, produced, None):
+            if ended or _stopped(engine, produced, sampling.get("stop")):
                 return
             if len(produced) < max_new_tokens:
                 self.cache.truncate(self.cache.logical_length - 1)
@@ -538,13 +541,7 @@ def compact_under(policy: BudgetPolicy, engine: Engine, cache: SessionCache, pro
                    target_tokens=policy.compaction_target(cache.logical_length, protect, incoming))
 
 
-def _visible(engine: Engine, ids: list[int], stop: Sequence[str] | None, final: bool = False) -> str:
-    """Decoded reply text, cut at the first stop string; while streaming, a possible stop prefix is held back."""
+def _stopped(engine: Engine, ids: list[int], stop: Sequence[str] | None) -> bool:
+    """Whether the reply ``ids`` holds a stop string (checked once per round of decoding, not per token)."""
     text = engine.tokenizer.decode(ids, skip_special_tokens=True)
-    for s in stop or ():
-        if s in text:
-            return text[: text.index(s)]
-    if not final and stop:
-        hold = max(len(s) for s in stop) - 1
-        return text[: max(0, len(text) - hold)]
-    return text
+    return cut_at_stop(text, stop) != text

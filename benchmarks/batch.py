@@ -49,6 +49,7 @@ from common import command_line, machine, pyplot, random_shape_engine, save_figu
 from agentmem import Engine, SessionManager
 from agentmem.batching import DecodeBatcher
 from agentmem.models import EMBEDDED
+from agentmem.limits import ServerLimits
 from agentmem.server import create_app
 
 
@@ -134,13 +135,21 @@ def dispatch_counts(engine: Engine, n: int) -> dict[str, int]:
             "attention calls shared step": sum(v for k, v in shared.ops.items() if "scaled_dot_product" in k)}
 
 
+def every_turn_at_once(turns: int) -> ServerLimits:
+    """Server limits that admit ``turns`` concurrent turns of one tenant (the defaults refuse more
+    than 8 with 429): the benchmark measures batching, not admission."""
+    return ServerLimits(max_concurrent_turns=max(turns, ServerLimits.max_concurrent_turns),
+                        max_turns=max(turns, ServerLimits.max_turns))
+
+
 def server_turns(engine: Engine, texts: list[str], message_texts: list[str], new_tokens: int,
                  batching: bool) -> tuple[float, int]:
     """Wall seconds of N concurrent chat requests to a fresh server, each a new message to its own
     session holding one of ``texts``, and the decoder forwards they ran."""
     engine.batcher = DecodeBatcher(engine) if batching else None
     with tempfile.TemporaryDirectory() as home, SessionManager(engine, f"sqlite:///{home}/s.db") as manager, \
-            running(create_app(manager)) as url, httpx.Client(base_url=url, timeout=600) as http:
+            running(create_app(manager, limits=every_turn_at_once(len(texts)))) as url, \
+            httpx.Client(base_url=url, timeout=600) as http:
         def ask(i: int, conversation: list[dict[str, str]]) -> str:
             body = {"model": engine.name, "messages": conversation, "max_tokens": new_tokens, "temperature": 0}
             reply = http.post("/v1/chat/completions", json=body, headers={"X-Session-Id": f"s{i}"})
