@@ -48,8 +48,8 @@ from common import command_line, machine, pyplot, random_shape_engine, save_figu
 
 from agentmem import Engine, SessionManager
 from agentmem.batching import DecodeBatcher
-from agentmem.models import EMBEDDED
 from agentmem.limits import ServerLimits
+from agentmem.models import EMBEDDED
 from agentmem.server import create_app
 
 
