@@ -361,6 +361,7 @@ class Turn:
         self.usage: Usage | None = None
         self._session: Session | None = None
         self._cancelled = threading.Event()
+        self.started = False  # its thread was started (and will call on_end)
 
     def cancel(self) -> None:
         """Stop the turn: at its next token, or at once where it waits for a read (withdrawn)."""
@@ -374,6 +375,7 @@ class Turn:
         queue: asyncio.Queue[object] = asyncio.Queue()
         thread = threading.Thread(target=self._run, args=(loop, queue), name="agentmem-turn", daemon=True)
         thread.start()
+        self.started = True
         try:
             while (item := await queue.get()) is not self._END:
                 if isinstance(item, TurnCancelled):  # only a stop cancels a turn whose client is still here
@@ -540,6 +542,8 @@ def create_app(manager: SessionManager, *, api_keys: Mapping[str, str] | None = 
             return await _stream(request, turn, body, name, headers)
         except BaseException:
             turn.cancel()
+            if not turn.started:  # no thread will give its slot back
+                turn.on_end()
             raise
 
     return app
