@@ -374,6 +374,27 @@ class Session:
                     f"max_live_tokens={policy.max_live_tokens}, so compacting would squeeze all other history "
                     "into one row per head; raise max_live_tokens, lower keep_recent or set protect_system_prompt=False"
                 )
+        if policy.on_over_budget != "reject":
+            self._check_window_room(kept, reading + max_new_tokens, conversation, tools, where)
+
+    def _check_window_room(self, kept: int, coming: int, conversation: list[dict[str, Any]],
+                           tools: list[Mapping[str, Any]] | None, where: str) -> None:
+        """Refuse a turn that would read past the model's window (re-placing the rows: see
+        :meth:`_replace`) while the protected system prompt leaves the compacted past no positions
+        (:func:`~agentmem.placement.placement_room` is 0 once it takes half the window): every
+        re-placement would then squeeze all history into one position and free nothing, and the
+        turn would compact and re-place over and over before failing. A turn that stays inside
+        the window is not affected."""
+        position = self.cache.next_position - (self.cache.logical_length - kept) if kept else 0
+        if position + coming <= self.engine.max_context - placement_margin(self.engine):
+            return
+        protected = self._protected_length(conversation, tools)
+        if protected and placement_room(self.engine, protected) == 0:
+            raise ContextOverflow(
+                f"{where}: its protected system prompt ({protected} tokens) takes half the model's window "
+                f"({self.engine.max_context} positions) or more, so reading past the window would leave its "
+                "compacted history no room; shorten the system prompt or set protect_system_prompt=False"
+            )
 
     def _live_rows_after_rewind(self, kept: int) -> int:
         """The cache's rows once :meth:`_rewind` keeps ``kept`` tokens: a cut lies in the raw tail

@@ -89,3 +89,22 @@ def test_a_resumed_and_a_forked_session_past_the_window_continue_as_the_live_one
         assert again.cache.next_position == live_reply.usage.position != position
         follow = "And before that?"
         assert resumed.chat(follow, max_new_tokens=8).text == again.chat(follow, max_new_tokens=8).text
+
+
+def test_a_protected_prompt_of_half_the_window_is_refused_up_front_only_when_the_turn_would_pass_it(engine, tmp_path):
+    """With half the window protected, re-placing would give the compacted past no positions: the
+    turn that would read past the window is refused before anything changes (it used to compact
+    and re-place hundreds of times, then fail); turns inside the window go on."""
+    system = " ".join(messages(engine, 5))
+    protected = len(engine.tokenizer(system)["input_ids"])
+    assert engine.max_context // 2 < protected < engine.max_context // 2 + 200  # half the window, a little more
+    policy = BudgetPolicy(max_live_tokens=2048, keep_recent=32, method="global-eviction")
+    with SessionManager(engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("long-system")
+        first = session.chat([{"role": "system", "content": system}, {"role": "user", "content": "Hello."}],
+                             max_new_tokens=4)
+        assert first.usage.position < engine.max_context * 3 // 4  # inside the window: served
+        held, logged = session.messages, session.cache.token_ids
+        with pytest.raises(ContextOverflow, match="protected system prompt"):
+            session.chat(messages(engine, 12)[-1] * 2, max_new_tokens=4)
+        assert session.messages == held and session.cache.token_ids == logged  # nothing changed
