@@ -29,8 +29,9 @@ the cheaper bet.
 Failures stay with their culprit. A forward that fails commits nothing, so the scheduler splits
 its reads in halves and runs each again, until the read that fails is alone: only its turn
 gets the error. A cancelled turn's reads are withdrawn (:meth:`~DecodeBatcher.withdraw`): one
-waiting leaves at once, one in the forward under way after it (its rows committed and logged),
-and the turn gets :class:`~agentmem.errors.TurnCancelled`. A scheduler that dies, or is
+waiting leaves at once and its turn gets :class:`~agentmem.errors.TurnCancelled`; a prompt in
+the forward under way leaves after it (its chunks committed and logged) with the same error; a
+read the forward finishes is delivered, its turn stopping where its caller does. A scheduler that dies, or is
 closed, fails every waiting read and every later one with
 :class:`~agentmem.errors.SchedulerStopped`, never leaving a turn waiting forever.
 
@@ -242,7 +243,9 @@ class DecodeBatcher:
 
     def _finish(self, batch: list[tuple[PendingRead, int]], hidden: torch.Tensor) -> None:
         """Log and advance the reads of a forward that ran; hand the finished ones their last hidden
-        state, and the withdrawn ones :class:`TurnCancelled` (their rows committed and logged)."""
+        state, and the withdrawn ones with tokens left :class:`TurnCancelled` (their rows so far
+        committed and logged). A withdrawn read that the forward finished gets its result: a decode
+        step's row is committed, and only its turn can log its token (it stops at the next one)."""
         end = 0
         finished, withdrawn = [], []
         for waiting, n in batch:
@@ -250,10 +253,10 @@ class DecodeBatcher:
                 waiting.cache.extend_log(waiting.log[waiting.done : waiting.done + n])
             waiting.done += n
             end += n
-            if waiting.withdrawn:
-                withdrawn.append(waiting)
-            elif waiting.left == 0:
+            if waiting.left == 0:  # read whole, withdrawn or not: its turn logs a step's token itself
                 finished.append((waiting, hidden[:, end - 1 : end]))
+            elif waiting.withdrawn:  # a prompt cut between chunks, each committed and logged
+                withdrawn.append(waiting)
         with self._changed:
             self._waiting = [r for r in self._waiting if r.left > 0 and not r.withdrawn]
             self.forwards += 1

@@ -361,3 +361,22 @@ def test_a_slow_consumer_does_not_hold_the_other_turns_forwards(tiny_engine):
         thread.join(30)
         batcher.close()
         engine.eos_token_ids = saved
+
+
+def test_a_withdrawn_read_the_forward_finishes_is_delivered_so_its_token_can_be_logged(tiny_engine):
+    """A decode step withdrawn while its forward runs: its row is committed, so the turn must get
+    the result and log its token (a TurnCancelled there would leave a row with no token)."""
+    engine = tiny_engine
+    batcher = DecodeBatcher(engine)
+    try:
+        cache = engine.prefill([5, 6, 7])
+        step = PendingRead(cache, torch.tensor([8]), BiasRows(), None)
+        prompt = PendingRead(engine.prefill([5]), torch.tensor([9, 10, 11]), BiasRows(), [9, 10, 11])
+        step.withdrawn = prompt.withdrawn = True
+        batcher._finish([(step, 1), (prompt, 2)], torch.zeros(1, 3, 4))
+        assert step.finished.result(1).shape == (1, 1, 4)
+        with pytest.raises(TurnCancelled):
+            prompt.finished.result(1)
+        assert prompt.cache.token_ids == [5, 9, 10]  # the chunk the forward read was logged
+    finally:
+        batcher.close()
