@@ -68,6 +68,7 @@ class PendingRead:
     tokens: torch.Tensor  # device ids (n,)
     bias_rows: BiasRows
     log: Sequence[int] | None  # host ids the scheduler logs as it commits them; None: a decode step
+    cancelled: threading.Event | None = None  # set when the read's turn is cancelled
     done: int = 0
     withdrawn: bool = False
     finished: Future[torch.Tensor] = field(default_factory=Future)
@@ -75,6 +76,11 @@ class PendingRead:
     @property
     def left(self) -> int:
         return self.tokens.numel() - self.done
+
+    @property
+    def dropped(self) -> bool:
+        """Whether its turn no longer wants it (withdrawn, or its cancellation set)."""
+        return self.withdrawn or (self.cancelled is not None and self.cancelled.is_set())
 
     @property
     def is_step(self) -> bool:
@@ -137,17 +143,23 @@ class DecodeBatcher:
                 self._decoding += 1
 
     def read(self, cache: SessionCache, tokens: torch.Tensor, bias_rows: BiasRows, *,
-             log: Sequence[int] | None = None) -> torch.Tensor:
+             log: Sequence[int] | None = None, cancelled: threading.Event | None = None) -> torch.Tensor:
         """Read ``tokens`` (device ids ``(n,)``) into ``cache`` in the next shared forwards; the last
         one's final hidden state ``(1, 1, hidden)``. ``log``: their host ids, logged as committed
         (a prompt; without it the read is a decode step, whose turn logs its own token).
+        ``cancelled``: the turn's cancellation; once it is set, the read is dropped at the next
+        forward it is not part of (:class:`TurnCancelled`), or refused at once if set already.
 
         If the read fails (alone: a forward that fails is retried in parts until the failing
         read is alone), the turn gets the exception; a prompt's chunks committed by earlier
         forwards stay committed and logged, as when a turn reads its prompt alone."""
+        if tokens.numel() < 1:
+            raise InvalidInput("a read needs at least one token")
         if log is not None and len(log) != tokens.numel():
             raise InvalidInput(f"{len(log)} ids logged for {tokens.numel()} tokens read")
-        waiting = PendingRead(cache, tokens.reshape(-1), bias_rows, log)
+        if cancelled is not None and cancelled.is_set():
+            raise TurnCancelled("the turn was cancelled before this read")
+        waiting = PendingRead(cache, tokens.reshape(-1), bias_rows, log, cancelled)
         with self._changed:
             if self._stopped is not None:
                 raise SchedulerStopped(str(self._stopped))
@@ -199,28 +211,44 @@ class DecodeBatcher:
             self._stop(self._stopped)  # closed: what the last forward left waiting (a prompt's rest) fails too
         except BaseException as exc:  # noqa: BLE001 - a dead scheduler must fail its waiters, not strand them
             log.exception("the batcher's scheduler died; every read waiting or to come fails")
+            stopped = SchedulerStopped(f"the batcher's scheduler died: {brief(exc)}")
             with self._changed:
+                stranded = [r for r in self._running if not r.finished.done()]
+                self._waiting = [r for r in self._waiting if all(r is not s for s in stranded)]
                 self._running = []
-            self._stop(SchedulerStopped(f"the batcher's scheduler died: {brief(exc)}"))
+            for read in stranded:  # in the forward that died: nobody else will answer them
+                read.finished.set_exception(stopped)
+            self._stop(stopped)
 
     def _next_batch(self) -> list[tuple[PendingRead, int]] | None:
-        """The next forward's reads, once gathered; None once stopped."""
-        with self._changed:
-            while not self._waiting and self._stopped is None:
-                self._changed.wait()
-            if self._stopped is not None:
-                return None
-            deadline = time.monotonic() + max(self.gather_seconds, self._last_forward_seconds)
-            while (len(self._waiting) < min(self._decoding, self.max_batch) and time.monotonic() < deadline
-                   and self._stopped is None):
-                self._changed.wait(deadline - time.monotonic())
-            batch = plan_forward(self._waiting, self.max_batch, self.step_tokens)
-            self._running = [read for read, _ in batch]
-            return batch
+        """The next forward's reads, once gathered; None once stopped. Reads whose turn was
+        cancelled meanwhile leave here (no forward runs them: nothing of theirs is half-read)."""
+        while True:
+            with self._changed:
+                while not self._waiting and self._stopped is None:
+                    self._changed.wait()
+                if self._stopped is not None:
+                    return None
+                deadline = time.monotonic() + max(self.gather_seconds, self._last_forward_seconds)
+                while (len(self._waiting) < min(self._decoding, self.max_batch) and time.monotonic() < deadline
+                       and self._stopped is None):
+                    self._changed.wait(deadline - time.monotonic())
+                if self._stopped is not None:
+                    return None
+                dropped = [r for r in self._waiting if r.dropped]
+                self._waiting = [r for r in self._waiting if not r.dropped]
+                batch = plan_forward(self._waiting, self.max_batch, self.step_tokens) if self._waiting else []
+                self._running = [read for read, _ in batch]
+            for read in dropped:
+                read.finished.set_exception(TurnCancelled("the turn was cancelled; its queued reads were withdrawn"))
+            if batch:
+                return batch
 
     def _run(self, batch: list[tuple[PendingRead, int]]) -> None:
         """One forward over ``batch``; if it fails (committing nothing), each half again, so that
         only a read failing alone gets the error."""
+        if not batch:
+            return
         began = time.monotonic()
         try:
             with torch.inference_mode():
@@ -255,10 +283,11 @@ class DecodeBatcher:
             end += n
             if waiting.left == 0:  # read whole, withdrawn or not: its turn logs a step's token itself
                 finished.append((waiting, hidden[:, end - 1 : end]))
-            elif waiting.withdrawn:  # a prompt cut between chunks, each committed and logged
+            elif waiting.dropped:  # a prompt cut between chunks, each committed and logged
                 withdrawn.append(waiting)
-        with self._changed:
-            self._waiting = [r for r in self._waiting if r.left > 0 and not r.withdrawn]
+        leaving = [waiting for waiting, _ in finished] + withdrawn  # of this batch only: a retried half's
+        with self._changed:                                          # other half has not run yet
+            self._waiting = [r for r in self._waiting if all(r is not gone for gone in leaving)]
             self.forwards += 1
             self.steps += len(batch)
             self.tokens += end

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ from agentmem import attention
 from agentmem.attention import BetaMode, BiasRows, ForwardPass, PackedPasses, QueryRecorder
 from agentmem.cache import LayerCache, ScratchRows, SessionCache, to_device
 from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
-from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
+from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch, TurnCancelled
 from agentmem.placement import rotate_by
 from agentmem.models import (
     EMBEDDED,
@@ -73,7 +74,7 @@ class StepBatcher(Protocol):
         """Withdraw the reads of ``cache``'s cancelled turn (they raise :class:`~agentmem.errors.TurnCancelled`)."""
 
     def read(self, cache: SessionCache, tokens: torch.Tensor, bias_rows: BiasRows, *,
-             log: Sequence[int] | None = None) -> torch.Tensor:
+             log: Sequence[int] | None = None, cancelled: threading.Event | None = None) -> torch.Tensor:
         """Read ``tokens`` (device ids ``(n,)``) into ``cache``, sharing forwards with the other
         sessions' reads; the final hidden state of the last ``(1, 1, hidden)``. ``log``: the host
         ids, logged as their rows are committed (a decode step's caller logs its own token)."""
@@ -238,6 +239,7 @@ class Engine:
         top_k: int = 0,
         stop: str | Sequence[str] | None = None,
         seed: int | None = None,
+        cancelled: threading.Event | None = None,
     ) -> Iterator[int]:
         """Read ``prompt_ids`` into the cache, then yield generated tokens one by one.
 
@@ -245,6 +247,9 @@ class Engine:
         top-k and top-p warpers. Stops at an end-of-sequence token, after a ``stop`` string
         appears in the decoded output, at ``max_new_tokens`` or at the model's context limit.
         Every yielded token is in the cache when the iterator finishes (or is closed early).
+        Once ``cancelled`` is set (by another thread: the turn's caller has gone) the next read
+        raises :class:`~agentmem.errors.TurnCancelled` instead of running (a prompt stops
+        between chunks, what it read kept and logged).
         """
         self.check_sampling(max_new_tokens, temperature, top_p, top_k)
         ids = self._check_tokens(prompt_ids, cache, reserve=0)
@@ -252,7 +257,7 @@ class Engine:
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        return self._decode_loop(cache, ids, max_new_tokens, processors, generator, stop_strings(stop))
+        return self._decode_loop(cache, ids, max_new_tokens, processors, generator, stop_strings(stop), cancelled)
 
     def _decode_loop(
         self,
@@ -262,6 +267,7 @@ class Engine:
         processors: LogitsProcessorList,
         generator: torch.Generator | None,
         stop: list[str],
+        cancelled: threading.Event | None = None,
     ) -> Iterator[int]:
         """Read the prompt, then sample a token from the last hidden state and read it, until a stop.
 
@@ -278,16 +284,20 @@ class Engine:
         batcher = self.batcher
 
         def advance(token: torch.Tensor) -> torch.Tensor:  # alone, or in a forward shared with other turns
-            return self._commit(cache, token[None], bias_rows) if batcher is None else batcher.read(cache, token,
-                                                                                                     bias_rows)
+            if batcher is not None:
+                return batcher.read(cache, token, bias_rows, cancelled=cancelled)
+            _check_cancelled(cancelled)
+            return self._commit(cache, token[None], bias_rows)
 
         with batcher.decoding() if batcher is not None else nullcontext():
             with torch.inference_mode():
                 if batcher is None:
                     for start in range(0, len(prompt), PREFILL_CHUNK):
+                        _check_cancelled(cancelled)
                         hidden = self._forward(cache, prompt[start : start + PREFILL_CHUNK], bias_rows)
                 else:  # its chunks share forwards with the other turns' steps, under the batcher's token budget
-                    hidden = batcher.read(cache, self._on_device(prompt)[0], bias_rows, log=prompt)
+                    hidden = batcher.read(cache, self._on_device(prompt)[0], bias_rows, log=prompt,
+                                          cancelled=cancelled)
             yield from self._sampling_loop(
                 hidden, lambda hidden: head(hidden[0, -1:]), advance,
                 lambda: cache.next_position < self.max_context, cache.extend_log, max_new_tokens, processors,
@@ -556,6 +566,11 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     if not all(isinstance(s, str) and s for s in stops):
         raise InvalidInput(f"stop strings must be non-empty strings, got {stop!r}")
     return stops
+
+
+def _check_cancelled(cancelled: threading.Event | None) -> None:
+    if cancelled is not None and cancelled.is_set():
+        raise TurnCancelled("the turn was cancelled before this read")
 
 
 def _hit_stop(tokenizer: PreTrainedTokenizerBase, generated: list[int], stop: list[str]) -> bool:

@@ -359,15 +359,13 @@ class Turn:
         self.on_refused = on_refused
         self.on_end: Callable[[], None] = lambda: None  # the turn's slot, given back when its thread ends
         self.usage: Usage | None = None
-        self._session: Session | None = None
-        self._cancelled = threading.Event()
+        self._cancelled = threading.Event()  # the turn's own cancellation: its reads check it
+        self.generation["cancelled"] = self._cancelled
         self.started = False  # its thread was started (and will call on_end)
 
     def cancel(self) -> None:
-        """Stop the turn: at its next token, or at once where it waits for a read (withdrawn)."""
+        """Stop the turn: at its next token, or at its next read (a prompt between chunks)."""
         self._cancelled.set()
-        if self._session is not None:
-            self._session.cancel()
 
     async def pieces(self) -> AsyncIterator[str]:
         """The reply's text as it is generated; :attr:`usage` is set once it ends. Raises what the turn raised."""
@@ -397,9 +395,7 @@ class Turn:
                 self.cancel()
 
         try:
-            session = self._session = self.open_session()
-            if self._cancelled.is_set():  # cancelled while it waited for its session
-                session.cancel()
+            session = self.open_session()
             stream = session.stream(self.conversation, **self.generation)
             started = False
             try:

@@ -27,7 +27,14 @@ from agentmem.cache import SessionCache
 from agentmem.chat import encode, fewest_tokens
 from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine, stop_strings
-from agentmem.errors import BudgetExceeded, ContextOverflow, HistoryDivergence, InvalidInput, RequestTooLarge
+from agentmem.errors import (
+    BudgetExceeded,
+    ContextOverflow,
+    HistoryDivergence,
+    InvalidInput,
+    RequestTooLarge,
+    TurnCancelled,
+)
 from agentmem.keys import SessionKey
 from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, placement_room, replace_positions
 from agentmem.policy import BudgetPolicy
@@ -116,6 +123,7 @@ class Session:
         self._tools: list[dict[str, Any]] | None = None  # tools the last turn was rendered with
         self.stored_bytes = 0
         self.revision = 1 if messages or cache.logical_length else 0  # a fork starts with something to store
+        self._cancelled: threading.Event | None = None  # the cancellation of the turn under way
         self._stored_revision = 0
 
     @property
@@ -156,7 +164,8 @@ class Session:
     def stream(self, message_or_messages, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
                seed: int | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
-               reply_prefix: str = "", max_prompt_tokens: int | None = None) -> Iterator[str | Usage]:
+               reply_prefix: str = "", max_prompt_tokens: int | None = None,
+               cancelled: threading.Event | None = None) -> Iterator[str | Usage]:
         """Like :meth:`chat`, yielding text pieces as they are generated and finally the :class:`Usage`.
 
         ``tools`` (OpenAI-style function specs) are rendered into the prompt (see
@@ -164,6 +173,9 @@ class Session:
         as part of the prompt, yielded first, and part of the stored reply). A turn that would
         read more than ``max_prompt_tokens`` tokens the cache lacks is refused with
         :class:`RequestTooLarge` before anything changes — one far over it before it is tokenised.
+        Once ``cancelled`` is set (by another thread: the caller has gone) the turn's next read
+        raises :class:`~agentmem.errors.TurnCancelled`; what it read stays read, consistently
+        logged, and the turn is not recorded.
         """
         with self.lock:
             self._host.begin_turn(self)
@@ -187,6 +199,7 @@ class Session:
             delta += prefix
             usage.reused_tokens = self.cache.logical_length
             usage.prefilled_tokens += len(delta)
+            self._cancelled = cancelled
             delta = self._read_within_budget(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
             delta = self._read_within_positions(delta, usage, conversation)
             reply = ReplyText(self.engine.tokenizer, stop)
@@ -197,7 +210,7 @@ class Session:
                 if reply_prefix:
                     yield reply_prefix
                 for token in self._generate(delta, usage, max_new_tokens, conversation, temperature=temperature,
-                                            top_p=top_p, top_k=top_k, stop=stop, seed=seed):
+                                            top_p=top_p, top_k=top_k, stop=stop, seed=seed, cancelled=cancelled):
                     reply.push(token)
                     text = reply.visible()
                     if len(text) > len(shown):
@@ -224,15 +237,6 @@ class Session:
             usage.live_bytes = self.cache.allocated_nbytes
             self._host.turn_done(self, usage)
             yield usage
-
-    def cancel(self) -> int:
-        """Withdraw the reads this session's turn has queued on the engine's batcher; called from
-        another thread when the turn's caller has gone. The turn raises
-        :class:`~agentmem.errors.TurnCancelled` from its read (a long prompt stops between chunks,
-        what it read kept); without a batcher it stops only where its caller stops taking tokens.
-        Returns how many reads were withdrawn."""
-        batcher = self.engine.batcher
-        return 0 if batcher is None else batcher.withdraw(self.cache)
 
     def fork(self, new_id: str) -> Session:
         """A new session of the same tenant starting from this one's cache and messages.
@@ -274,6 +278,11 @@ class Session:
         if isinstance(given, Sequence) and given:
             return [dict(m) if isinstance(m, Mapping) else m for m in given]
         raise InvalidInput("chat takes a string, a message mapping or a non-empty list of messages")
+
+    def _check_cancelled(self) -> None:
+        """Between the pieces of a long message: stop if the turn was cancelled (what was read stays)."""
+        if self._cancelled is not None and self._cancelled.is_set():
+            raise TurnCancelled("the turn was cancelled while its message was read")
 
     def _refuse_if_far_over(self, conversation: list[dict[str, Any]], max_prompt_tokens: int) -> None:
         """Refuse a conversation whose text alone encodes to more than ``max_prompt_tokens`` tokens
@@ -426,6 +435,7 @@ class Session:
             room = min(limit - self.cache.physical_length, len(delta) - 1)
             if self.cache.physical_length + len(delta) <= limit or room < 1 or self.cache.physical_length >= before:
                 break
+            self._check_cancelled()
             with self._host.room(self.cache.bytes_to_append(room), self):
                 self.engine.prefill(delta[:room], self.cache)
             delta = delta[room:]
@@ -442,6 +452,7 @@ class Session:
             piece = min(len(delta) - 1, self._position_room() - 1)
             if piece < 1:
                 break
+            self._check_cancelled()
             with self._host.room(self.cache.bytes_to_append(piece), self):
                 self.engine.prefill(delta[:piece], self.cache)
             delta = delta[piece:]

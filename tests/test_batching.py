@@ -380,3 +380,67 @@ def test_a_withdrawn_read_the_forward_finishes_is_delivered_so_its_token_can_be_
         assert prompt.cache.token_ids == [5, 9, 10]  # the chunk the forward read was logged
     finally:
         batcher.close()
+
+
+def test_a_read_cancelled_while_the_scheduler_gathers_leaves_and_the_scheduler_lives_on(tiny_engine):
+    """Cancelled while the scheduler waits for another decoding turn's read: the read fails with
+    TurnCancelled, no empty forward is run, and later reads are served."""
+    engine = tiny_engine
+    batcher = DecodeBatcher(engine, gather_seconds=0.5)
+    cancelled, outcome = threading.Event(), []
+    cache = engine.prefill([5, 6, 7])
+
+    def read() -> None:
+        try:
+            batcher.read(cache, torch.tensor([8]), BiasRows(), cancelled=cancelled)
+        except TurnCancelled as exc:
+            outcome.append(exc)
+
+    try:
+        with batcher.decoding(), batcher.decoding():  # two turns decoding: the scheduler waits for both
+            thread = threading.Thread(target=read)
+            thread.start()
+            threading.Event().wait(0.1)
+            cancelled.set()
+            thread.join(5)
+        assert outcome and batcher._thread.is_alive() and cache.logical_length == 3
+        with pytest.raises(TurnCancelled):  # a cancelled turn's next read is refused at once
+            batcher.read(cache, torch.tensor([8]), BiasRows(), cancelled=cancelled)
+        assert batcher.read(cache, torch.tensor([8]), BiasRows()).shape[1] == 1  # and others are served
+    finally:
+        batcher.close()
+
+
+def test_one_turns_cancellation_never_touches_another_turn_on_the_same_session(tiny_engine, tmp_path):
+    engine = tiny_engine
+    engine.eos_token_ids, saved = frozenset(), engine.eos_token_ids
+    engine.batcher = DecodeBatcher(engine)
+    try:
+        with SessionManager(engine, f"sqlite:///{tmp_path / 's.db'}") as manager:
+            session = manager.session("shared")
+            first_token, mine, theirs = threading.Event(), threading.Event(), threading.Event()
+            results: dict[str, object] = {}
+
+            def turn(name: str, cancelled: threading.Event) -> None:
+                try:
+                    pieces = []
+                    for piece in session.stream("Hello there", max_new_tokens=12, cancelled=cancelled):
+                        pieces.append(piece)
+                        first_token.set()
+                    results[name] = pieces
+                except TurnCancelled as exc:
+                    results[name] = exc
+
+            a = threading.Thread(target=turn, args=("a", mine))
+            a.start()
+            first_token.wait(30)
+            b = threading.Thread(target=turn, args=("b", theirs))  # waits for the session's lock
+            b.start()
+            theirs.set()  # b's client leaves while a's turn runs
+            a.join(60)
+            b.join(60)
+    finally:
+        engine.batcher.close()
+        engine.eos_token_ids = saved
+    assert isinstance(results["a"], list) and results["a"][-1].generated_tokens == 12  # a finished untouched
+    assert isinstance(results["b"], TurnCancelled)  # b never read a token
