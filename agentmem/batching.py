@@ -28,12 +28,14 @@ the cheaper bet.
 
 Failures stay with their culprit. A forward that fails commits nothing, so the scheduler splits
 its reads in halves and runs each again, until the read that fails is alone: only its turn
-gets the error. A cancelled turn's reads are withdrawn (:meth:`~DecodeBatcher.withdraw`): one
-waiting leaves at once and its turn gets :class:`~agentmem.errors.TurnCancelled`; a prompt in
-the forward under way leaves after it (its chunks committed and logged) with the same error; a
-read the forward finishes is delivered, its turn stopping where its caller does. A scheduler that dies, or is
-closed, fails every waiting read and every later one with
-:class:`~agentmem.errors.SchedulerStopped`, never leaving a turn waiting forever.
+gets the error. A cancelled turn's reads leave the scheduler: each read carries its turn's
+cancellation (an event its caller sets; :meth:`~DecodeBatcher.withdraw` does the same by
+cache). A waiting read leaves at the next forward it is not part of, with
+:class:`~agentmem.errors.TurnCancelled`; a prompt in the forward under way leaves after it (its
+chunks committed and logged) with the same error; a read that forward finishes is delivered,
+its turn stopping where its caller does. A scheduler that dies, or is closed, fails every
+waiting read and every later one with :class:`~agentmem.errors.SchedulerStopped`, never
+leaving a turn waiting forever.
 
 Compactions and spills stay in each turn's own thread, so one session's compaction does not
 stall the others' steps. Sampling, stop strings and the token log stay per session, so a
