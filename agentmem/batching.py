@@ -57,9 +57,10 @@ import torch
 from agentmem.attention import BiasRows
 from agentmem.cache import SessionCache
 from agentmem.engine import Engine
-from agentmem.errors import InvalidInput, SchedulerStopped, TurnCancelled, brief
+from agentmem.errors import InvalidInput, SchedulerStopped, TurnCancelled, brief, check_cancelled
 
 log = logging.getLogger(__name__)
+WITHDRAWN = "the turn was cancelled; its queued reads were withdrawn"
 
 
 @dataclass(eq=False)
@@ -159,8 +160,7 @@ class DecodeBatcher:
             raise InvalidInput("a read needs at least one token")
         if log is not None and len(log) != tokens.numel():
             raise InvalidInput(f"{len(log)} ids logged for {tokens.numel()} tokens read")
-        if cancelled is not None and cancelled.is_set():
-            raise TurnCancelled("the turn was cancelled before this read")
+        check_cancelled(cancelled, "before this read")
         waiting = PendingRead(cache, tokens.reshape(-1), bias_rows, log, cancelled)
         with self._changed:
             if self._stopped is not None:
@@ -172,7 +172,7 @@ class DecodeBatcher:
     def withdraw(self, cache: SessionCache) -> int:
         """Withdraw the reads of ``cache`` (its turn was cancelled): they raise :class:`TurnCancelled`,
         a waiting one at once, one in the forward under way once its rows are committed. How many."""
-        cancelled = TurnCancelled("the turn was cancelled; its queued reads were withdrawn")
+        cancelled = TurnCancelled(WITHDRAWN)
         with self._changed:
             mine = [r for r in self._waiting if r.cache is cache]
             for read in mine:
@@ -242,7 +242,7 @@ class DecodeBatcher:
                 batch = plan_forward(self._waiting, self.max_batch, self.step_tokens) if self._waiting else []
                 self._running = [read for read, _ in batch]
             for read in dropped:
-                read.finished.set_exception(TurnCancelled("the turn was cancelled; its queued reads were withdrawn"))
+                read.finished.set_exception(TurnCancelled(WITHDRAWN))
             if batch:
                 return batch
 
@@ -296,7 +296,7 @@ class DecodeBatcher:
         for waiting, last in finished:
             waiting.finished.set_result(last)
         for waiting in withdrawn:
-            waiting.finished.set_exception(TurnCancelled("the turn was cancelled; its queued reads were withdrawn"))
+            waiting.finished.set_exception(TurnCancelled(WITHDRAWN))
 
 
 def plan_forward(waiting: Sequence[PendingRead], max_batch: int, step_tokens: int) -> list[tuple[PendingRead, int]]:

@@ -30,7 +30,7 @@ from agentmem import attention
 from agentmem.attention import BetaMode, BiasRows, ForwardPass, PackedPasses, QueryRecorder
 from agentmem.cache import LayerCache, ScratchRows, SessionCache, to_device
 from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
-from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch, TurnCancelled
+from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch, check_cancelled
 from agentmem.placement import rotate_by
 from agentmem.models import (
     EMBEDDED,
@@ -286,14 +286,14 @@ class Engine:
         def advance(token: torch.Tensor) -> torch.Tensor:  # alone, or in a forward shared with other turns
             if batcher is not None:
                 return batcher.read(cache, token, bias_rows, cancelled=cancelled)
-            _check_cancelled(cancelled)
+            check_cancelled(cancelled, "before its next step")
             return self._commit(cache, token[None], bias_rows)
 
         with batcher.decoding() if batcher is not None else nullcontext():
             with torch.inference_mode():
                 if batcher is None:
                     for start in range(0, len(prompt), PREFILL_CHUNK):
-                        _check_cancelled(cancelled)
+                        check_cancelled(cancelled, "while its prompt was read")
                         hidden = self._forward(cache, prompt[start : start + PREFILL_CHUNK], bias_rows)
                 else:  # its chunks share forwards with the other turns' steps, under the batcher's token budget
                     hidden = batcher.read(cache, self._on_device(prompt)[0], bias_rows, log=prompt,
@@ -566,11 +566,6 @@ def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     if not all(isinstance(s, str) and s for s in stops):
         raise InvalidInput(f"stop strings must be non-empty strings, got {stop!r}")
     return stops
-
-
-def _check_cancelled(cancelled: threading.Event | None) -> None:
-    if cancelled is not None and cancelled.is_set():
-        raise TurnCancelled("the turn was cancelled before this read")
 
 
 def _hit_stop(tokenizer: PreTrainedTokenizerBase, generated: list[int], stop: list[str]) -> bool:

@@ -7,6 +7,8 @@ Input errors also derive from :class:`ValueError` so generic callers keep workin
 
 from __future__ import annotations
 
+import threading
+
 
 class AgentMemError(Exception):
     """Base class of every error agentmem raises on purpose."""
@@ -106,6 +108,12 @@ class SessionBusy(AgentMemError):
 class TurnCancelled(AgentMemError):
     """The turn was cancelled (its client left, the server is stopping): its queued reads were
     withdrawn. What it had read stays read, consistently logged."""
+
+
+def check_cancelled(cancelled: threading.Event | None, when: str) -> None:
+    """Raise :class:`TurnCancelled` if the turn's ``cancelled`` event is set (``when``: where it stopped)."""
+    if cancelled is not None and cancelled.is_set():
+        raise TurnCancelled(f"the turn was cancelled {when}")
 
 
 class SchedulerStopped(AgentMemError):

@@ -60,7 +60,7 @@ class Residency:
         self.host, self.engine, self.registry, self.ledger, self.spiller = host, host.engine, registry, ledger, spiller
         self.leases, self.quota, self.metrics = leases, quota, metrics
         self.lease_wait = lease_wait
-        self.checkpoints = Checkpointer(self._put_checkpoint, on_store_error=functools.partial(metrics.add, "store_errors"),
+        self.checkpoints = Checkpointer(self._store, on_store_error=functools.partial(metrics.add, "store_errors"),
                                         on_landed=functools.partial(metrics.add, "checkpoints"))
 
     def policy_for(self, tenant: str) -> BudgetPolicy:
@@ -86,14 +86,8 @@ class Residency:
                 self.leases.release(tenant, session_id)
                 raise
             parked = self.registry.spilled(key)
-            if parked is not None and parked.version == 0:  # spilled before anything was stored: revived empty
-                try:
-                    parked.restore(self.engine.new_cache(), [], 0, 0)
-                    return self._register(parked)
-                except BaseException:
-                    self.leases.release(tenant, session_id)
-                    raise
-            return self.adopt(key, self.engine.new_cache(), [], leased=True)
+            unstored = parked if parked is not None and parked.version == 0 else None  # spilled before any write
+            return self.adopt(key, self.engine.new_cache(), [], leased=True, revive=unstored)
         except BaseException:
             self.leases.release(tenant, session_id)
             raise
@@ -142,8 +136,9 @@ class Residency:
             f"(agentmem sessions delete {record.session_id} --tenant {record.tenant})")
 
     def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]], *,
-              leased: bool = False) -> Session:
-        """A new live session holding ``cache``.
+              leased: bool = False, revive: Session | None = None) -> Session:
+        """A new live session holding ``cache``: ``revive``, a handle callers still hold, if given
+        (a session spilled before anything of it was stored), else a new object.
 
         Unless the caller holds its lease already (a load that found nothing stored), it takes the
         lease and refuses an ID the store holds (or a write behind is storing): a new session
@@ -161,7 +156,10 @@ class Residency:
             if not leased and self._stored(key):
                 raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists (stored); "
                                    "choose another id, or delete it first")
-            return self._register(Session(self.host, key, cache, messages, 0, time.time()))
+            if revive is None:
+                return self._register(Session(self.host, key, cache, messages, 0, time.time()))
+            revive.restore(cache, messages, 0, 0)
+            return self._register(revive)
         except BaseException:
             self.leases.release(tenant, session_id)  # taken for this adoption, here or by the loader
             raise
@@ -208,31 +206,7 @@ class Residency:
                     self.settle(key)
                 return session.version
             self.checkpoints.discard(key, "the session is being spilled, which writes its newest state")
-            if not session.dirty:  # its last turn's checkpoint holds it (or there is nothing to hold)
-                self.leases.release(*key)
-                self._free(session, self.registry.park)
-                self.metrics.add("spills")
-                return session.version
-            record = self._record_of(session)
-            put = functools.partial(self.quota.put, replaced_bytes=session.stored_bytes)
-            behind = False
-            if not durable:
-                self.quota.hold(record, session.stored_bytes)  # refused now, not in the background
-                try:
-                    behind = self.spiller.write_behind(record, session.version, put)
-                finally:
-                    if not behind:
-                        self.quota.release(key)
-            if behind:
-                version = session.version + 1  # what the queued compare-and-set will make it
-            else:
-                try:
-                    version = put(record, session.version)
-                except StoreUnavailable:  # the session stays live: its state is written behind when the store returns
-                    self.checkpoints.submit(session, record)
-                    raise
-                self.spiller.cache(record.model_copy(update={"version": version}))
-            session.mark_stored(version, len(record.blob))
+            version, behind = self._write_spill(session, durable) if session.dirty else (session.version, False)
             if not behind:  # else the lease is kept until the write lands (written_behind)
                 # Released while the session is still live here, so no load of it in this
                 # process can take the lease (ours already) before this release drops it.
@@ -240,6 +214,30 @@ class Residency:
             self._free(session, self.registry.park)  # a revive reloads it
             self.metrics.add("spills")
             return version
+
+    def _write_spill(self, session: Session, durable: bool) -> tuple[int, bool]:
+        """Write a dirty session being spilled (under its lock): now, or behind through the host tier
+        when not ``durable`` and the tier takes it. Its version, and whether the write is behind."""
+        record = self._record_of(session)
+        behind = False
+        if not durable:
+            self.quota.hold(record, session.stored_bytes)  # refused now, not in the background
+            try:
+                behind = self.spiller.write_behind(
+                    record, session.version, functools.partial(self.quota.put, replaced_bytes=session.stored_bytes))
+            finally:
+                if not behind:
+                    self.quota.release(session.key)
+        if behind:
+            version = session.version + 1  # what the queued compare-and-set will make it
+        else:
+            try:
+                version = self._store(session, record)
+            except StoreUnavailable:  # the session stays live: its state is written behind when the store returns
+                self.checkpoints.submit(session, record)
+                raise
+        session.mark_stored(version, len(record.blob))
+        return version, behind
 
     def checkpoint(self, session: Session) -> None:
         """Store ``session``'s answered turn as its tenant's policy says (called under its lock):
@@ -252,9 +250,10 @@ class Residency:
         if mode == "sync":  # an outage fails the turn now (not acknowledged); the write is retried behind
             written.tried.result()
 
-    def _put_checkpoint(self, session: Session, record: SessionRecord) -> int:
-        """A checkpoint's write (on the checkpointer's thread): over the session's stored version, within
-        its tenant's quota; a clean copy stays in the host tier, so a spill needs no write and a resume no read."""
+    def _store(self, session: Session, record: SessionRecord) -> int:
+        """Write ``record`` now (a spill, or a checkpoint on the checkpointer's thread): over the session's
+        stored version, within its tenant's quota; a clean copy stays in the host tier, so a later
+        spill needs no write and a resume no read. Returns the version written."""
         version = self.quota.put(record, session.version, replaced_bytes=session.stored_bytes)
         self.spiller.cache(record.model_copy(update={"version": version}))
         return version

@@ -85,6 +85,9 @@ class Unauthorized(AgentMemError):
 class ServerStopping(AgentMemError):
     """The server is stopping and cancelled the turn past its drain deadline: retry it (on another server)."""
 
+    def __init__(self) -> None:
+        super().__init__("the server is stopping and cancelled this turn past its drain deadline; retry it")
+
 
 # ---------------------------------------------------------------------------- the request
 
@@ -360,7 +363,6 @@ class Turn:
         self.on_end: Callable[[], None] = lambda: None  # the turn's slot, given back when its thread ends
         self.usage: Usage | None = None
         self._cancelled = threading.Event()  # the turn's own cancellation: its reads check it
-        self.generation["cancelled"] = self._cancelled
         self.started = False  # its thread was started (and will call on_end)
 
     def cancel(self) -> None:
@@ -377,15 +379,14 @@ class Turn:
         try:
             while (item := await queue.get()) is not self._END:
                 if isinstance(item, TurnCancelled):  # only a stop cancels a turn whose client is still here
-                    raise ServerStopping("the server is stopping and cancelled this turn past its drain "
-                                         "deadline; retry it") from item
+                    raise ServerStopping() from item
                 if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
             self.cancel()  # a client that left stops the generation at its next token
         if self.usage is None:  # it ended without finishing or failing: cancelled by a stop
-            raise ServerStopping("the server is stopping and cancelled this turn past its drain deadline; retry it")
+            raise ServerStopping()
 
     def _run(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[object]) -> None:
         def put(item: object) -> None:
@@ -396,7 +397,7 @@ class Turn:
 
         try:
             session = self.open_session()
-            stream = session.stream(self.conversation, **self.generation)
+            stream = session.stream(self.conversation, cancelled=self._cancelled, **self.generation)
             started = False
             try:
                 for item in stream:

@@ -33,7 +33,7 @@ from agentmem.errors import (
     HistoryDivergence,
     InvalidInput,
     RequestTooLarge,
-    TurnCancelled,
+    check_cancelled,
 )
 from agentmem.keys import SessionKey
 from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, placement_room, replace_positions
@@ -279,11 +279,6 @@ class Session:
             return [dict(m) if isinstance(m, Mapping) else m for m in given]
         raise InvalidInput("chat takes a string, a message mapping or a non-empty list of messages")
 
-    def _check_cancelled(self) -> None:
-        """Between the pieces of a long message: stop if the turn was cancelled (what was read stays)."""
-        if self._cancelled is not None and self._cancelled.is_set():
-            raise TurnCancelled("the turn was cancelled while its message was read")
-
     def _refuse_if_far_over(self, conversation: list[dict[str, Any]], max_prompt_tokens: int) -> None:
         """Refuse a conversation whose text alone encodes to more than ``max_prompt_tokens`` tokens
         beyond those the cache has read, without tokenising it (:func:`~agentmem.chat.fewest_tokens`)."""
@@ -435,7 +430,7 @@ class Session:
             room = min(limit - self.cache.physical_length, len(delta) - 1)
             if self.cache.physical_length + len(delta) <= limit or room < 1 or self.cache.physical_length >= before:
                 break
-            self._check_cancelled()
+            check_cancelled(self._cancelled, "while its message was read")  # what was read stays
             with self._host.room(self.cache.bytes_to_append(room), self):
                 self.engine.prefill(delta[:room], self.cache)
             delta = delta[room:]
@@ -452,7 +447,7 @@ class Session:
             piece = min(len(delta) - 1, self._position_room() - 1)
             if piece < 1:
                 break
-            self._check_cancelled()
+            check_cancelled(self._cancelled, "while its message was read")  # what was read stays
             with self._host.room(self.cache.bytes_to_append(piece), self):
                 self.engine.prefill(delta[:piece], self.cache)
             delta = delta[piece:]

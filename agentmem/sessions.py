@@ -345,12 +345,16 @@ class _SessionHost:
         return compact_under(policy, self.engine, cache, protect, incoming)
 
     def turn_done(self, session: Session, usage: Usage) -> None:
-        """Count the turn, then spill idle sessions if the device budget is exceeded (``session`` stays)."""
+        """Count the turn, store it as the policy says, then spill idle sessions if the device budget
+        is exceeded (``session`` stays)."""
+        self._count(usage)
+        self._manager._residency.checkpoint(session)
+        self._manager._residency.enforce(keep=session)
+
+    def _count(self, usage: Usage) -> None:
         for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "dropped_tokens", "reprefilled_tokens"):
             self._manager.metrics.add(name, getattr(usage, name))  # compactions are counted where they happen
         self._manager.metrics.add("turns")
-        self._manager._residency.checkpoint(session)
-        self._manager._residency.enforce(keep=session)
 
     def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
         """A new live session holding ``cache`` and ``messages`` (a fork), within the device budget."""
@@ -367,9 +371,7 @@ class _EphemeralHost(_SessionHost):
         session.last_used = time.monotonic()
 
     def turn_done(self, session: Session, usage: Usage) -> None:
-        for name in ("prefilled_tokens", "reused_tokens", "generated_tokens"):
-            self._manager.metrics.add(name, getattr(usage, name))
-        self._manager.metrics.add("turns")
+        self._count(usage)
 
     def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
         raise InvalidInput("a stateless session cannot be forked: it is not kept")

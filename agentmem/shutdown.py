@@ -93,16 +93,17 @@ def serve_until_stopped(app: Any, manager: SessionManager, *, host: str, port: i
     """
     import uvicorn
 
-    deadline: list[threading.Timer] = []
+    def cancel_at_deadline() -> None:
+        log.info("drain deadline: %d turns cancelled", cancel_running())
+
+    deadline = threading.Timer(drain_seconds, cancel_at_deadline)
+    deadline.daemon = True
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if not self.should_exit:
                 log.info("%s: draining (running turns get %s s)", signal.Signals(sig).name, drain_seconds)
-                deadline.append(threading.Timer(drain_seconds, lambda: log.info("drain deadline: %d turns cancelled",
-                                                                                cancel_running())))
-                deadline[0].daemon = True
-                deadline[0].start()
+                deadline.start()
             super().handle_exit(sig, frame)
 
     # uvicorn's own deadline is a backstop: the turns cancelled at ours end within a token.
@@ -117,7 +118,6 @@ def serve_until_stopped(app: Any, manager: SessionManager, *, host: str, port: i
                 except StopRequested:
                     pass
         finally:
-            for timer in deadline:
-                timer.cancel()
+            deadline.cancel()
             spilled = close_keeping_sessions(manager)
     return spilled

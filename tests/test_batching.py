@@ -33,7 +33,8 @@ def caches(engine: Engine) -> list:
     return made
 
 
-def run_together(engine: Engine, jobs: list, **generation) -> list[list[int]]:
+def outcomes_together(engine: Engine, jobs: list, **generation) -> list[list[int] | BaseException]:
+    """Each (cache, prompt) job generated in a thread of its own, all started at once: its reply, or what it raised."""
     replies: list[list[int] | BaseException] = [[] for _ in jobs]
     start = threading.Barrier(len(jobs))
 
@@ -42,7 +43,7 @@ def run_together(engine: Engine, jobs: list, **generation) -> list[list[int]]:
         start.wait()
         try:
             replies[i] = engine.generate(cache, prompt, **generation)
-        except BaseException as exc:  # noqa: BLE001 - raised below
+        except BaseException as exc:  # noqa: BLE001 - the caller looks at it
             replies[i] = exc
 
     threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(jobs))]
@@ -50,6 +51,11 @@ def run_together(engine: Engine, jobs: list, **generation) -> list[list[int]]:
         t.start()
     for t in threads:
         t.join(120)
+    return replies
+
+
+def run_together(engine: Engine, jobs: list, **generation) -> list[list[int]]:
+    replies = outcomes_together(engine, jobs, **generation)
     for reply in replies:
         if isinstance(reply, BaseException):
             raise reply
@@ -270,21 +276,8 @@ def test_a_forced_failure_of_one_read_fails_only_its_turn(tiny_engine, monkeypat
     engine.batcher = DecodeBatcher(engine, max_batch=8, step_tokens=32, gather_seconds=0.05)
     monkeypatch.setattr(engine, "commit_rows", fails_with_the_culprit)
     try:
-        together = [c.clone() for c, _ in jobs]
-        together[2] = culprit
-        results: list = [None] * len(jobs)
-
-        def turn(i: int) -> None:
-            try:
-                results[i] = engine.generate(together[i], jobs[i][1], max_new_tokens=6)
-            except RuntimeError as exc:
-                results[i] = exc
-
-        threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(jobs))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        together = [(culprit if i == 2 else c.clone(), p) for i, (c, p) in enumerate(jobs)]
+        results = outcomes_together(engine, together, max_new_tokens=6)
     finally:
         engine.batcher.close()
         engine.eos_token_ids = saved

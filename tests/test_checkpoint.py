@@ -25,6 +25,13 @@ class FakeSession:
         self.stored.append(revision)
 
 
+def retrying_checkpointer(monkeypatch, retry_seconds: float = 0.01) -> tuple[Writes, Checkpointer, FakeSession]:
+    """A checkpointer over fake writes that retries outages every ``retry_seconds``, and a session for it."""
+    monkeypatch.setattr("agentmem.checkpoint.RETRY_SECONDS", retry_seconds)
+    writes = Writes()
+    return writes, writes.checkpointer(), FakeSession("s")
+
+
 def record(session: FakeSession) -> SessionRecord:
     session.revision += 1
     return SessionRecord(tenant="acme", session_id=session.key.session_id, model_fingerprint="f", logical_length=0,
@@ -74,10 +81,7 @@ def test_a_busy_session_coalesces_to_its_newest_record_and_every_future_lands():
 
 
 def test_an_outage_is_retried_with_the_newest_record_and_a_refusal_is_dropped(monkeypatch):
-    monkeypatch.setattr("agentmem.checkpoint.RETRY_SECONDS", 0.01)
-    writes = Writes()
-    checkpoints = writes.checkpointer()
-    session = FakeSession("s")
+    writes, checkpoints, session = retrying_checkpointer(monkeypatch)
     writes.failures = [StoreUnavailable("down"), StoreUnavailable("down")]
     job = checkpoints.submit(session, record(session))
     with pytest.raises(StoreUnavailable):  # what a sync turn waits for: the first attempt
@@ -92,10 +96,7 @@ def test_an_outage_is_retried_with_the_newest_record_and_a_refusal_is_dropped(mo
 
 
 def test_discard_drops_the_queued_write_and_stops_a_retrying_one(monkeypatch):
-    monkeypatch.setattr("agentmem.checkpoint.RETRY_SECONDS", 0.01)
-    writes = Writes()
-    checkpoints = writes.checkpointer()
-    session = FakeSession("s")
+    writes, checkpoints, session = retrying_checkpointer(monkeypatch)
     writes.failures = [StoreUnavailable("down")] * 1000
     retrying = checkpoints.submit(session, record(session)).done
     time.sleep(0.05)
