@@ -5,7 +5,7 @@ the one-live-copy guarantee (two managers in one process would fight over the sa
 adapters get one :class:`~agentmem.engine.Engine` per model and one
 :class:`~agentmem.sessions.SessionManager` per (model, store). The engine batches: turns of
 concurrent calls (``abatch``, ``astream``, threads) decode together, their prompts read in
-chunks among the others' steps (:class:`~agentmem.batching.DecodeBatcher`). Every shared manager spills its
+chunks among the others' steps (every engine's :class:`~agentmem.scheduler.Scheduler`). Every shared manager spills its
 live sessions when the process exits normally, so a restarted process resumes them.
 
 That spill must run before the interpreter stops its thread pools: an ``atexit`` hook runs
@@ -30,7 +30,6 @@ import threading
 from agentmem.storage import default_url
 from agentmem.storage.redis_client import redact
 
-from agentmem.batching import DecodeBatcher
 from agentmem.engine import Engine
 from agentmem.errors import InvalidInput
 from agentmem.policy import BudgetPolicy, configured_policies
@@ -46,21 +45,17 @@ _managers: dict[tuple[str, str], SessionManager] = {}
 _given: dict[tuple[str, str, str], BudgetPolicy] = {}  # (model, store, tenant): a policy an adapter object set
 
 
-def use_engine(model: str, engine: Engine, *, batching: bool = True) -> None:
+def use_engine(model: str, engine: Engine) -> None:
     """Serve ``model`` with an engine already loaded (another device or dtype, or one shared with other code).
 
     Call it before the first chat model of ``model`` runs: a manager already serving ``model``
     keeps its engine, so a later call raises :class:`InvalidInput` rather than being ignored.
-    With ``batching``, an engine without a batcher is given a :class:`DecodeBatcher`, as the
-    engines the adapters load are.
     """
     with _lock:
         serving = next((url for (name, url) in _managers if name == model), None)
         if serving is not None and _engines.get(model) is not engine:
             raise InvalidInput(f"model {model!r} is already served (store {redact(serving)}) by another engine")
         _engines[model] = engine
-        if batching:
-            _give_batcher(engine)
 
 
 def shared_engine(model: str) -> Engine:
@@ -71,16 +66,10 @@ def shared_engine(model: str) -> Engine:
         with _lock:
             engine = _engines.get(model)
         if engine is None:
-            engine = _give_batcher(Engine.load(model))
+            engine = Engine.load(model)
             with _lock:
                 engine = _engines.setdefault(model, engine)
         return engine
-
-
-def _give_batcher(engine: Engine) -> Engine:
-    if engine.batcher is None:
-        engine.batcher = DecodeBatcher(engine)
-    return engine
 
 
 def shared_manager(model: str, store: str | None, tenant: str, policy: BudgetPolicy | None) -> SessionManager:

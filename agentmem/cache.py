@@ -748,13 +748,13 @@ def buffer_nbytes(prefix_slots: int, tail: int, *, heads: int, head_dim: int, el
         12 * heads * prefix_slots)
 
 
-def to_device(values: Sequence, device: torch.device) -> torch.Tensor:
-    """A small int64 table (nested lists of host ints) on ``device``, copied without waiting for the device.
+def to_device(values: Sequence, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small table (nested lists of host numbers) on ``device``, copied without waiting for the device.
 
     A blocking host-to-device copy (``torch.tensor(values, device=...)``) waits for the work
     queued before it; host metadata (row counts, budgets) needs no such wait.
     """
-    return torch.tensor(values, dtype=torch.long, device="cpu").to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)
 
 
 def _round_up(n: int) -> int:

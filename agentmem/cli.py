@@ -272,8 +272,8 @@ def serve(
     policies: Optional[Path] = PoliciesOpt,
     api_keys: Optional[Path] = typer.Option(None, "--api-keys", help="YAML or JSON file mapping each API key to its "
                                                                      "tenant (without it: open, tenant 'default')"),
-    batching: bool = typer.Option(True, "--batching/--no-batching", help="decode concurrent turns together, one "
-                                                                         "forward a step"),
+    max_batch: int = typer.Option(64, "--max-batch", min=1, help="most sessions one forward reads for: concurrent "
+                                                                "turns decode together, one forward a step (1: each alone)"),
     step_tokens: int = typer.Option(2048, "--step-tokens", help="most tokens one batched forward reads: decode steps "
                                                                 "first, then prompt chunks"),
     device_budget: Optional[int] = typer.Option(None, "--device-budget", min=1, help="bytes all live caches may hold "
@@ -320,15 +320,14 @@ def serve(
         from agentmem.server import serve as run
     except ImportError as exc:
         raise InvalidInput(f"agentmem serve needs FastAPI and uvicorn: pip install 'agentmem[serve]' ({exc})") from exc
-    from agentmem.batching import DecodeBatcher
+    from agentmem.scheduler import Scheduler
     from agentmem.machine import default_device_budget, default_host_budget
     from agentmem.sessions import SessionManager
 
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_new_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
                           max_concurrent_turns=tenant_turns, max_turns=max_turns, session_from_user=session_from_user)
     engine = _load_engine(model, options)
-    if batching:
-        engine.batcher = DecodeBatcher(engine, step_tokens=step_tokens)
+    engine.scheduler = Scheduler(engine, max_batch=max_batch, step_tokens=step_tokens)
     device_budget = device_budget or default_device_budget(engine.device)
     host_budget = host_budget or default_host_budget()
     if logging.getLogger("agentmem").level == logging.NOTSET:  # an operator sees what a stop spilled

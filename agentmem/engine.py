@@ -11,26 +11,19 @@ from __future__ import annotations
 import itertools
 import numbers
 import os
+import random
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
-from transformers import (
-    LogitsProcessorList,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from agentmem import attention
 from agentmem.attention import BetaMode, BiasRows, ForwardPass, PackedPasses, QueryRecorder
 from agentmem.cache import LayerCache, ScratchRows, SessionCache, to_device
 from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
-from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch, check_cancelled
+from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
 from agentmem.placement import rotate_by
 from agentmem.models import (
     EMBEDDED,
@@ -41,51 +34,16 @@ from agentmem.models import (
     load_model,
     model_fingerprint,
 )
+from agentmem.sampling import GREEDY, Sampling
+from agentmem.scheduler import Scheduler
 
 
-class Decoder(Protocol):
-    """A decoder :meth:`Engine.stream` can run a turn through instead of the eager path (e.g.
-    :class:`agentmem.decode.StaticDecoder`): it reads a cache in, steps token by token, and
-    writes what it read back to the cache."""
-
-    steps: int  # tokens read since the last load
-
-    def room(self, cache: SessionCache) -> int:
-        """Tokens it can read past ``cache`` before it is full."""
-
-    def load(self, cache: SessionCache) -> None: ...
-
-    def step(self, token: int | torch.Tensor | None = None) -> torch.Tensor:
-        """Read ``token``; the next token's logits."""
-
-    def store(self, cache: SessionCache) -> None: ...
-
-
-class StepBatcher(Protocol):
-    """Reads the tokens of several sessions in one forward (e.g. :class:`agentmem.batching.DecodeBatcher`)."""
-
-    def decoding(self) -> AbstractContextManager[None]:
-        """Held while a turn reads its prompt and decodes: the batcher waits for every such turn's read."""
-
-    def away(self) -> AbstractContextManager[None]:
-        """Held inside :meth:`decoding` while the turn's caller holds its token: not waited for."""
-
-    def withdraw(self, cache: SessionCache) -> int:
-        """Withdraw the reads of ``cache``'s cancelled turn (they raise :class:`~agentmem.errors.TurnCancelled`)."""
-
-    def read(self, cache: SessionCache, tokens: torch.Tensor, bias_rows: BiasRows, *,
-             log: Sequence[int] | None = None, cancelled: threading.Event | None = None) -> torch.Tensor:
-        """Read ``tokens`` (device ids ``(n,)``) into ``cache``, sharing forwards with the other
-        sessions' reads; the final hidden state of the last ``(1, 1, hidden)``. ``log``: the host
-        ids, logged as their rows are committed (a decode step's caller logs its own token)."""
-
-
-# Tokens per prefill forward. Each forward launches its operators per layer again, so chunks
-# cost more than one pass (docs/benchmarks/cost.md); a chunk read on top of earlier rows also
-# needs a (tokens x slots) mask, attended in slices under attention.MASK_BYTES. A chunk's
-# activations are dominated by its MLP's (tokens x intermediate) tensors: at the 8B shape,
-# small beside the weights.
-PREFILL_CHUNK = 8192
+# Tokens per forward of work that is not a shared read (scoring, the compactor's reference reads):
+# each such forward runs on the scheduler between forwards of reads, so it is cut to what a
+# forward of reads carries by default (:class:`~agentmem.scheduler.Scheduler`'s ``step_tokens``),
+# and decoding turns wait for at most one such chunk. A chunk read on top of earlier rows needs a
+# (tokens x slots) mask, attended in slices under attention.MASK_BYTES.
+JOB_CHUNK = 2048
 _LOGPROB_CHUNK = 256
 
 
@@ -107,9 +65,8 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.beta_mode: BetaMode = beta_mode or attention.default_beta_mode(model.device)
-        # When set, greedy and sampled decoding run through fixed buffers, one compiled step per token.
-        self.decoder: Decoder | None = None
-        self.batcher: StepBatcher | None = None  # opt-in: decode steps of concurrent turns share forwards
+        # The one owner of the model: every forward, of every session and thread, runs through it.
+        self.scheduler = Scheduler(self)
         self.name = name or model.config._name_or_path or model.config.model_type
         self.fingerprint = model_fingerprint(model)
         cfg = model.config
@@ -160,20 +117,22 @@ class Engine:
 
     # ----------------------------------------------------------------------------- reading
 
-    @torch.inference_mode()
-    def prefill(
-        self, token_ids: Sequence[int], cache: SessionCache | None = None, *, chunk_size: int = PREFILL_CHUNK
-    ) -> SessionCache:
+    def prefill(self, token_ids: Sequence[int], cache: SessionCache | None = None, *, chunk_size: int | None = None,
+                cancelled: threading.Event | None = None) -> SessionCache:
         """Read ``token_ids`` into ``cache`` (a new one if ``None``) at its logical positions.
 
-        Long inputs are read in chunks of ``chunk_size`` tokens, which bounds the activations'
-        memory (attention masks stay under :data:`agentmem.attention.MASK_BYTES` whatever the
-        chunk); results equal a single pass to float rounding.
+        The tokens are read by the scheduler, sharing forwards with other sessions' turns, in
+        chunks of at most its ``step_tokens`` (or ``chunk_size``, if smaller), which bounds the
+        activations' memory; results equal a single pass to float rounding. Once ``cancelled``
+        is set the read stops between chunks (:class:`~agentmem.errors.TurnCancelled`), what it
+        read kept and logged.
         """
         ids = self._check_tokens(token_ids, cache)
         cache = self.new_cache(spare=len(ids)) if cache is None else cache
-        for start in range(0, len(ids), chunk_size):
-            self._forward(cache, ids[start : start + chunk_size])
+        bias_rows = BiasRows()
+        chunk = len(ids) if chunk_size is None else chunk_size
+        for start in range(0, len(ids), chunk):
+            self.scheduler.read(cache, ids[start : start + chunk], bias_rows, cancelled=cancelled)
         return cache
 
     @torch.inference_mode()
@@ -187,35 +146,47 @@ class Engine:
             raise InvalidInput("score needs at least two tokens (the first one is only context)")
         mark = cache.logical_length
         try:
-            hidden = [self._forward(cache, ids[s : s + PREFILL_CHUNK]) for s in range(0, len(ids), PREFILL_CHUNK)]
+            hidden = [self.scheduler.call(lambda chunk=ids[s : s + JOB_CHUNK]: self._forward(cache, chunk))
+                      for s in range(0, len(ids), JOB_CHUNK)]
         finally:
             cache.truncate(mark)
         states = torch.cat(hidden, dim=1)[0, :-1]
-        targets = torch.tensor(ids[1:], device=states.device)
-        head = self.model.get_output_embeddings()
+        targets = to_device(ids[1:], states.device)
         out = []
         for s in range(0, len(targets), _LOGPROB_CHUNK):
-            logits = head(states[s : s + _LOGPROB_CHUNK]).float()
+            logits = self.head(states[s : s + _LOGPROB_CHUNK]).float()
             out.append(logits.log_softmax(-1).gather(-1, targets[s : s + _LOGPROB_CHUNK, None])[:, 0])
         return torch.cat(out)
 
-    @torch.inference_mode()
     def observe(self, cache: SessionCache, windows: Sequence[Sequence[int]], recorder: QueryRecorder) -> None:
         """Read each window of tokens on top of ``cache``, ``recorder`` computing every layer's attention.
 
         Each window starts at the cache's logical end and sees the cache plus its own earlier
         tokens. Its rows go to scratch space sized for the longest window, so the cache is
-        neither written nor grown. Compaction collects its reference queries this way.
+        neither written nor grown. Compaction collects its reference queries this way, a chunk
+        of a window per scheduler job.
         """
         windows = [self._check_tokens(w, cache) for w in windows]
         scratch = ScratchRows(cache, max(len(w) for w in windows))
+
+        def read_chunk(ids: list[int], first_position: int) -> None:
+            self._run(to_device([ids], self.device), first_position,
+                      ForwardPass(cache, self.beta_mode, recorder, scratch))
+            scratch.commit(len(ids))
+
         for window in windows:
             scratch.reset()
-            for start in range(0, len(window), PREFILL_CHUNK):
-                ids = window[start : start + PREFILL_CHUNK]
-                self._run(self._on_device(ids), cache.next_position + start,
-                          ForwardPass(cache, self.beta_mode, recorder, scratch))
-                scratch.commit(len(ids))
+            for start in range(0, len(window), JOB_CHUNK):
+                chunk = window[start : start + JOB_CHUNK]
+                self.scheduler.call(lambda: read_chunk(chunk, cache.next_position + start))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: logits ``(..., vocab)`` of final hidden states ``(..., hidden)``."""
+        return self.model.get_output_embeddings()(hidden)
+
+    def close(self) -> None:
+        """Stop the scheduler: reads waiting and later ones raise :class:`~agentmem.errors.SchedulerStopped`."""
+        self.scheduler.close()
 
     def rotate(self, rotated: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
         """RoPE-rotated queries or keys ``(..., head_dim)`` moved ``shift`` positions later, in float32
@@ -238,13 +209,14 @@ class Engine:
         top_p: float = 1.0,
         top_k: int = 0,
         stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
+        seed: int | random.Random | None = None,
         cancelled: threading.Event | None = None,
     ) -> Iterator[int]:
         """Read ``prompt_ids`` into the cache, then yield generated tokens one by one.
 
-        Greedy when ``temperature == 0``; otherwise samples with transformers' temperature,
-        top-k and top-p warpers. Stops at an end-of-sequence token, after a ``stop`` string
+        Greedy when ``temperature == 0``; otherwise samples as :mod:`agentmem.sampling` says
+        (temperature, top-k, top-p), drawing from ``seed``: an int starts a stream, a
+        :class:`random.Random` goes on from where an earlier call left it. Stops at an end-of-sequence token, after a ``stop`` string
         appears in the decoded output, at ``max_new_tokens`` or at the model's context limit.
         Every yielded token is in the cache when the iterator finishes (or is closed early).
         Once ``cancelled`` is set (by another thread: the turn's caller has gone) the next read
@@ -253,114 +225,34 @@ class Engine:
         """
         self.check_sampling(max_new_tokens, temperature, top_p, top_k)
         ids = self._check_tokens(prompt_ids, cache, reserve=0)
-        processors = _warpers(temperature, top_p, top_k)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        return self._decode_loop(cache, ids, max_new_tokens, processors, generator, stop_strings(stop), cancelled)
+        sampling = GREEDY if temperature == 0 else Sampling.of(temperature, top_p, top_k, seed)
+        return self._decode_loop(cache, ids, max_new_tokens, sampling, stop_strings(stop), cancelled)
 
-    def _decode_loop(
-        self,
-        cache: SessionCache,
-        prompt: list[int],
-        max_new_tokens: int,
-        processors: LogitsProcessorList,
-        generator: torch.Generator | None,
-        stop: list[str],
-        cancelled: threading.Event | None = None,
-    ) -> Iterator[int]:
-        """Read the prompt, then sample a token from the last hidden state and read it, until a stop.
+    def _decode_loop(self, cache: SessionCache, prompt: list[int], max_new_tokens: int, sampling: Sampling,
+                     stop: list[str], cancelled: threading.Event | None) -> Iterator[int]:
+        """Read the prompt, then each token chosen, until a stop; every read through the scheduler.
 
-        Each sampled token stays on the device: the next step's forward reads it from there, and
-        the host learns its id (for the token log, the caller and the stop checks) only after
-        queuing that forward, so the device never waits for the host. A token is thus in the
-        cache before it is yielded, even when it turns out to be the last.
+        The read of a token also chooses the next one (the scheduler samples the rows of its
+        forward together), so a token is in the cache before it is yielded, even when it turns
+        out to be the last; the last read allowed asks for no token. Each yield is inside
+        ``away()``: while the caller holds the token, the scheduler does not wait for this turn.
         """
-        if self.decoder is not None and self.decoder.room(cache) >= len(prompt) + max_new_tokens:
-            yield from self._static_decode_loop(cache, prompt, max_new_tokens, processors, generator, stop)
-            return
-        bias_rows = BiasRows()  # β rows the steps share: a step over compacted rows builds no mask
-        head = self.model.get_output_embeddings()
-        batcher = self.batcher
-
-        def advance(token: torch.Tensor) -> torch.Tensor:  # alone, or in a forward shared with other turns
-            if batcher is not None:
-                return batcher.read(cache, token, bias_rows, cancelled=cancelled)
-            check_cancelled(cancelled, "before its next step")
-            return self._commit(cache, token[None], bias_rows)
-
-        with batcher.decoding() if batcher is not None else nullcontext():
-            with torch.inference_mode():
-                if batcher is None:
-                    for start in range(0, len(prompt), PREFILL_CHUNK):
-                        check_cancelled(cancelled, "while its prompt was read")
-                        hidden = self._forward(cache, prompt[start : start + PREFILL_CHUNK], bias_rows)
-                else:  # its chunks share forwards with the other turns' steps, under the batcher's token budget
-                    hidden = batcher.read(cache, self._on_device(prompt)[0], bias_rows, log=prompt,
-                                          cancelled=cancelled)
-            yield from self._sampling_loop(
-                hidden, lambda hidden: head(hidden[0, -1:]), advance,
-                lambda: cache.next_position < self.max_context, cache.extend_log, max_new_tokens, processors,
-                generator, stop, away=batcher.away if batcher is not None else nullcontext)
-
-    def _static_decode_loop(
-        self,
-        cache: SessionCache,
-        prompt: list[int],
-        max_new_tokens: int,
-        processors: LogitsProcessorList,
-        generator: torch.Generator | None,
-        stop: list[str],
-    ) -> Iterator[int]:
-        """:meth:`_decode_loop` through :attr:`decoder`: the tokens it reads reach the cache when it ends."""
-        decoder = self.decoder
-        with torch.inference_mode():
-            for start in range(0, len(prompt) - 1, PREFILL_CHUNK):
-                self._forward(cache, prompt[start : min(start + PREFILL_CHUNK, len(prompt) - 1)])
-        decoder.load(cache)
-        logits = decoder.step(prompt[-1])
-        try:
-            yield from self._sampling_loop(
-                logits, lambda logits: logits, decoder.step,
-                lambda: cache.next_position + decoder.steps < self.max_context, lambda ids: None, max_new_tokens,
-                processors, generator, stop)
-        finally:
-            decoder.store(cache)
-
-    def _sampling_loop(
-        self,
-        state: torch.Tensor,
-        logits_of: Callable[[torch.Tensor], torch.Tensor],
-        advance: Callable[[torch.Tensor], torch.Tensor],
-        has_room: Callable[[], bool],
-        log: Callable[[list[int]], None],
-        max_new_tokens: int,
-        processors: LogitsProcessorList,
-        generator: torch.Generator | None,
-        stop: list[str],
-        away: Callable[[], AbstractContextManager[None]] = nullcontext,
-    ) -> Iterator[int]:
-        """Sample from ``logits_of(state)``, read the token on the device (``advance(token)`` gives the
-        next state) and only then learn its id on the host, ``log`` it and yield it; until a stop.
-        Each yield is inside ``away()``: while the caller holds the token, a batcher does not wait
-        for this turn's next read.
-
-        The two decode paths share this loop: the eager one advances by a forward that commits the
-        token (state: hidden states), the static one by a decoder step (state: logits).
-        """
-        host = _TokenToHost(self.device)
+        limit = min(max_new_tokens, self.max_context - cache.next_position - len(prompt))
+        scheduler, bias_rows = self.scheduler, BiasRows()  # β rows the steps share: no mask rebuilt per step
         generated: list[int] = []
-        while len(generated) < max_new_tokens and has_room():
-            with torch.inference_mode():
-                token = _sample(logits_of(state), processors, generator)
-                host.send(token)
-                state = advance(token)
-            generated.append(host.receive())
-            log(generated[-1:])
-            with away():
-                yield generated[-1]
-            if generated[-1] in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
-                break
+        with scheduler.decoding():
+            token = scheduler.read(cache, prompt, bias_rows, sampling=sampling if limit > 0 else None,
+                                   cancelled=cancelled)
+            while limit > 0:
+                last = len(generated) + 1 == limit
+                following = scheduler.read(cache, [token], bias_rows, step=True,
+                                           sampling=None if last else sampling, cancelled=cancelled)
+                generated.append(token)
+                with scheduler.away():
+                    yield token
+                if last or token in self.eos_token_ids or _hit_stop(self.tokenizer, generated, stop):
+                    return
+                token = following
 
     # ------------------------------------------------------------------------------ chat
 
@@ -408,29 +300,22 @@ class Engine:
 
     # --------------------------------------------------------------------------- internals
 
-    def _forward(self, cache: SessionCache, ids: list[int], bias_rows: BiasRows | None = None) -> torch.Tensor:
-        """Run the decoder over ``ids`` at the cache's logical positions and commit them.
-
-        Returns the final hidden states ``(1, n, hidden)``. If the forward fails, nothing is
-        committed and the cache is unchanged.
+    def _forward(self, cache: SessionCache, ids: list[int]) -> torch.Tensor:
+        """Run the decoder over ``ids`` at the cache's logical positions, commit and log them (on the
+        scheduler's thread: a job). Returns the final hidden states ``(1, n, hidden)``. If the
+        forward fails, nothing is committed and the cache is unchanged.
         """
-        hidden = self._commit(cache, self._on_device(ids), bias_rows)
+        hidden = self._run(to_device([ids], self.device), cache.next_position, ForwardPass(cache, self.beta_mode))
+        for layer in cache.layers:
+            layer.commit(len(ids))
         cache.extend_log(ids)
         return hidden
 
-    def _commit(self, cache: SessionCache, input_ids: torch.Tensor, bias_rows: BiasRows | None = None) -> torch.Tensor:
-        """:meth:`_forward` of device token ids ``(1, n)``, committing their rows but not logging them:
-        the caller logs the ids once the host knows them."""
-        forward_pass = ForwardPass(cache, self.beta_mode, bias_rows=bias_rows or BiasRows())
-        hidden = self._run(input_ids, cache.next_position, forward_pass)
-        for layer in cache.layers:
-            layer.commit(input_ids.shape[1])
-        return hidden
-
-    def commit_rows(self, caches: Sequence[SessionCache], tokens: Sequence[torch.Tensor],
+    def commit_rows(self, caches: Sequence[SessionCache], tokens: Sequence[Sequence[int]],
                     bias_rows: Sequence[BiasRows]) -> torch.Tensor:
-        """One forward reading ``tokens[b]`` (device ids ``(n_b,)``) into ``caches[b]`` at its logical
-        positions, committing the rows (the callers log the ids); final hidden states ``(1, Σ n_b, hidden)``.
+        """One forward reading ``tokens[b]`` (host ids) into ``caches[b]`` at its logical positions,
+        committing the rows (the caller logs the ids); final hidden states ``(1, Σ n_b, hidden)``.
+        The ids and positions reach the device in one copy that does not wait for it.
 
         The sessions are packed along one sequence, decode steps and prompt chunks alike, so
         ragged reads need no padding; each session's tokens attend over its own cache and each
@@ -438,15 +323,16 @@ class Engine:
         the forward fails, nothing is committed."""
         if len({id(c) for c in caches}) != len(caches):
             raise InvalidInput("a batched forward reads one run of tokens per session: a cache appears twice")
-        counts = [t.numel() for t in tokens]
+        counts = [len(t) for t in tokens]
         if min(counts) < 1:
             raise InvalidInput("a batched forward reads at least one token per session")
         packed = PackedPasses([ForwardPass(c, self.beta_mode, bias_rows=r) for c, r in zip(caches, bias_rows)],
                               list(itertools.accumulate(counts, initial=0)))
-        positions = to_device([p for c, n in zip(caches, counts)
-                               for p in range(c.next_position, c.next_position + n)], self.device)
-        out = self.model.base_model(input_ids=torch.cat([t.reshape(-1) for t in tokens])[None],
-                                    position_ids=positions[None], use_cache=False, agentmem_batch=packed)
+        ids_and_positions = to_device([[t for run in tokens for t in run],
+                                       [p for c, n in zip(caches, counts)
+                                        for p in range(c.next_position, c.next_position + n)]], self.device)
+        out = self.model.base_model(input_ids=ids_and_positions[:1], position_ids=ids_and_positions[1:],
+                                    use_cache=False, agentmem_batch=packed)
         for cache, n in zip(caches, counts):
             for layer in cache.layers:
                 layer.commit(n)
@@ -466,10 +352,6 @@ class Engine:
             agentmem_pass=forward_pass,
         )
         return out.last_hidden_state
-
-    def _on_device(self, ids: list[int]) -> torch.Tensor:
-        """Host token ids as ``(1, n)`` input ids on the model's device."""
-        return torch.tensor([ids], device=self.device)
 
     def _check_tokens(self, token_ids: Sequence[int], cache: SessionCache | None, *, reserve: int = 0) -> list[int]:
         if cache is not None:
@@ -507,56 +389,6 @@ class Engine:
             raise InvalidInput(f"top_p must be in (0, 1], got {top_p!r}")
         if not isinstance(top_k, int) or top_k < 0:
             raise InvalidInput(f"top_k must be a non-negative integer, got {top_k!r}")
-
-
-def _warpers(temperature: float, top_p: float, top_k: int) -> LogitsProcessorList:
-    processors = LogitsProcessorList()
-    if temperature > 0:
-        processors.append(TemperatureLogitsWarper(temperature))
-        if top_k > 0:
-            processors.append(TopKLogitsWarper(top_k))
-        if top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p))
-    return processors
-
-
-def _sample(logits: torch.Tensor, processors: LogitsProcessorList, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token id ``(1,)`` from ``(1, vocab)`` logits, on their device: the argmax without warpers."""
-    if not processors:
-        return logits.argmax(-1)
-    # The warpers (temperature, top-k, top-p) never read the ids so far: none are copied to the device.
-    scores = processors(logits.new_empty((1, 0), dtype=torch.long), logits.float())
-    return torch.multinomial(scores.softmax(-1), 1, generator=generator)[0]
-
-
-class _TokenToHost:
-    """Brings each sampled token id to the host without stalling the device's queue of work.
-
-    On CUDA the id is copied into page-locked memory behind the work already queued, and the
-    host waits for that copy only when it reads the id, after it has queued the next forward.
-    Elsewhere reading the id is the copy.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        pinned = device.type == "cuda"
-        self._host = torch.empty(1, dtype=torch.long, device="cpu", pin_memory=True) if pinned else None
-        self._copied = torch.cuda.Event() if pinned else None
-        self._token: torch.Tensor | None = None
-
-    def send(self, token: torch.Tensor) -> None:
-        """Start bringing ``token`` ``(1,)`` to the host."""
-        if self._host is None:
-            self._token = token
-        else:
-            self._host.copy_(token, non_blocking=True)
-            self._copied.record()
-
-    def receive(self) -> int:
-        """The id of the token last sent (the one host sync of a decode step)."""
-        if self._host is None:
-            return int(self._token)
-        self._copied.synchronize()
-        return int(self._host)
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:

@@ -15,6 +15,7 @@ device and the store through the public state methods (:meth:`Session.restore`,
 
 from __future__ import annotations
 
+import random
 import sys
 import threading
 import time
@@ -33,7 +34,6 @@ from agentmem.errors import (
     HistoryDivergence,
     InvalidInput,
     RequestTooLarge,
-    check_cancelled,
 )
 from agentmem.keys import SessionKey
 from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, placement_room, replace_positions
@@ -210,7 +210,8 @@ class Session:
                 if reply_prefix:
                     yield reply_prefix
                 for token in self._generate(delta, usage, max_new_tokens, conversation, temperature=temperature,
-                                            top_p=top_p, top_k=top_k, stop=stop, seed=seed, cancelled=cancelled):
+                                            top_p=top_p, top_k=top_k, stop=stop, seed=random.Random(seed),
+                                            cancelled=cancelled):
                     reply.push(token)
                     text = reply.visible()
                     if len(text) > len(shown):
@@ -430,9 +431,8 @@ class Session:
             room = min(limit - self.cache.physical_length, len(delta) - 1)
             if self.cache.physical_length + len(delta) <= limit or room < 1 or self.cache.physical_length >= before:
                 break
-            check_cancelled(self._cancelled, "while its message was read")  # what was read stays
             with self._host.room(self.cache.bytes_to_append(room), self):
-                self.engine.prefill(delta[:room], self.cache)
+                self.engine.prefill(delta[:room], self.cache, cancelled=self._cancelled)  # what was read stays
             delta = delta[room:]
         return delta
 
@@ -447,9 +447,8 @@ class Session:
             piece = min(len(delta) - 1, self._position_room() - 1)
             if piece < 1:
                 break
-            check_cancelled(self._cancelled, "while its message was read")  # what was read stays
             with self._host.room(self.cache.bytes_to_append(piece), self):
-                self.engine.prefill(delta[:piece], self.cache)
+                self.engine.prefill(delta[:piece], self.cache, cancelled=self._cancelled)  # what was read stays
             delta = delta[piece:]
         return delta
 

@@ -1,0 +1,419 @@
+"""The engine's scheduler: the one owner of the model, running every forward of every session.
+
+Every model read goes through an engine's :class:`Scheduler` (``engine.scheduler``), whichever
+thread, turn or API asks for it: a turn's prompt and decode steps, a long message read in pieces,
+a prefill, and the compactor's reference reads and scoring. Nothing else touches the model, so
+one session's work never runs beside another's forward on the same device, and concurrent turns
+share forwards: on a GPU a decode forward costs about what reading the weights costs, whatever
+the batch. A turn alone pays one thread hand-off per forward for this.
+
+Two kinds of work reach the scheduler:
+
+- **Reads** (:meth:`Scheduler.read`): tokens read into a session's cache and logged. The reads
+  waiting are packed into one forward (:meth:`Engine.commit_rows
+  <agentmem.engine.Engine.commit_rows>`: each session's tokens attend over its own cache, ragged
+  lengths and compacted rows with β included, never copied into one padded tensor). A read that
+  asks for a token gets it: one LM-head product over the last hidden state of every such read in
+  the forward, one sampling call (:func:`agentmem.sampling.sample_rows`, each row its own
+  settings) and one copy of the tokens to the host.
+- **Jobs** (:meth:`Scheduler.call`): a forward that is not a read (scoring, the compactor's
+  reference reads into scratch rows), run as given between two forwards of reads. Callers cut
+  their jobs to a chunk each, so reads wait at most one chunk.
+
+What goes into a forward (the policy): every waiting decode step, in arrival order, up to
+``max_batch`` rows, less one while a prompt waits, so prompts always progress; then the oldest
+waiting prompts fill the rows left, and the ``step_tokens`` budget left after the steps is shared
+among them water-filling, shortest remainder first: each gets an equal share of what is left, a
+prompt needing less than its share finishes and leaves the rest to the others. So a 20-token
+prompt that arrives behind a 10,000-token one is read in the next forward, and the long one still
+reads most of every forward (chunked prefill). Jobs and forwards of reads alternate while both
+wait, so neither starves the other. Turns step in lockstep: before a forward the scheduler waits
+for a read from every turn in :meth:`~Scheduler.decoding` (a turn is between reads only for its
+host work: stop checks, its text), so they share each forward instead of alternating; one turn
+alone never waits, nor does the scheduler wait for a turn whose caller holds its token
+(:meth:`~Scheduler.away`: a slow consumer slows only its own turn). It waits at most
+``gather_seconds`` or as long as the last forward took, whichever is longer: a turn that misses
+a forward costs a forward of its own, so waiting up to that long is the cheaper bet.
+
+Failures stay with their culprit. A forward that fails commits nothing, so the scheduler splits
+its reads in halves and runs each again, until the read that fails is alone: only its turn gets
+the error. A cancelled turn's reads leave the scheduler: each read carries its turn's
+cancellation (an event its caller sets; :meth:`~Scheduler.withdraw` does the same by cache). A
+waiting read leaves at the next forward it is not part of, with
+:class:`~agentmem.errors.TurnCancelled`; a prompt in the forward under way leaves after it (its
+chunks committed and logged) with the same error; a read that forward finishes is delivered, its
+turn stopping where its caller does. A scheduler that dies, or is closed, fails every waiting
+read and job and every later one with :class:`~agentmem.errors.SchedulerStopped`, never leaving
+a turn waiting forever.
+
+The thread runs while there is work and ends after ``idle_seconds`` without any (the next read
+starts it again), so an engine nobody uses holds no thread and can be collected. Compactions,
+spills and each turn's text stay in the turns' own threads: the scheduler runs forwards only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from agentmem.attention import BiasRows
+from agentmem.cache import SessionCache, to_device
+from agentmem.errors import InvalidInput, SchedulerStopped, TurnCancelled, brief, check_cancelled
+from agentmem.sampling import Sampling, sample_rows
+
+if TYPE_CHECKING:
+    from agentmem.engine import Engine
+
+log = logging.getLogger(__name__)
+WITHDRAWN = "the turn was cancelled; its queued reads were withdrawn"
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class PendingRead:
+    """A turn's tokens waiting to be read; a prompt's may take several forwards (``done`` counts them)."""
+
+    cache: SessionCache
+    ids: list[int]
+    bias_rows: BiasRows
+    step: bool  # a decode step: scheduled before prompts
+    sampling: Sampling | None  # how to choose the token after the last one; None: no token wanted
+    cancelled: threading.Event | None = None  # set when the read's turn is cancelled
+    modes: list[TorchDispatchMode] = field(default_factory=_get_current_dispatch_mode_stack)  # the caller's
+    done: int = 0
+    withdrawn: bool = False
+    finished: Future[int | None] = field(default_factory=Future)
+
+    @property
+    def left(self) -> int:
+        return len(self.ids) - self.done
+
+    @property
+    def dropped(self) -> bool:
+        """Whether its turn no longer wants it (withdrawn, or its cancellation set)."""
+        return self.withdrawn or (self.cancelled is not None and self.cancelled.is_set())
+
+
+@dataclass(eq=False)
+class PendingJob:
+    """A forward that is not a read, run as given on the scheduler's thread."""
+
+    run: Callable[[], object]
+    modes: list[TorchDispatchMode] = field(default_factory=_get_current_dispatch_mode_stack)  # the caller's
+    finished: Future[object] = field(default_factory=Future)
+
+
+class Scheduler:
+    """Every forward of an engine, run by one thread; see the module docstring.
+
+    ``forwards`` counts the forwards of reads run, ``steps`` the session rows they carried (their
+    ratio is the mean batch), ``tokens`` the tokens read, ``sampled`` the rows that got a token
+    and ``jobs`` the jobs run.
+    """
+
+    def __init__(self, engine: Engine, max_batch: int = 64, step_tokens: int = 2048,
+                 gather_seconds: float = 0.005, idle_seconds: float = 2.0) -> None:
+        for name, value in (("max_batch", max_batch), ("step_tokens", step_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInput(f"{name} must be a positive integer, got {value!r}")
+        if not step_tokens >= max_batch:
+            raise InvalidInput(f"step_tokens ({step_tokens}) must hold a step of every session of a batch "
+                               f"(max_batch {max_batch})")
+        if not gather_seconds >= 0 or not idle_seconds > 0:
+            raise InvalidInput(f"gather_seconds must be >= 0 and idle_seconds > 0, got {gather_seconds!r}, "
+                               f"{idle_seconds!r}")
+        self.engine = engine
+        self.max_batch, self.step_tokens = max_batch, step_tokens
+        self.gather_seconds, self.idle_seconds = gather_seconds, idle_seconds
+        self.forwards = self.steps = self.tokens = self.sampled = self.jobs = 0
+        self._decoding = 0  # turns between their prompt and their last step, not away
+        self._last_forward_seconds = 0.0
+        self._waiting: list[PendingRead] = []
+        self._jobs: list[PendingJob] = []
+        self._running: list[PendingRead] = []  # the reads of the forward under way
+        self._job_next = False  # jobs and forwards of reads take turns while both wait
+        self._stopped: SchedulerStopped | None = None
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def on_thread(self) -> bool:
+        """Whether the caller is the scheduler's thread (its work runs directly, never queued on itself)."""
+        return self._thread is threading.current_thread()
+
+    @contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Held by a turn while it reads its prompt and decodes, so the scheduler waits for its reads."""
+        with self._changed:
+            self._decoding += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._decoding -= 1
+                self._changed.notify_all()
+
+    @contextmanager
+    def away(self) -> Iterator[None]:
+        """Held by a decoding turn while its caller has its token (a yield): not waited for meanwhile."""
+        with self._changed:
+            self._decoding -= 1
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._decoding += 1
+
+    def read(self, cache: SessionCache, ids: Sequence[int], bias_rows: BiasRows, *, step: bool = False,
+             sampling: Sampling | None = None, cancelled: threading.Event | None = None) -> int | None:
+        """Read ``ids`` (host token ids, checked by the caller) into ``cache`` in the next shared
+        forwards, logging each as its row is committed; with ``sampling``, the token it chooses to
+        follow the last one (its row of the forward's one sampling call), else None. ``step``: a
+        decode step, scheduled ahead of prompts. ``cancelled``: the turn's cancellation; once it is
+        set the read is dropped at the next forward it is not part of (:class:`TurnCancelled`), or
+        refused at once if set already.
+
+        If the read fails (alone: a forward that fails is retried in parts until the failing read
+        is alone), the turn gets the exception; a prompt's chunks committed by earlier forwards
+        stay committed and logged."""
+        if len(ids) < 1:
+            raise InvalidInput("a read needs at least one token")
+        check_cancelled(cancelled, "before this read")
+        waiting = PendingRead(cache, list(ids), bias_rows, step, sampling, cancelled)
+        if self.on_thread:
+            raise InvalidInput("the scheduler's own work cannot queue a read on it")
+        self._enqueue(self._waiting, waiting)
+        return waiting.finished.result()
+
+    def call(self, run: Callable[[], T]) -> T:
+        """``run()`` on the scheduler's thread between two forwards (directly when called from
+        there); its result or its exception. For forwards that are not reads: keep each short."""
+        if self.on_thread:
+            return run()
+        job = PendingJob(run)
+        self._enqueue(self._jobs, job)
+        return job.finished.result()  # type: ignore[return-value]
+
+    def withdraw(self, cache: SessionCache) -> int:
+        """Withdraw the reads of ``cache`` (its turn was cancelled): they raise :class:`TurnCancelled`,
+        a waiting one at once, one in the forward under way once its rows are committed. How many."""
+        cancelled = TurnCancelled(WITHDRAWN)
+        with self._changed:
+            mine = [r for r in self._waiting if r.cache is cache]
+            for read in mine:
+                read.withdrawn = True
+                if all(read is not running for running in self._running):
+                    self._waiting.remove(read)
+                    read.finished.set_exception(cancelled)
+        return len(mine)
+
+    def close(self) -> None:
+        """Stop for good: waiting and later reads and jobs raise :class:`SchedulerStopped`."""
+        self._stop(SchedulerStopped("the engine's scheduler was closed"))
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    # ------------------------------------------------------------------------ the scheduler
+
+    def _enqueue(self, queue: list, item: PendingRead | PendingJob) -> None:
+        with self._changed:
+            if self._stopped is not None:
+                raise SchedulerStopped(str(self._stopped))
+            queue.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._schedule, name="agentmem-scheduler", daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+
+    def _stop(self, reason: SchedulerStopped) -> None:
+        with self._changed:
+            if self._stopped is None:
+                self._stopped = reason
+            failed = [r for r in self._waiting if all(r is not running for running in self._running)]
+            self._waiting = [r for r in self._waiting if r not in failed]
+            jobs, self._jobs = self._jobs, []
+            self._changed.notify_all()
+        for pending in failed + jobs:
+            pending.finished.set_exception(reason)
+
+    def _schedule(self) -> None:
+        try:
+            with torch.inference_mode():
+                while (work := self._next_work()) is not None:
+                    if isinstance(work, PendingJob):
+                        self._run_job(work)
+                        continue
+                    self._run(work)
+                    with self._changed:
+                        self._running = []
+                        self._changed.notify_all()
+            if self._stopped is not None:
+                self._stop(self._stopped)  # closed: what the last forward left waiting (a prompt's rest) fails too
+        except BaseException as exc:  # noqa: BLE001 - a dead scheduler must fail its waiters, not strand them
+            log.exception("the engine's scheduler died; every read waiting or to come fails")
+            stopped = SchedulerStopped(f"the engine's scheduler died: {brief(exc)}")
+            with self._changed:
+                stranded = [r for r in self._running if not r.finished.done()]
+                self._waiting = [r for r in self._waiting if all(r is not s for s in stranded)]
+                self._running = []
+            for read in stranded:  # in the forward that died: nobody else will answer them
+                read.finished.set_exception(stopped)
+            self._stop(stopped)
+
+    def _next_work(self) -> PendingJob | list[tuple[PendingRead, int]] | None:
+        """The next job, or the next forward's reads once gathered; None once stopped or idle (the
+        thread then ends: the next read starts another). Reads whose turn was cancelled meanwhile
+        leave here (no forward runs them: nothing of theirs is half-read)."""
+        while True:
+            with self._changed:
+                while not self._waiting and not self._jobs and self._stopped is None:
+                    if not self._changed.wait(self.idle_seconds) and not self._waiting and not self._jobs:
+                        self._thread = None  # under the lock: a read arriving now starts a new thread
+                        return None
+                if self._stopped is not None:
+                    return None
+                if self._jobs and (self._job_next or not self._waiting):
+                    self._job_next = False
+                    return self._jobs.pop(0)
+                deadline = time.monotonic() + max(self.gather_seconds, self._last_forward_seconds)
+                while (len(self._waiting) < min(self._decoding, self.max_batch) and time.monotonic() < deadline
+                       and self._stopped is None):
+                    self._changed.wait(deadline - time.monotonic())
+                if self._stopped is not None:
+                    return None
+                dropped = [r for r in self._waiting if r.dropped]
+                self._waiting = [r for r in self._waiting if not r.dropped]
+                batch = plan_forward(self._waiting, self.max_batch, self.step_tokens) if self._waiting else []
+                self._running = [read for read, _ in batch]
+                self._job_next = bool(batch)
+            for read in dropped:
+                read.finished.set_exception(TurnCancelled(WITHDRAWN))
+            if batch:
+                return batch
+
+    def _run_job(self, job: PendingJob) -> None:
+        try:
+            with callers_modes([job]):
+                result = job.run()
+        except Exception as exc:  # noqa: BLE001 - the job's caller gets it
+            job.finished.set_exception(exc)
+        else:
+            job.finished.set_result(result)
+        with self._changed:
+            self.jobs += 1
+
+    def _run(self, batch: list[tuple[PendingRead, int]]) -> None:
+        """One forward over ``batch``; if it fails (committing nothing), each half again, so that
+        only a read failing alone gets the error."""
+        if not batch:
+            return
+        began = time.monotonic()
+        try:
+            with callers_modes([r for r, _ in batch]):
+                hidden = self.engine.commit_rows([r.cache for r, _ in batch],
+                                                 [r.ids[r.done : r.done + n] for r, n in batch],
+                                                 [r.bias_rows for r, _ in batch])
+        except Exception as exc:  # noqa: BLE001 - isolated below; the failing read's turn gets it
+            if len(batch) > 1:
+                middle = len(batch) // 2
+                self._run(batch[:middle])
+                self._run(batch[middle:])
+                return
+            read = batch[0][0]
+            with self._changed:
+                self._waiting = [r for r in self._waiting if r is not read]
+            read.finished.set_exception(exc)
+            return
+        self._last_forward_seconds = time.monotonic() - began
+        self._finish(batch, hidden)
+
+    def _finish(self, batch: list[tuple[PendingRead, int]], hidden: torch.Tensor) -> None:
+        """Log and advance the reads of a forward that ran; choose the tokens of the finished reads
+        that want one (one head product, one sampling call, one host read) and hand them over, and
+        the withdrawn reads with tokens left :class:`TurnCancelled` (their rows so far committed
+        and logged). A withdrawn read that the forward finished gets its result: its rows are
+        committed and logged, and its turn stops where its caller does."""
+        end = 0
+        finished, withdrawn, last_rows = [], [], []
+        for read, n in batch:
+            read.cache.extend_log(read.ids[read.done : read.done + n])
+            read.done += n
+            end += n
+            if read.left == 0:
+                finished.append(read)
+                last_rows.append(end - 1)
+            elif read.dropped:  # a prompt cut between chunks, each committed and logged
+                withdrawn.append(read)
+        choosing = [(read, row) for read, row in zip(finished, last_rows) if read.sampling is not None]
+        tokens: dict[int, int] = {}
+        failure: Exception | None = None
+        if choosing:
+            try:
+                with callers_modes([r for r, _ in choosing]):
+                    tokens = dict(zip((id(r) for r, _ in choosing), self._choose(hidden, choosing)))
+            except Exception as exc:  # noqa: BLE001 - their rows are in; the turns that wanted a token get this
+                failure = exc
+        leaving = finished + withdrawn  # of this batch only: a retried half's other half has not run yet
+        with self._changed:
+            self._waiting = [r for r in self._waiting if all(r is not gone for gone in leaving)]
+            self.forwards += 1
+            self.steps += len(batch)
+            self.tokens += end
+            self.sampled += len(tokens)
+        for read in finished:
+            if read.sampling is not None and failure is not None:
+                read.finished.set_exception(failure)
+            else:
+                read.finished.set_result(tokens.get(id(read)))
+        for read in withdrawn:
+            read.finished.set_exception(TurnCancelled(WITHDRAWN))
+
+    def _choose(self, hidden: torch.Tensor, choosing: list[tuple[PendingRead, int]]) -> list[int]:
+        """The next token of each read in ``choosing`` (read, its last row in ``hidden``): one head
+        product over those rows, one sampling call, one host read."""
+        rows = [row for _, row in choosing]
+        states = hidden[0]
+        if rows != list(range(states.shape[0])):  # not a forward of decode steps alone: pick the rows
+            states = states.index_select(0, to_device(rows, states.device))
+        logits = self.engine.head(states)
+        return sample_rows(logits, [read.sampling for read, _ in choosing]).tolist()
+
+
+@contextmanager
+def callers_modes(work: Sequence[PendingRead | PendingJob]) -> Iterator[None]:
+    """The dispatch modes the callers of ``work`` had active (a cost counter, fake tensors), entered
+    on the scheduler's thread: modes are per thread, and the work is the callers'."""
+    with ExitStack() as stack:
+        entered: set[int] = set()
+        for item in work:
+            for mode in item.modes:
+                if id(mode) not in entered:
+                    entered.add(id(mode))
+                    stack.enter_context(mode)
+        yield
+
+
+def plan_forward(waiting: Sequence[PendingRead], max_batch: int, step_tokens: int) -> list[tuple[PendingRead, int]]:
+    """The next forward: (read, tokens of it) by the policy of the module docstring, from ``waiting``
+    in arrival order."""
+    steps = [r for r in waiting if r.step]
+    prompts = [r for r in waiting if not r.step]
+    steps = steps[: max_batch - 1 if prompts else max_batch]
+    prompts = prompts[: max_batch - len(steps)]  # the oldest first: none waits for rows forever
+    budget = step_tokens - len(steps)
+    shares: dict[int, int] = {}
+    for i, read in enumerate(sorted(prompts, key=lambda r: r.left)):  # water-filling, shortest remainder first
+        shares[id(read)] = take = min(read.left, budget // (len(prompts) - i))
+        budget -= take
+    return [(r, 1) for r in steps] + [(r, shares[id(r)]) for r in prompts if shares[id(r)] > 0]
