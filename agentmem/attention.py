@@ -167,7 +167,7 @@ class PackedPasses:
 
     Session ``b``'s tokens are ``bounds[b]:bounds[b + 1]`` of the sequence, read under
     ``passes[b]``: a decode step is one token, a prompt chunk many. Passed to the model as the
-    ``agentmem_batch`` kwarg (see :mod:`agentmem.batching`).
+    ``agentmem_batch`` kwarg (see :mod:`agentmem.scheduler`).
     """
 
     passes: list[ForwardPass]
@@ -203,7 +203,8 @@ def session_attention(
                             f"{packed.bounds}")
     out = [_attend(row, module.layer_idx, query[0, :, first:end], key[0, :, first:end], value[0, :, first:end], scale)
            for row, first, end in zip(packed.passes, packed.bounds, packed.bounds[1:])]
-    return torch.cat(out, dim=1)[None].transpose(1, 2), None
+    joined = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # one session alone: no copy
+    return joined[None].transpose(1, 2), None
 
 
 def _attend(forward_pass: ForwardPass, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

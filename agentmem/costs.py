@@ -6,11 +6,19 @@ and what a GPU pays for is visible there on a CPU (or on fake tensors, which do 
 - **aten ops**: each operator that does work is about one kernel launch on a GPU (views,
   aliases and metadata-only ops are counted apart: they launch nothing);
 - **host syncs**: operators whose result the host must read before it can go on (``.item()``,
-  ``int(t)``, ``bool(t)``, ``nonzero``, boolean indexing, ``unique``, ``tolist``, a 0-d tensor
-  as a slice bound, ...). On a GPU each one drains the launch queue. Each is recorded with the
-  first call site in the code under study, so a count that grows can be traced to its line;
-- **FLOPs by dtype** of matrix products and attention (PyTorch's own formulas, keyed by the
-  dtype the product runs in: a bf16 ``bmm`` runs on tensor cores, an fp32 one does not);
+  ``int(t)``, ``bool(t)``, ``nonzero``, one-argument ``where``, ``bincount`` (its length),
+  boolean indexing, ``unique``, ``tolist``, ``.cpu()`` (counted on a CPU tensor too: on a GPU the
+  tensor would be on the device), linalg's error-checking solvers, a 0-d tensor as a slice
+  bound, ...). On a GPU each one drains the launch queue. Each is recorded with the first call
+  site in the code under study, so a count that grows can be traced to its line;
+- **blocking copies**: host data copied to a device in a way that waits for it
+  (``torch.tensor(..., device=...)`` or ``.to(device)`` without ``non_blocking=True``: on CUDA a
+  pageable copy behind the queued work). Counted on a CPU too, by what the code asks for;
+- **FLOPs by dtype** of matrix products, ``einsum``, linalg solvers and attention (PyTorch's own
+  formulas where it has them, keyed by the dtype the product runs in: a bf16 ``bmm`` runs on
+  tensor cores, an fp32 one does not);
+- **bytes moved**: what each working operator reads and writes (its tensor inputs and outputs):
+  an upper bound of the memory traffic that bounds decoding on a GPU;
 - **peak live bytes**: storages made inside the block, counted while they live (on top of
   what was live before, which is not counted);
 - **host-to-device traffic**: tensors built from host data (``torch.tensor(...)``) and copies
@@ -42,8 +50,12 @@ _SYNC_OPS = frozenset({
     aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default,
     aten.nonzero.default, aten.nonzero.out, aten.masked_select.default, aten.argwhere.default,
     aten._unique.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
-    aten.repeat_interleave.Tensor, aten.allclose.default,
+    aten.repeat_interleave.Tensor, aten.allclose.default, aten.where.default, aten.bincount.default,
+    aten.linalg_cholesky.default, aten.linalg_solve.default, aten.linalg_inv.default, aten.cholesky_inverse.default,
+    aten._linalg_check_errors.default,
 })
+# Copies that take a target device: blocking unless asked not to be.
+_COPY_OPS = frozenset({aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default, aten.copy_.default})
 # Work-free operators: they build views or move no data, so they launch nothing on a GPU.
 _FREE_OPS = frozenset({
     aten.detach.default, aten.detach_.default, aten.lift_fresh.default, aten.resolve_conj.default,
@@ -82,6 +94,8 @@ class Costs:
     host_built_bytes: int = 0  # tensors made from host data (a host-to-device copy on a GPU)
     host_built: int = 0
     cross_device_bytes: int = 0
+    blocking_copies: collections.Counter = field(default_factory=collections.Counter)  # "file:line (how)" -> count
+    bytes_moved: int = 0  # bytes read and written by working operators
 
     @property
     def host_syncs(self) -> int:
@@ -107,7 +121,8 @@ class Costs:
             "sync_sites": dict(self.syncs.most_common()), "flops": dict(self.flops), "total_flops": self.total_flops,
             "linear_rows": {f"{i}x{o}": n for (i, o), n in self.linear_rows.items()},
             "peak_bytes": self.peak_bytes, "host_built": self.host_built, "host_built_bytes": self.host_built_bytes,
-            "cross_device_bytes": self.cross_device_bytes,
+            "cross_device_bytes": self.cross_device_bytes, "blocking_copies": dict(self.blocking_copies),
+            "bytes_moved": self.bytes_moved,
         }
 
 
@@ -131,6 +146,7 @@ class CostCounter(TorchDispatchMode):
         self._live = 0  # bytes of tracked storages, dead ones not yet swept included
         self._patched: list[tuple[Any, str, Any]] = []
         self._reading = False
+        self._host_data: set[int] = set()  # storages built from host data in the block
 
     def __enter__(self):
         # Host reads that never reach the dispatcher on a CPU tensor (on a GPU they are copies + syncs).
@@ -138,6 +154,11 @@ class CostCounter(TorchDispatchMode):
             original = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, self._counting(original, name))
             self._patched.append((torch.Tensor, name, original))
+        # A tensor built from host data straight onto a device: the copy waits for the device.
+        for name in ("tensor", "as_tensor"):
+            original = getattr(torch, name)
+            setattr(torch, name, self._watching_device(original, name))
+            self._patched.append((torch, name, original))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -153,8 +174,7 @@ class CostCounter(TorchDispatchMode):
         def wrapper(tensor, *args, **kwargs):
             if counter._reading:  # a torch function mode above us calls the method again: one read
                 return original(tensor, *args, **kwargs)
-            if name != "cpu" or tensor.device.type != "cpu":
-                counter._record_sync(name)
+            counter._record_sync(name)
             counter._reading = True
             try:
                 return original(tensor, *args, **kwargs)
@@ -162,11 +182,35 @@ class CostCounter(TorchDispatchMode):
                 counter._reading = False
         return wrapper
 
+    def _watching_device(self, original, name: str):
+        counter = self
+
+        @functools.wraps(original)
+        def wrapper(data, *args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and device != "cpu":  # an engine's device, whatever it is here
+                counter.costs.blocking_copies[f"{counter._call_site()} (torch.{name}(device=))"] += 1
+            return original(data, *args, **kwargs)
+        return wrapper
+
+    def _copies_host_data(self, func, args, kwargs) -> bool:
+        """Whether a copy op moves data between devices, or host data (built in the block from host
+        values) to an explicit device: on a GPU a host-to-device copy, even where the device is the
+        CPU here. Same-device copies of device data (a buffer's ``.to(x.device)``) are not."""
+        source, target = (args[1], args[0].device) if func is aten.copy_.default else (args[0], kwargs.get("device"))
+        if func is aten.to.device:
+            target = args[1]
+        elif func is aten.to.other:
+            target = args[1].device
+        if target is None:
+            return False
+        return source.device != torch.device(target) or source.untyped_storage()._cdata in self._host_data
+
     def _record_sync(self, op: str) -> None:
         self.costs.syncs[f"{self._call_site()} ({op})"] += 1
 
     def _call_site(self) -> str:
-        for frame in reversed(traceback.extract_stack()[:-3]):
+        for frame in reversed(traceback.extract_stack()[:-1]):
             if (frame.filename.startswith(self._sites_under) and frame.filename != __file__
                     and "site-packages" not in frame.filename and not frame.name.startswith("__torch_")):
                 return f"{frame.filename[len(self._sites_under) + 1:]}:{frame.lineno}"
@@ -183,8 +227,12 @@ class CostCounter(TorchDispatchMode):
             self._track_outputs(out, args, kwargs)
             return out
         if func in _SYNC_OPS or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
-                                 and _has_bool_index(args)):
+                                 and _has_bool_index(args)) or (
+                func is aten.linalg_cholesky_ex.default and kwargs.get("check_errors", False)):
             self._record_sync(func.__name__)
+        if (func in _COPY_OPS and not self._reading  # a .cpu() read is counted as a sync already
+                and not _non_blocking(func, args, kwargs) and self._copies_host_data(func, args, kwargs)):
+            self.costs.blocking_copies[f"{self._call_site()} ({func.__name__})"] += 1
         if _is_view(func):
             self.costs.view_ops += 1
         else:
@@ -192,10 +240,13 @@ class CostCounter(TorchDispatchMode):
             self.costs.ops[func.__name__] += 1
         out = func(*args, **kwargs)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not _is_view(func):
+            self.costs.bytes_moved += sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
         self._count_flops(func, args, kwargs, inputs, outputs)
         if func is aten.lift_fresh.default:
             self.costs.host_built += 1
             self.costs.host_built_bytes += sum(t.nbytes for t in outputs)
+            self._host_data.update(t.untyped_storage()._cdata for t in outputs)
         elif func in (aten._to_copy.default, aten.copy_.default) and inputs and outputs and (
                 inputs[-1].device != outputs[0].device):
             self.costs.cross_device_bytes += outputs[0].nbytes
@@ -214,6 +265,10 @@ class CostCounter(TorchDispatchMode):
         elif packet in _ATTENTION_OPS:
             self._count_higher_order_flops(inputs)
             return
+        elif func is aten.einsum.default:
+            flops = _einsum_flops(args[0], inputs)
+        elif packet in _LINALG_FLOPS:
+            flops = _LINALG_FLOPS[packet](*(t.shape for t in inputs[:2]))
         else:
             return
         self.costs.flops[str(inputs[0].dtype).removeprefix("torch.")] += int(flops)
@@ -269,6 +324,49 @@ class CostCounter(TorchDispatchMode):
     def _sweep(self) -> None:
         for key in [key for key, (ref, _) in self._tracked.items() if ref.expired()]:
             self._live -= self._tracked.pop(key)[1]
+
+
+def _batch(shape: torch.Size, matrix_dims: int = 2) -> int:
+    return int(torch.Size(shape[:-matrix_dims]).numel())
+
+
+# FLOPs of linalg solvers from their first inputs' shapes: (n x n) systems, k right-hand sides.
+_LINALG_FLOPS = {
+    aten.linalg_cholesky: lambda a, *_: _batch(a) * a[-1] ** 3 // 3,
+    aten.linalg_cholesky_ex: lambda a, *_: _batch(a) * a[-1] ** 3 // 3,
+    aten.cholesky_solve: lambda b, a: _batch(b) * 2 * a[-1] ** 2 * b[-1],
+    aten.linalg_solve_triangular: lambda a, b: _batch(b) * a[-1] ** 2 * b[-1],
+    aten.triangular_solve: lambda b, a: _batch(b) * a[-1] ** 2 * b[-1],
+    aten.linalg_solve: lambda a, b: _batch(a) * (2 * a[-1] ** 3 // 3 + 2 * a[-1] ** 2 * (b[-1] if len(b) == len(a)
+                                                                                        else 1)),
+    aten.linalg_inv: lambda a, *_: _batch(a) * 2 * a[-1] ** 3,
+    aten.cholesky_inverse: lambda a, *_: _batch(a) * 2 * a[-1] ** 3,
+}
+
+
+def _einsum_flops(equation: str, operands: list[torch.Tensor]) -> int:
+    """Multiply-adds of an einsum: 2 x the product of every index's size (each index once), per
+    extra operand; what a contraction of its operands computes, done pairwise."""
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for labels, operand in zip(inputs, operands):
+        if "." in labels:  # an ellipsis: not counted by label, take its elements
+            return 2 * max(t.numel() for t in operands)
+        sizes.update(zip(labels, operand.shape))
+    product = 1
+    for size in sizes.values():
+        product *= size
+    return 2 * product * max(1, len(operands) - 1)
+
+
+def _non_blocking(func, args, kwargs) -> bool:
+    """A copy op's ``non_blocking``, given by keyword or by position (``to.device``: 4th, ``copy_``: 3rd)."""
+    position = {aten.to.device: 3, aten.to.other: 2, aten.copy_.default: 2}.get(func)
+    if position is not None and len(args) > position:
+        return bool(args[position])
+    return bool(kwargs.get("non_blocking", False))
+
+
 
 
 def _has_bool_index(args) -> bool:

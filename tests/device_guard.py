@@ -30,7 +30,8 @@ class HostTensorGuard(TorchFunctionMode):
         if func in FACTORIES and "device" not in kwargs:
             caller = sys._getframe(1)
             module = caller.f_globals.get("__name__", "")
-            if module == "agentmem" or module.startswith("agentmem."):
+            # agentmem.costs wraps torch.tensor to watch its callers: it forwards their call as they made it
+            if (module == "agentmem" or module.startswith("agentmem.")) and module != "agentmem.costs":
                 raise ImplicitDeviceError(
                     f"torch.{func.__name__} without device= at {caller.f_code.co_filename}:{caller.f_lineno}"
                 )

@@ -105,3 +105,46 @@ def test_the_cpu_flash_kernel_counts_its_flops():
     with torch.inference_mode(), CostCounter() as counter:
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k)
     assert counter.costs.flops["bfloat16"] == 2 * 4 * 32 * 64 * (16 + 16)
+
+
+def test_reads_the_host_waits_for_are_syncs_wherever_they_hide():
+    """One-argument where, bincount (its length), .cpu() (a CPU tensor here, a device one on a GPU)
+    and linalg's error-checking solvers all make the host wait; the _ex solvers without checks do not."""
+    spd = torch.randn(3, 4, 4)
+    spd = spd @ spd.transpose(1, 2) + 4 * torch.eye(4)
+    with torch.inference_mode(), CostCounter() as counter:
+        torch.where(spd > 0)
+        torch.bincount(torch.arange(3))
+        spd.cpu()
+        torch.linalg.cholesky(spd)
+        torch.linalg.solve(spd, spd)
+        torch.linalg.cholesky_ex(spd)
+    names = sorted(site.split(" ")[1] for site in counter.costs.syncs)
+    assert names == ["(bincount.default)", "(cpu)", "(linalg_cholesky.default)", "(linalg_solve.default)",
+                     "(where.default)"], counter.costs.syncs
+
+
+def test_copies_to_a_device_that_wait_for_it_are_counted_by_what_the_code_asks():
+    """On a CPU the device is the host, yet the code's request is what a GPU would get: a tensor
+    built onto a device or sent there without non_blocking waits; one sent with it does not."""
+    device = torch.device("cpu")  # an engine's device
+    with torch.inference_mode(), CostCounter() as counter:
+        torch.tensor([1, 2], device=device)
+        torch.tensor([1, 2]).to(device)
+        torch.tensor([1, 2]).to(device, non_blocking=True)
+        torch.tensor([1, 2])  # stays on the host
+    assert sum(counter.costs.blocking_copies.values()) == 2, counter.costs.blocking_copies
+    assert all(site.startswith("tests/test_costs.py:") for site in counter.costs.blocking_copies)
+
+
+def test_einsum_and_solver_flops_and_bytes_moved_are_counted():
+    a, b = torch.randn(8, 16, 32), torch.randn(8, 32, 4)
+    spd = torch.randn(8, 32, 32)
+    spd = spd @ spd.transpose(1, 2) + 32 * torch.eye(32)
+    with torch.inference_mode(), CostCounter() as counter:
+        torch.einsum("bij,bjk->bik", a, b)
+        factor, _ = torch.linalg.cholesky_ex(spd)
+        torch.cholesky_solve(b, factor)
+    assert counter.costs.flops["float32"] == 2 * 8 * 16 * 32 * 4 + 8 * 32**3 // 3 + 8 * 2 * 32**2 * 4
+    einsum_bytes = (a.nbytes + b.nbytes + 8 * 16 * 4 * 4)
+    assert counter.costs.bytes_moved >= einsum_bytes + spd.nbytes * 2
