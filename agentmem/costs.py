@@ -345,8 +345,8 @@ _LINALG_FLOPS = {
 
 
 def _einsum_flops(equation: str, operands: list[torch.Tensor]) -> int:
-    """Multiply-adds of an einsum: 2 x the product of every index's size (each index once), per
-    extra operand; what a contraction of its operands computes, done pairwise."""
+    """FLOPs of an einsum: a multiply and an add for every combination of its indices' values (each
+    index once), per operand past the first; what contracting its operands pairwise computes."""
     inputs = equation.replace(" ", "").split("->")[0].split(",")
     sizes: dict[str, int] = {}
     for labels, operand in zip(inputs, operands):

@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
@@ -70,12 +70,20 @@ from agentmem.cache import SessionCache, to_device
 from agentmem.errors import InvalidInput, SchedulerStopped, TurnCancelled, brief, check_cancelled
 from agentmem.sampling import Sampling, sample_rows
 
-if TYPE_CHECKING:
-    from agentmem.engine import Engine
-
 log = logging.getLogger(__name__)
 WITHDRAWN = "the turn was cancelled; its queued reads were withdrawn"
 T = TypeVar("T")
+
+
+class Model(Protocol):
+    """What the scheduler runs (an :class:`~agentmem.engine.Engine`)."""
+
+    def commit_rows(self, caches: Sequence[SessionCache], tokens: Sequence[Sequence[int]],
+                    bias_rows: Sequence[BiasRows]) -> torch.Tensor:
+        """One forward reading ``tokens[b]`` into ``caches[b]``, committing the rows; final hidden states."""
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states."""
 
 
 @dataclass(eq=False)
@@ -120,7 +128,7 @@ class Scheduler:
     and ``jobs`` the jobs run.
     """
 
-    def __init__(self, engine: Engine, max_batch: int = 64, step_tokens: int = 2048,
+    def __init__(self, engine: Model, max_batch: int = 64, step_tokens: int = 2048,
                  gather_seconds: float = 0.005, idle_seconds: float = 2.0) -> None:
         for name, value in (("max_batch", max_batch), ("step_tokens", step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

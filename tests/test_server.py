@@ -212,7 +212,7 @@ def test_tool_calls_round_trip_as_openai_tool_calls(url, scripted, manager):
 
 
 def test_concurrent_requests_share_forwards_and_get_the_replies_they_get_alone(url, tiny):
-    from agentmem.batching import DecodeBatcher
+    from agentmem.scheduler import Scheduler
 
     prompts = [[{"role": "user", "content": f"Tell me about item {i}: " + "word " * (3 * i)}] for i in range(4)]
 
@@ -223,13 +223,16 @@ def test_concurrent_requests_share_forwards_and_get_the_replies_they_get_alone(u
                                          for p in prompts))
         return [r.choices[0].message.content for r in replies]
 
-    alone = asyncio.run(ask_all())
-    tiny.batcher = batcher = DecodeBatcher(tiny)
+    saved, tiny.scheduler = tiny.scheduler, Scheduler(tiny, max_batch=1)  # one forward per read
     try:
-        together = asyncio.run(ask_all())
+        alone = asyncio.run(ask_all())
     finally:
-        tiny.batcher = None
-    assert together == alone and batcher.steps > 0
+        tiny.scheduler.close()
+        tiny.scheduler = saved
+    forwards = saved.forwards
+    together = asyncio.run(ask_all())
+    assert together == alone and saved.steps - saved.forwards > 0  # some forwards carried several turns
+    assert saved.forwards > forwards
 
 
 def test_malformed_messages_are_400s_naming_the_problem(url):
@@ -395,8 +398,8 @@ def test_fuzzed_requests_get_a_reply_or_a_bounded_4xx_never_a_500(url):
 
 
 def test_a_client_leaving_mid_prompt_withdraws_the_turns_queued_reads(manager, tiny, monkeypatch):
-    """The turn stops between prompt chunks, not after the whole prompt: its reads leave the batcher."""
-    from agentmem.batching import DecodeBatcher
+    """The turn stops between prompt chunks, not after the whole prompt: its reads leave the scheduler."""
+    from agentmem.scheduler import Scheduler
 
     real = tiny.commit_rows
 
@@ -405,7 +408,8 @@ def test_a_client_leaving_mid_prompt_withdraws_the_turns_queued_reads(manager, t
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tiny, "commit_rows", slow)
-    tiny.batcher = batcher = DecodeBatcher(tiny, max_batch=2, step_tokens=4)
+    saved, tiny.scheduler = tiny.scheduler, Scheduler(tiny, max_batch=2, step_tokens=4)
+    scheduler = tiny.scheduler
     app = create_app(manager, api_keys=KEYS)
     long = [{"role": "user", "content": "word " * 300}]  # about 80 forwards of 4 tokens: 2.4 s or more
     try:
@@ -418,8 +422,9 @@ def test_a_client_leaving_mid_prompt_withdraws_the_turns_queued_reads(manager, t
             while httpx.get(f"{url}/health").json()["turns_running"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-            stopped_at = batcher.forwards
+            stopped_at = scheduler.forwards
             time.sleep(0.3)
-            assert batcher.forwards == stopped_at < 60  # withdrawn: no more of its chunks are read
+            assert scheduler.forwards == stopped_at < 60  # withdrawn: no more of its chunks are read
     finally:
-        batcher.close()
+        scheduler.close()
+        tiny.scheduler = saved
