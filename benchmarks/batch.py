@@ -4,14 +4,16 @@ For N = 1, 2, 4, 8, 16, 32 sessions, each holding its own real-text history (rag
 every session takes one turn: it reads a new message of ``--message-tokens`` real-text tokens,
 then generates ``--new-tokens`` greedy tokens:
 
-- **serial**: the turns one after another, each alone (the engine without a batcher);
+- **serial**: the turns one after another, each alone (through the engine's scheduler, as every
+  read is);
 - **batched**: the turns at once, one thread each, their messages and decode steps sharing
-  forwards (``engine.batcher = DecodeBatcher(engine)``);
+  forwards (the engine's :class:`~agentmem.scheduler.Scheduler`, as every ``SessionManager`` runs);
 - **transformers**: ``model.generate`` of the same N prompts (full histories and messages,
   left-padded) as one batch, its own SDPA attention and cache: what a batch of fresh prompts
   costs there (it re-reads every history; the sessions do not);
 - **server**: the same kind of turns as chat requests to ``agentmem serve``'s app (uvicorn on
-  loopback, N concurrent requests from ``httpx``), one session each, with and without batching.
+  loopback, N concurrent requests from ``httpx``), one session each, batched and with
+  ``--max-batch 1`` (each forward one turn's).
 
 Also per row, counted at dispatch level on the 8B attention shape (``wide-cpu``: 32 query / 8 KV
 heads, head_dim 128, 2 narrow layers; ``agentmem.costs.CostCounter``): the aten ops (about one
@@ -23,7 +25,13 @@ Reported per row: model forwards (counted with a forward hook on the decoder: ti
 proof on 2 cores, where threads overlap even unbatched turns), wall seconds, generated tokens/s
 and p50/p99 seconds per output token (a turn's decode time over its tokens; serial and
 batched). Targets (issue [serve]): 8 concurrent turns ≤ 0.3x the serial forwards; 16 concurrent
-turns ≤ 0.2x the serial wall time. Writes ``benchmarks/results/batch.{md,json,png}``.
+turns ≤ 0.2x the serial wall time.
+
+What one turn alone pays for the scheduler (issue [core]: nothing): the same greedy decode of one
+session, the reads through the scheduler's thread (``Engine.generate``) against the same forwards,
+head products and sampling calls made inline on the caller's thread (``Engine.commit_rows``,
+``Engine.head``, ``sample_rows``), alternated over ``--repeats`` rounds; the medians' ratio.
+Writes ``benchmarks/results/batch.{md,json,png}``.
 
 Run: ``python benchmarks/batch.py`` (embedded model, CPU); ``--sessions 1 2 4 8`` for fewer,
 ``--no-server`` to leave out the server rows.
@@ -47,9 +55,11 @@ import uvicorn
 from common import command_line, machine, pyplot, random_shape_engine, save_figure, stdlib_text, write_results
 
 from agentmem import Engine, SessionManager
-from agentmem.batching import DecodeBatcher
+from agentmem.attention import BiasRows
 from agentmem.limits import ServerLimits
 from agentmem.models import EMBEDDED
+from agentmem.sampling import GREEDY, sample_rows
+from agentmem.scheduler import Scheduler
 from agentmem.server import create_app
 
 
@@ -121,18 +131,46 @@ def transformers_batch(model: torch.nn.Module, tokenizer, prompts: list[list[int
 def dispatch_counts(engine: Engine, n: int) -> dict[str, int]:
     """aten ops of one decode step of ``n`` sessions (ragged caches) as one shared forward and as ``n``
     forwards, and the attention calls of the shared one (one per session and layer)."""
-    from agentmem.attention import BiasRows
     from agentmem.costs import count
 
     ids = engine.tokenizer(stdlib_text())["input_ids"]
     caches = [engine.prefill(ids[: 256 - 8 * i]) for i in range(n)]
-    tokens = [torch.tensor([ids[300 + i]]) for i in range(n)]
+    tokens = [[ids[300 + i]] for i in range(n)]
     together, apart = [c.clone() for c in caches], [c.clone() for c in caches]
     with torch.inference_mode():
         _, shared = count(lambda: engine.commit_rows(together, tokens, [BiasRows() for _ in caches]))
         _, alone = count(lambda: [engine.commit_rows([c], [t], [BiasRows()]) for c, t in zip(apart, tokens)])
     return {"aten ops shared step": shared.aten_ops, "aten ops n steps": alone.aten_ops,
             "attention calls shared step": sum(v for k, v in shared.ops.items() if "scaled_dot_product" in k)}
+
+
+def handoff(engine: Engine, history_tokens: list[int], steps: int, repeats: int) -> dict[str, float]:
+    """Seconds per token of one session's greedy decode through the scheduler (``Engine.generate``)
+    and of the same forwards, head products and sampling calls inline on this thread, alternated
+    over ``repeats`` rounds; medians and their ratio."""
+    start = engine.prefill(history_tokens)
+
+    def inline() -> None:
+        cache, bias_rows, token = start.clone(), BiasRows(), [history_tokens[-1]]
+        for read in range(steps + 1):  # as generate: a read per token, the last one choosing none
+            hidden = engine.commit_rows([cache], [token], [bias_rows])
+            cache.extend_log(token)
+            if read < steps:
+                token = sample_rows(engine.head(hidden[0, -1:]), [GREEDY]).tolist()
+
+    def scheduled() -> None:
+        engine.generate(start.clone(), [history_tokens[-1]], max_new_tokens=steps)
+
+    times: dict[str, list[float]] = {"inline": [], "scheduler": []}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name, run in (("inline", inline), ("scheduler", scheduled)):
+                began = time.perf_counter()
+                run()
+                times[name].append((time.perf_counter() - began) / steps)
+    inline_s, scheduled_s = (statistics.median(times[k]) for k in ("inline", "scheduler"))
+    return {"steps": steps, "repeats": repeats, "inline s/token": round(inline_s, 5),
+            "scheduler s/token": round(scheduled_s, 5), "scheduler/inline": round(scheduled_s / inline_s, 3)}
 
 
 def every_turn_at_once(turns: int) -> ServerLimits:
@@ -146,7 +184,7 @@ def server_turns(engine: Engine, texts: list[str], message_texts: list[str], new
                  batching: bool) -> tuple[float, int]:
     """Wall seconds of N concurrent chat requests to a fresh server, each a new message to its own
     session holding one of ``texts``, and the decoder forwards they ran."""
-    engine.batcher = DecodeBatcher(engine) if batching else None
+    saved, engine.scheduler = engine.scheduler, Scheduler(engine, max_batch=64 if batching else 1)
     with tempfile.TemporaryDirectory() as home, SessionManager(engine, f"sqlite:///{home}/s.db") as manager, \
             running(create_app(manager, limits=every_turn_at_once(len(texts)))) as url, \
             httpx.Client(base_url=url, timeout=600) as http:
@@ -169,7 +207,8 @@ def server_turns(engine: Engine, texts: list[str], message_texts: list[str], new
             t.join()
         wall = time.perf_counter() - began
         counter.remove()
-    engine.batcher = None
+    engine.scheduler.close()
+    engine.scheduler = saved
     return wall, counter.count
 
 
@@ -197,6 +236,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--message-tokens", type=int, default=32)
     parser.add_argument("--no-server", dest="server", action="store_false", help="leave out the server rows")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of the one-turn hand-off measurement")
     args = parser.parse_args()
 
     engine = Engine.load(EMBEDDED, device="cpu")
@@ -206,9 +246,9 @@ def main() -> None:
     wide = random_shape_engine("wide-cpu", torch.device("cpu"), torch.float32, 1024)
     warm = [engine.tokenizer(text)["input_ids"] for text in histories(2)]  # first forwards allocate: not timed
     for together in (False, True):
-        engine.batcher = DecodeBatcher(engine) if together else None
         run_turns(engine, warm, messages(engine, 2, args.message_tokens), args.new_tokens, together)
-    engine.batcher = None
+    alone = handoff(engine, history_tokens=warm[0], steps=64, repeats=args.repeats)
+    print(alone, flush=True)
     rows = []
     for n in args.sessions:
         texts = histories(n)
@@ -216,12 +256,10 @@ def main() -> None:
         message_ids = messages(engine, n, args.message_tokens)
         measured = {}
         for side in ("serial", "batched"):
-            engine.batcher = DecodeBatcher(engine) if side == "batched" else None
             forwards = ForwardCounter(engine.model.base_model)
             wall, per_token = run_turns(engine, history_ids, message_ids, args.new_tokens, together=side == "batched")
             forwards.remove()
             measured[side] = (forwards.count - n, wall, per_token)  # less the n history prefills
-        engine.batcher = None
         hf_wall = transformers_batch(reference, engine.tokenizer, [h + m for h, m in zip(history_ids, message_ids)],
                                      args.new_tokens)
         tokens = n * args.new_tokens
@@ -256,7 +294,8 @@ def main() -> None:
              "aten ops": "one decode step at the 8B attention shape (random wide-cpu weights, 2 layers), counted by "
                          "agentmem.costs.CostCounter: N sessions in one shared forward vs N forwards of one",
              "server": "concurrent requests over loopback HTTP, every request a new message to its own session; "
-                       "unbatched: the same server with --no-batching (its turns still run in threads at once)"}
+                       "unbatched: the same server with --max-batch 1 (its turns still run in threads at once)",
+             "one turn alone": alone}
     md = write_results("batch", "Concurrent turns: continuous batching vs one after another (embedded model, CPU)",
                        rows, extra)
     plot(rows)

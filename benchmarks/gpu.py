@@ -9,9 +9,6 @@ this order (a machine lent by the minute keeps whatever finished):
   new cache, which does the same work (the engine reads a sampled token into the cache before
   yielding it); best of ``--repeats``, both on the same weights;
 - eager decode, ms per token: transformers (its default ``DynamicCache``) vs ``Engine.stream``;
-- captured decode, ms per token: ``agentmem.decode.StaticDecoder``'s greedy steps, compiled with
-  ``mode="reduce-overhead"`` (a CUDA graph) on a GPU, uncompiled on CPU; "not available" where
-  the module or its ``greedy`` is missing;
 - compaction at ``--ratio`` per method (default: ``compact()``'s default method and
   ``global-eviction``): seconds, seconds per transformers prefill of the same context, and the
   peak memory ``compact()`` adds over what was live before it (GPU: ``max_memory_allocated``;
@@ -20,12 +17,12 @@ this order (a machine lent by the minute keeps whatever finished):
 
 Then, once (``--batch-sessions``, at ``--batch-context`` tokens per session): N sessions of
 ragged real-text histories each decode ``--decode-steps`` greedy tokens at once, one thread
-each, through ``agentmem.batching.DecodeBatcher`` (one forward per step for all of them):
+each, through the engine's ``agentmem.scheduler.Scheduler`` (one forward per step for all of them):
 total generated tokens/s and the forwards they took.
 
 The targets section checks, where the rows exist: engine prefill ≥ 0.9× transformers'
 throughput; compaction at 32k ≤ 3× transformers' prefill (default method) and ≤ 1.5×
-(``global-eviction``); captured decode ≤ 2× the weight-bandwidth limit (the model's parameter
+(``global-eviction``); engine decode ≤ 2× the weight-bandwidth limit (the model's parameter
 bytes over the GPU's memory bandwidth; on a GPU not in :data:`BANDWIDTH`, the H200 figure);
 batched decode at N = 32 ≥ 10× the tokens/s of N = 1.
 
@@ -44,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import inspect
 import json
 import math
@@ -88,7 +84,7 @@ BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3
 H200_TARGET_MS = 7.0  # 2x the H200 weight-bandwidth limit of an 8B bf16 model (~3.4 ms): used for unknown GPUs
 # How a stage's time grows with the context length, for the deadline's prediction from a shorter
 # run (conservative: attention is quadratic in the context; a capture's compile does not grow).
-GROWTH = {"prefill": 1.5, "decode": 1.0, "captured decode": 0.0, "compaction": 2.0, "batched decode": 1.0}
+GROWTH = {"prefill": 1.5, "decode": 1.0, "compaction": 2.0, "batched decode": 1.0}
 
 
 # ---------------------------------------------------------------------------------- set-up
@@ -248,29 +244,6 @@ def engine_decode_ms(engine: Engine, cache, steps: int, device: torch.device) ->
     return ms
 
 
-def captured_decode(engine: Engine, cache, steps: int, device: torch.device) -> dict[str, Any]:
-    """ms per greedy step of ``agentmem.decode.StaticDecoder`` (compiled to a CUDA graph on a GPU).
-
-    The decoder gets buffers for the session plus the steps; its first three steps (compile,
-    graph capture, first replay) are timed apart. The cache itself is not written. The decoder
-    holds a reference cycle: its buffers go when the stage's :func:`release` collects it.
-    """
-    try:
-        decoder_class = getattr(importlib.import_module("agentmem.decode"), "StaticDecoder", None)
-    except ImportError:
-        decoder_class = None
-    if decoder_class is None or not callable(getattr(decoder_class, "greedy", None)):
-        return {"captured decode ms": "not available"}
-    decoder = decoder_class(engine, capacity=max(layer.length for layer in cache.layers) + steps + 64)
-    if device.type == "cuda":
-        decoder.compile(mode="reduce-overhead")
-    decoder.load(cache)
-    warm_s, _ = timed(device, lambda: decoder.greedy(3, cache.token_ids[-1]))
-    seconds, _ = timed(device, lambda: decoder.greedy(steps))
-    label = "captured decode ms" if device.type == "cuda" else "static decode ms (uncompiled)"
-    return {label: seconds / steps * 1000, "captured warm-up s": warm_s}
-
-
 def compaction(engine: Engine, cache, method: str, ratio: float, device: torch.device,
                prefill_s: float | None) -> dict[str, Any]:
     from agentmem.compaction import compact  # imported here: a compaction package mid-change fails its rows only
@@ -287,12 +260,11 @@ def compaction(engine: Engine, cache, method: str, ratio: float, device: torch.d
 
 
 def batched_decode(engine: Engine, ids: list[int], sessions: int, steps: int, device: torch.device) -> dict[str, Any]:
-    """``sessions`` turns of ``steps`` greedy tokens at once through a :class:`DecodeBatcher`, each
+    """``sessions`` turns of ``steps`` greedy tokens at once through the engine's scheduler, each
     session holding a ragged prefix of ``ids``: generated tokens/s and forwards per step."""
-    from agentmem.batching import DecodeBatcher
-
     caches = [engine.prefill(ids[: len(ids) - 8 * i]) for i in range(sessions)]
-    engine.batcher = batcher = DecodeBatcher(engine)
+    scheduler = engine.scheduler
+    forwards, rows = scheduler.forwards, scheduler.steps
     saved, engine.eos_token_ids = engine.eos_token_ids, frozenset()  # every turn decodes all its steps
     errors: list[BaseException] = []
 
@@ -314,11 +286,12 @@ def batched_decode(engine: Engine, ids: list[int], sessions: int, steps: int, de
         sync(device)
         seconds = time.perf_counter() - start
     finally:
-        engine.batcher, engine.eos_token_ids = None, saved
+        engine.eos_token_ids = saved
     if errors:
         raise errors[0]
+    forwards, rows = scheduler.forwards - forwards, scheduler.steps - rows
     return {"sessions": sessions, "tokens/s": sessions * steps / seconds, "seconds": seconds,
-            "forwards": batcher.forwards, "rows per forward": batcher.steps / batcher.forwards}
+            "forwards": forwards, "rows per forward": rows / forwards}
 
 
 # ------------------------------------------------------------------------------- the run
@@ -451,8 +424,6 @@ def measure_length(engine: Engine, run: dict[str, Any], length: int, methods: li
     row.update(guarded(schedule, "engine decode", "decode", length, device,
                        lambda: {"engine decode ms": engine_decode_ms(engine, cache, args.decode_steps, device)},
                        ("engine decode ms",)))
-    row.update(guarded(schedule, "captured decode", "captured decode", length, device,
-                       lambda: captured_decode(engine, cache, args.decode_steps, device), ("captured decode ms",)))
     save_now()
     for method in methods:
         result = {"tokens": length, "method": method}
@@ -486,10 +457,10 @@ def targets(run: dict[str, Any]) -> list[dict[str, Any]]:
                     "measured": value if isinstance(value, float) else "—", "verdict": verdict(value, lambda v, bound=bound: v <= bound)})
     limit = H200_TARGET_MS if math.isnan(run["weight limit ms"]) else 2 * run["weight limit ms"]
     for row in run["rows"]:
-        value = row.get("captured decode ms")
-        out.append({"target": f"captured decode at {row['tokens']:,} tokens",
+        value = row.get("engine decode ms")
+        out.append({"target": f"engine decode at {row['tokens']:,} tokens",
                     "limit": f"≤ {limit:.2g} ms (2x weight-bandwidth limit; {run['limit basis']})",
-                    "measured": value if isinstance(value, float) else row.get("captured decode ms", "—"),
+                    "measured": value if isinstance(value, float) else "—",
                     "verdict": verdict(value, lambda v: v <= limit)})
     rates = {r["sessions"]: r.get("tokens/s") for r in run.get("batched", [])}
     gain = rates[32] / rates[1] if all(isinstance(rates.get(n), float) for n in (1, 32)) else None

@@ -9,10 +9,9 @@ from agentmem.adapters import shared
 
 @pytest.fixture(scope="package", autouse=True)
 def _shared_embedded(engine):
-    shared.use_engine("embedded", engine)  # gives it a batcher, as the adapters' own engines have
+    shared.use_engine("embedded", engine)
     yield
     shared.close_shared()
-    engine.batcher = None  # the tests after these use the engine alone
 
 
 @pytest.fixture(autouse=True)

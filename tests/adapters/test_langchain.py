@@ -129,12 +129,12 @@ def test_concurrent_calls_decode_together_and_reply_as_alone(store, engine):
     model = ChatAgentMem(store=store, max_tokens=10)
     questions = ["Name a colour.", "Name a fruit.", "Name a city in France.", "Count to five."]
     alone = [model.invoke(q, session_id=f"alone-{i}").content for i, q in enumerate(questions)]
-    batcher = engine.batcher
-    forwards, rows = batcher.forwards, batcher.steps
+    scheduler = engine.scheduler
+    forwards, rows = scheduler.forwards, scheduler.steps
     replies = asyncio.run(model.abatch(questions, config=[{"configurable": {"session_id": f"together-{i}"}}
                                                           for i in range(len(questions))]))
     assert [r.content for r in replies] == alone
-    assert batcher.steps - rows > batcher.forwards - forwards  # forwards carried several sessions
+    assert scheduler.steps - rows > scheduler.forwards - forwards  # forwards carried several sessions
 
 
 def test_compaction_events_in_response_metadata(store):
