@@ -200,8 +200,7 @@ class Session:
             usage.reused_tokens = self.cache.logical_length
             usage.prefilled_tokens += len(delta)
             self._cancelled = cancelled
-            delta = self._read_within_budget(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
-            delta = self._read_within_positions(delta, usage, conversation)
+            delta = self._read_in_pieces(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
             reply = ReplyText(self.engine.tokenizer, stop)
             generated = reply.ids
             shown, replied_from = "", self.cache.logical_length + len(delta)  # where the reply's tokens go
@@ -408,49 +407,42 @@ class Session:
             return 0
         return self.cache.physical_length - (self.cache.logical_length - kept)
 
-    def _read_within_budget(self, delta: list[int], usage: Usage, conversation: list[dict[str, Any]],
-                            reply: int) -> list[int]:
-        """Compact so that ``delta``, the tokens of ``conversation`` the cache lacks, fits under
-        ``max_live_tokens``; returns what of it is left to read with the reply (at least its last
-        token, which generation starts from).
+    def _read_in_pieces(self, delta: list[int], usage: Usage, conversation: list[dict[str, Any]],
+                        reply: int) -> list[int]:
+        """Read ``delta``, the tokens of ``conversation`` the cache lacks, in pieces that each fit both
+        the live-row budget (``max_live_tokens``) and the model's window, making room before each:
+        compacting when the rows would pass the budget, moving the rows (:meth:`_replace`) when the
+        positions would pass the window. Returns what is left to read with the reply (at least its
+        last token, which generation starts from), which fits both.
 
         Each compaction leaves room for what is about to be read and for ``reply`` tokens of the
         answer (within limits: see :meth:`~agentmem.policy.BudgetPolicy.compaction_target`), so
-        that a turn whose message crosses the budget compacts once, not again mid-reply. The stream gives the reply no more than the
-        policy's :attr:`~agentmem.policy.BudgetPolicy.turn_room`: a long ``max_new_tokens`` would
-        otherwise squeeze the history for room most replies never use. A message longer than that room
-        is read in pieces, compacting between them, as a reply that outgrows the budget is (see
-        :meth:`_generate`): read at once, it would hold the budget's worth of live rows and more.
-        When a compaction frees nothing (the protected prompt and ``keep_recent`` fill the
-        budget), the rest is read as it is.
+        that a turn whose message crosses the budget compacts once, not again mid-reply. The stream
+        gives the reply no more than the policy's :attr:`~agentmem.policy.BudgetPolicy.turn_room`:
+        a long ``max_new_tokens`` would otherwise squeeze the history for room most replies never
+        use. A message read at once would hold the budget's worth of live rows and more, or run
+        past the window: hence the pieces. When a compaction frees nothing (the protected prompt
+        and ``keep_recent`` fill the budget), the rest is read as it is, within the window.
         """
         limit = self.policy.max_live_tokens
-        while self.cache.physical_length + len(delta) > limit:
-            before = self.cache.physical_length
-            self._compact(usage, conversation, incoming=len(delta) + reply)
-            room = min(limit - self.cache.physical_length, len(delta) - 1)
-            if self.cache.physical_length + len(delta) <= limit or room < 1 or self.cache.physical_length >= before:
-                break
-            with self._host.room(self.cache.bytes_to_append(room), self):
-                self.engine.prefill(delta[:room], self.cache, cancelled=self._cancelled)  # what was read stays
-            delta = delta[room:]
-        return delta
-
-    def _read_within_positions(self, delta: list[int], usage: Usage, conversation: list[dict[str, Any]]) -> list[int]:
-        """Read ``delta`` in pieces that fit the model's window, moving the rows to make room
-        (:meth:`_replace`) before each; returns what is left to read with the reply (at least one
-        token). A session that never nears the window reads nothing here. One whose policy
-        rejects compaction is not moved: its turn meets the window as a :class:`ContextOverflow`.
-        """
-        while len(delta) + 1 > self._position_room():
-            self._replace(usage, conversation, incoming=len(delta) + 1)
-            piece = min(len(delta) - 1, self._position_room() - 1)
+        budget_binds = True  # until a compaction frees nothing
+        while True:
+            if budget_binds and self.cache.physical_length + len(delta) > limit:
+                before = self.cache.physical_length
+                self._compact(usage, conversation, incoming=len(delta) + reply)
+                budget_binds = self.cache.physical_length < before
+            if len(delta) + 1 > self._position_room():
+                self._replace(usage, conversation, incoming=len(delta) + 1)
+            budget_room = limit - self.cache.physical_length if budget_binds else sys.maxsize
+            window_room = self._position_room() - 1  # the reply's first token needs a position too
+            if len(delta) <= min(budget_room, window_room):
+                return delta
+            piece = min(len(delta) - 1, budget_room, window_room)
             if piece < 1:
-                break
+                return delta  # the engine's own check refuses what passes the window
             with self._host.room(self.cache.bytes_to_append(piece), self):
                 self.engine.prefill(delta[:piece], self.cache, cancelled=self._cancelled)  # what was read stays
             delta = delta[piece:]
-        return delta
 
     def _position_room(self) -> int:
         """Tokens the session can read before its positions come within the placement margin of the
@@ -542,8 +534,8 @@ class Session:
         while len(produced) < max_new_tokens:
             if self._position_room() < len(prompt) + 1:
                 self._replace(usage, conversation, incoming=len(prompt) + 1)
-            room = max(1, limit - self.cache.physical_length - len(prompt))
-            step = min(max_new_tokens - len(produced), room, max(1, self._position_room() - len(prompt)))
+            budget_room = max(1, limit - self.cache.physical_length - len(prompt))
+            step = min(max_new_tokens - len(produced), budget_room, max(1, self._position_room() - len(prompt)))
             count = 0
             for token in engine.stream(self.cache, prompt, max_new_tokens=step, **sampling):
                 produced.append(token)
@@ -555,7 +547,8 @@ class Session:
             if len(produced) < max_new_tokens:
                 self.cache.truncate(self.cache.logical_length - 1)
                 prompt = [produced[-1]]
-                self._compact(usage, conversation)
+                if step == budget_room:  # the budget cut the round; one cut by the window re-places next
+                    self._compact(usage, conversation)
 
 
 def compact_under(policy: BudgetPolicy, engine: Engine, cache: SessionCache, protect: int,

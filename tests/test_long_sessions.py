@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+import torch
 from pydoc_data.topics import topics
 
 from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.session import Session
 from agentmem.errors import ContextOverflow
 from helpers import tiny_model
 
@@ -108,3 +112,71 @@ def test_a_protected_prompt_of_half_the_window_is_refused_up_front_only_when_the
         with pytest.raises(ContextOverflow, match="protected system prompt"):
             session.chat(messages(engine, 12)[-1] * 2, max_new_tokens=4)
         assert session.messages == held and session.cache.token_ids == logged  # nothing changed
+
+
+def long_message(engine: Engine, tokens: int) -> str:
+    text = " ".join(messages(engine, 60))
+    ids = engine.tokenizer(text)["input_ids"]
+    assert len(ids) > tokens
+    return engine.tokenizer.decode(ids[:tokens])
+
+
+def layer0_keys(engine: Engine, ids: list[int], positions: torch.Tensor) -> torch.Tensor:
+    """Layer 0's keys ``(kv_heads, n, head_dim)`` of ``ids`` at ``positions``, recomputed from the ids
+    alone: layer 0 reads the embeddings, so its keys depend on nothing else."""
+    model = engine.model.base_model
+    attention = model.layers[0].self_attn
+    with torch.inference_mode():
+        hidden = model.layers[0].input_layernorm(model.embed_tokens(torch.tensor(ids)))
+        unrotated = attention.k_proj(hidden).view(len(ids), engine.num_kv_heads, engine.head_dim).transpose(0, 1)
+        return engine.rotate(unrotated, positions)  # rotated from position 0: RoPE at each position
+
+
+def assert_tail_keys_at_their_positions(engine: Engine, cache) -> None:
+    """Every raw row of layer 0 holds its token's key at the position the session gives it now."""
+    ids = cache.token_ids[cache.tail_start:]
+    positions = torch.arange(cache.tail_start, cache.logical_length) - cache.placement.offset
+    assert positions[-1] == cache.next_position - 1 and positions[0] >= 0
+    torch.testing.assert_close(cache.layers[0].tail_keys.float(), layer0_keys(engine, ids, positions),
+                               atol=2e-4, rtol=0)
+
+
+def test_a_compacting_session_near_the_window_reads_a_message_longer_than_the_window(engine, tmp_path):
+    """Position 486 of a 1,024 window, then a message of 3,950 tokens: each piece is bounded by the
+    budget and by the window, re-placing before it (it used to fail with ContextOverflow)."""
+    with SessionManager(engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=POLICY) as manager:
+        session = manager.session("near")
+        while session.cache.next_position < 460:
+            session.chat(messages(engine, 1, 120)[0], max_new_tokens=4)
+        reply = session.chat(long_message(engine, 3950), max_new_tokens=8)
+        assert reply.usage.generated_tokens == 8 and reply.usage.replacements >= 3
+        assert reply.usage.position < engine.max_context
+        assert session.cache.physical_length <= POLICY.max_live_tokens
+        assert_tail_keys_at_their_positions(engine, session.cache)
+
+
+def test_a_budget_beyond_the_window_compacts_only_to_re_place(engine, tmp_path, monkeypatch):
+    """max_live_tokens past the window: the window alone bounds the session. A long message and a
+    reply past the window are read with re-placements mid-reply, every compaction made by one (none
+    at the end of a round of decoding the window cut), and the raw rows keep their tokens' keys at
+    their placed positions throughout."""
+    callers: list[str] = []
+    real = Session._compact
+
+    def compact(self, *args, **kwargs):
+        callers.append(inspect.stack()[1].function)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "_compact", compact)
+    policy = BudgetPolicy(max_live_tokens=4 * engine.max_context, keep_recent=32, method="global-eviction")
+    with SessionManager(engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("wide-budget")
+        first = session.chat(long_message(engine, 2500), max_new_tokens=8)
+        assert first.usage.replacements >= 1 and first.usage.position < engine.max_context
+        assert_tail_keys_at_their_positions(engine, session.cache)
+        held = session.cache.logical_length
+        second = session.chat("Go on.", max_new_tokens=1500)
+        assert second.usage.generated_tokens == 1500 and second.usage.replacements >= 2  # mid-reply
+        assert session.cache.logical_length > held + 1500 and second.usage.position < engine.max_context
+        assert callers and set(callers) == {"_replace"}
+        assert_tail_keys_at_their_positions(engine, session.cache)
