@@ -165,3 +165,43 @@ def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
             found = max([1] + [len(text.encode("utf-8", "surrogatepass")) for text in tokenizer.batch_decode(ids)])
             tokenizer._agentmem_longest_token_bytes = found
         return found
+
+
+class HeldText:
+    """The text of a session's tokens (special tokens kept, as :meth:`Engine.prompt_delta
+    <agentmem.engine.Engine.prompt_delta>` compares it with the rendered conversation), decoded
+    once and then only where the tokens grew.
+
+    Each turn's prompt delta needs the text of every token the session holds; decoding them all
+    again costs time in the history's length every turn. When the tokens extend the ones decoded
+    last, only the new ones are decoded, with the last few before them for context, and appended:
+    exact where the junction is clean (the context decodes to a prefix of context + new, ending on
+    a whole character), which is checked each time; otherwise, and whenever the tokens do not
+    extend the last ones (a rewind), the whole is decoded.
+    """
+
+    CONTEXT = 8  # tokens before the new ones decoded with them
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._text = ""
+
+    def of(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``: equal to decoding them whole."""
+        ids = list(ids)
+        known = len(self._ids)
+        if known and len(ids) >= known and ids[:known] == self._ids:
+            context = self._ids[-self.CONTEXT :]
+            before, joined = self._decode(context), self._decode(context + ids[known:])
+            if joined.startswith(before) and not before.endswith("\ufffd"):
+                text = self._text + joined[len(before) :]
+            else:
+                text = self._decode(ids)
+        else:
+            text = self._decode(ids)
+        self._ids, self._text = ids, text
+        return text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

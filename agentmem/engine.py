@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from agentmem import attention
 from agentmem.attention import BetaMode, BiasRows, ForwardPass, PackedPasses, QueryRecorder
 from agentmem.cache import LayerCache, ScratchRows, SessionCache, to_device
-from agentmem.chat import cut_pieces, render_pieces, tokenize_pieces, validate_messages
+from agentmem.chat import HeldText, cut_pieces, render_pieces, tokenize_pieces, validate_messages
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
 from agentmem.placement import rotate_by
 from agentmem.models import (
@@ -279,13 +279,17 @@ class Engine:
         messages: Sequence[Mapping[str, Any]],
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        held_text: HeldText | None = None,
     ) -> list[int]:
         """:meth:`chat_delta` for a cache holding the tokens ``held`` (none is needed: a caller can
-        ask what a turn would read after a rewind before it rewinds anything)."""
+        ask what a turn would read after a rewind before it rewinds anything). ``held_text``: a
+        session's :class:`~agentmem.chat.HeldText`, which decodes only what is new since its last
+        turn (the conversation itself is rendered whole: a template is free to render any message
+        differently once another follows it, and rendering is cheap beside decoding)."""
         messages = validate_messages(messages)
         add_prompt = messages[-1]["role"] != "assistant"
         pieces = render_pieces(self.tokenizer, messages, add_generation_prompt=add_prompt, tools=tools)
-        held_text = self._decode(held)
+        held_text = held_text.of(held) if held_text is not None else self._decode(held)
         rendered = "".join(p.text for p in pieces)
         if not rendered.startswith(held_text):
             common = _common_token_prefix(held, rendered, self._decode)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from agentmem.cache import SessionCache
-from agentmem.chat import encode, fewest_tokens
+from agentmem.chat import HeldText, encode, fewest_tokens
 from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine, stop_strings
 from agentmem.errors import (
@@ -125,6 +125,7 @@ class Session:
         self.revision = 1 if messages or cache.logical_length else 0  # a fork starts with something to store
         self._cancelled: threading.Event | None = None  # the cancellation of the turn under way
         self._stored_revision = 0
+        self._held_text = HeldText(self.engine.tokenizer)  # the text of the tokens read, for the next delta
 
     @property
     def tenant(self) -> str:
@@ -296,15 +297,15 @@ class Session:
         (from the start when that lies inside compacted rows); one the cache holds whole (a
         regenerated reply) re-reads its last token, whose logits generation needs.
         """
-        engine, held = self.engine, self.cache.token_ids
+        engine, held, text = self.engine, self.cache.token_ids, self._held_text
         try:
-            keep, delta = len(held), engine.prompt_delta(held, conversation, tools=tools)
+            keep, delta = len(held), engine.prompt_delta(held, conversation, tools=tools, held_text=text)
         except HistoryDivergence as diverged:
             keep = self._kept_by_rewind(diverged.common_tokens)
-            delta = engine.prompt_delta(held[:keep], conversation, tools=tools)
+            delta = engine.prompt_delta(held[:keep], conversation, tools=tools, held_text=text)
         if not delta and keep:
             keep = self._kept_by_rewind(keep - 1)
-            delta = engine.prompt_delta(held[:keep], conversation, tools=tools)
+            delta = engine.prompt_delta(held[:keep], conversation, tools=tools, held_text=text)
         return keep, delta
 
     def _kept_by_rewind(self, keep_tokens: int) -> int:

@@ -14,8 +14,6 @@ ids below the vocabulary):
 - ``prefill``: ``Engine.prefill`` from an empty cache;
 - ``decode forward``: the forward of one new token over the cache (``Engine.prefill`` of one
   token; the cache is truncated back after);
-- ``decode step (StaticDecoder)``: ``agentmem.decode``'s fixed-capacity decoder, if present:
-  its buffers (sized to the session plus ``ROOM`` slots), loading the session and one step;
 - ``compaction <method>`` (``--compact-at`` lengths, default 2k: every operator on a fake
   tensor costs ~0.6 ms of Python, and compaction's scoring dispatches tens of thousands):
   ``compact(..., ratio=10)``;
@@ -59,7 +57,6 @@ from agentmem.costs import CostCounter
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parent.parent
-ROOM = 64  # decode slots a StaticDecoder gets past the session's rows
 DEFAULT_LENGTHS = (8192, 32768, 131072)
 DEFAULT_METHODS = ("am", "global-eviction")
 
@@ -248,20 +245,6 @@ def measure_length(engine: Engine, run: Run, length: int, methods: list[str], co
         cache.truncate(length)
 
     run.stage("decode forward", length, cache_bytes, decode_forward)
-    decoder_bytes = {}
-    try:
-        from agentmem.decode import StaticDecoder
-    except ImportError:
-        StaticDecoder = None
-    if StaticDecoder is not None:
-        def static_step() -> None:
-            before = run.live.live_bytes
-            decoder = StaticDecoder(engine, capacity=max(layer.length for layer in cache.layers) + ROOM)
-            decoder_bytes["decoder buffers GiB"] = (run.live.live_bytes - before) / GIB
-            decoder.load(cache)
-            decoder.step(token)
-
-        run.stage("decode step (StaticDecoder)", length, cache_bytes, static_step, extra=lambda: dict(decoder_bytes))
     if compact_here:
         def compaction(method: str) -> None:
             from agentmem.compaction import compact  # imported here: an import that fails is a stop too
