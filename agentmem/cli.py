@@ -327,6 +327,7 @@ def serve(
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_new_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
                           max_concurrent_turns=tenant_turns, max_turns=max_turns, session_from_user=session_from_user)
     engine = _load_engine(model, options)
+    engine.close()  # the scheduler the engine was built with (never started): this one serves
     engine.scheduler = Scheduler(engine, max_batch=max_batch, step_tokens=step_tokens)
     device_budget = device_budget or default_device_budget(engine.device)
     host_budget = host_budget or default_host_budget()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,54 +145,15 @@ class CostCounter(TorchDispatchMode):
         self._memory_of = memory_of
         self._tracked: dict[int, tuple[StorageWeakRef, int]] = {}  # StorageImpl -> (weak ref, bytes)
         self._live = 0  # bytes of tracked storages, dead ones not yet swept included
-        self._patched: list[tuple[Any, str, Any]] = []
-        self._reading = False
-        self._host_data: set[int] = set()  # storages built from host data in the block
+        self._host_data: dict[int, StorageWeakRef] = {}  # storages built from host data in the block
 
     def __enter__(self):
-        # Host reads that never reach the dispatcher on a CPU tensor (on a GPU they are copies + syncs).
-        for name in ("tolist", "cpu", "numpy"):
-            original = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, self._counting(original, name))
-            self._patched.append((torch.Tensor, name, original))
-        # A tensor built from host data straight onto a device: the copy waits for the device.
-        for name in ("tensor", "as_tensor"):
-            original = getattr(torch, name)
-            setattr(torch, name, self._watching_device(original, name))
-            self._patched.append((torch, name, original))
+        _HostCalls.enter(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for owner, name, original in reversed(self._patched):
-            setattr(owner, name, original)
-        self._patched.clear()
+        _HostCalls.exit(self)
         return super().__exit__(*exc)
-
-    def _counting(self, original, name: str):
-        counter = self
-
-        @functools.wraps(original)
-        def wrapper(tensor, *args, **kwargs):
-            if counter._reading:  # a torch function mode above us calls the method again: one read
-                return original(tensor, *args, **kwargs)
-            counter._record_sync(name)
-            counter._reading = True
-            try:
-                return original(tensor, *args, **kwargs)
-            finally:
-                counter._reading = False
-        return wrapper
-
-    def _watching_device(self, original, name: str):
-        counter = self
-
-        @functools.wraps(original)
-        def wrapper(data, *args, **kwargs):
-            device = kwargs.get("device")
-            if device is not None and device != "cpu":  # an engine's device, whatever it is here
-                counter.costs.blocking_copies[f"{counter._call_site()} (torch.{name}(device=))"] += 1
-            return original(data, *args, **kwargs)
-        return wrapper
 
     def _copies_host_data(self, func, args, kwargs) -> bool:
         """Whether a copy op moves data between devices, or host data (built in the block from host
@@ -204,7 +166,10 @@ class CostCounter(TorchDispatchMode):
             target = args[1].device
         if target is None:
             return False
-        return source.device != torch.device(target) or source.untyped_storage()._cdata in self._host_data
+        if source.device != torch.device(target):
+            return True
+        built = self._host_data.get(source.untyped_storage()._cdata)
+        return built is not None and not built.expired()  # an expired one's address may be reused
 
     def _record_sync(self, op: str) -> None:
         self.costs.syncs[f"{self._call_site()} ({op})"] += 1
@@ -230,7 +195,7 @@ class CostCounter(TorchDispatchMode):
                                  and _has_bool_index(args)) or (
                 func is aten.linalg_cholesky_ex.default and kwargs.get("check_errors", False)):
             self._record_sync(func.__name__)
-        if (func in _COPY_OPS and not self._reading  # a .cpu() read is counted as a sync already
+        if (func in _COPY_OPS and not _HostCalls.reading()  # a .cpu() read is counted as a sync already
                 and not _non_blocking(func, args, kwargs) and self._copies_host_data(func, args, kwargs)):
             self.costs.blocking_copies[f"{self._call_site()} ({func.__name__})"] += 1
         if _is_view(func):
@@ -246,7 +211,7 @@ class CostCounter(TorchDispatchMode):
         if func is aten.lift_fresh.default:
             self.costs.host_built += 1
             self.costs.host_built_bytes += sum(t.nbytes for t in outputs)
-            self._host_data.update(t.untyped_storage()._cdata for t in outputs)
+            self._host_data.update((t.untyped_storage()._cdata, StorageWeakRef(t.untyped_storage())) for t in outputs)
         elif func in (aten._to_copy.default, aten.copy_.default) and inputs and outputs and (
                 inputs[-1].device != outputs[0].device):
             self.costs.cross_device_bytes += outputs[0].nbytes
@@ -324,6 +289,76 @@ class CostCounter(TorchDispatchMode):
     def _sweep(self) -> None:
         for key in [key for key, (ref, _) in self._tracked.items() if ref.expired()]:
             self._live -= self._tracked.pop(key)[1]
+
+
+class _HostCalls:
+    """Host reads (``tolist``, ``cpu``, ``numpy``) and tensors built onto a device (``torch.tensor``,
+    ``torch.as_tensor`` with ``device=``) never reach a dispatch mode on a CPU tensor, so while any
+    counter is active these functions are replaced, once for the process, by wrappers that count
+    into the counters active on the calling thread (a counter may be active on several threads:
+    the scheduler enters its callers' counters on its own)."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _originals: list[tuple[Any, str, Any]] = []
+    _here = threading.local()  # .counters: the counters active on this thread; .reading: inside a wrapper
+
+    @classmethod
+    def enter(cls, counter: CostCounter) -> None:
+        cls._here.__dict__.setdefault("counters", []).append(counter)
+        with cls._lock:
+            if cls._users == 0:
+                for owner, name, wrap in [(torch.Tensor, n, cls._host_read) for n in ("tolist", "cpu", "numpy")] + [
+                        (torch, n, cls._built_on_device) for n in ("tensor", "as_tensor")]:
+                    original = getattr(owner, name)
+                    cls._originals.append((owner, name, original))
+                    setattr(owner, name, wrap(original, name))
+            cls._users += 1
+
+    @classmethod
+    def exit(cls, counter: CostCounter) -> None:
+        counters = cls._here.counters
+        del counters[len(counters) - 1 - counters[::-1].index(counter)]
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0:
+                for owner, name, original in reversed(cls._originals):
+                    setattr(owner, name, original)
+                cls._originals.clear()
+
+    @classmethod
+    def reading(cls) -> bool:
+        return getattr(cls._here, "reading", False)
+
+    @classmethod
+    def _counters(cls) -> list[CostCounter]:
+        return list(getattr(cls._here, "counters", ()))
+
+    @classmethod
+    def _host_read(cls, original, name: str):
+        @functools.wraps(original)
+        def wrapper(tensor, *args, **kwargs):
+            if cls.reading():  # a torch function mode above calls the method again: one read
+                return original(tensor, *args, **kwargs)
+            for counter in cls._counters():
+                counter._record_sync(name)
+            cls._here.reading = True
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                cls._here.reading = False
+        return wrapper
+
+    @classmethod
+    def _built_on_device(cls, original, name: str):
+        @functools.wraps(original)
+        def wrapper(data, *args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and device != "cpu":  # an engine's device, whatever it is here
+                for counter in cls._counters():
+                    counter.costs.blocking_copies[f"{counter._call_site()} (torch.{name}(device=))"] += 1
+            return original(data, *args, **kwargs)
+        return wrapper
 
 
 def _batch(shape: torch.Size, matrix_dims: int = 2) -> int:

@@ -38,12 +38,10 @@ from agentmem.sampling import GREEDY, Sampling
 from agentmem.scheduler import Scheduler
 
 
-# Tokens per forward of work that is not a shared read (scoring, the compactor's reference reads):
-# each such forward runs on the scheduler between forwards of reads, so it is cut to what a
-# forward of reads carries by default (:class:`~agentmem.scheduler.Scheduler`'s ``step_tokens``),
-# and decoding turns wait for at most one such chunk. A chunk read on top of earlier rows needs a
-# (tokens x slots) mask, attended in slices under attention.MASK_BYTES.
-JOB_CHUNK = 2048
+# Work that is not a shared read (scoring, the compactor's reference reads) runs on the scheduler
+# between its forwards of reads, a chunk of the scheduler's ``step_tokens`` per job, so decoding
+# turns wait for at most one such chunk. A chunk read on top of earlier rows needs a (tokens x
+# slots) mask, attended in slices under attention.MASK_BYTES.
 _LOGPROB_CHUNK = 256
 
 
@@ -128,6 +126,9 @@ class Engine:
         read kept and logged.
         """
         ids = self._check_tokens(token_ids, cache)
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size < 1):
+            raise InvalidInput(f"chunk_size must be a positive integer, got {chunk_size!r}")
         cache = self.new_cache(spare=len(ids)) if cache is None else cache
         bias_rows = BiasRows()
         chunk = len(ids) if chunk_size is None else chunk_size
@@ -144,19 +145,20 @@ class Engine:
         ids = self._check_tokens(token_ids, cache)
         if len(ids) < 2:
             raise InvalidInput("score needs at least two tokens (the first one is only context)")
-        mark = cache.logical_length
+        mark, chunk = cache.logical_length, self.scheduler.step_tokens
+
+        def score_chunk(start: int) -> torch.Tensor:  # a job: the forward and the head's products
+            states = self._forward(cache, ids[start : start + chunk])[0]
+            targets = to_device(ids[start + 1 : start + 1 + chunk], states.device)  # the last has none
+            out = [self.head(states[s : min(s + _LOGPROB_CHUNK, len(targets))]).float().log_softmax(-1)
+                   .gather(-1, targets[s : s + _LOGPROB_CHUNK, None])[:, 0] for s in range(0, len(targets), _LOGPROB_CHUNK)]
+            return torch.cat(out) if out else states.new_empty(0, dtype=torch.float32)
+
         try:
-            hidden = [self.scheduler.call(lambda chunk=ids[s : s + JOB_CHUNK]: self._forward(cache, chunk))
-                      for s in range(0, len(ids), JOB_CHUNK)]
+            return torch.cat([self.scheduler.call(lambda start=start: score_chunk(start))
+                              for start in range(0, len(ids), chunk)])
         finally:
             cache.truncate(mark)
-        states = torch.cat(hidden, dim=1)[0, :-1]
-        targets = to_device(ids[1:], states.device)
-        out = []
-        for s in range(0, len(targets), _LOGPROB_CHUNK):
-            logits = self.head(states[s : s + _LOGPROB_CHUNK]).float()
-            out.append(logits.log_softmax(-1).gather(-1, targets[s : s + _LOGPROB_CHUNK, None])[:, 0])
-        return torch.cat(out)
 
     def observe(self, cache: SessionCache, windows: Sequence[Sequence[int]], recorder: QueryRecorder) -> None:
         """Read each window of tokens on top of ``cache``, ``recorder`` computing every layer's attention.
@@ -174,10 +176,11 @@ class Engine:
                       ForwardPass(cache, self.beta_mode, recorder, scratch))
             scratch.commit(len(ids))
 
+        step = self.scheduler.step_tokens
         for window in windows:
             scratch.reset()
-            for start in range(0, len(window), JOB_CHUNK):
-                chunk = window[start : start + JOB_CHUNK]
+            for start in range(0, len(window), step):
+                chunk = window[start : start + step]
                 self.scheduler.call(lambda: read_chunk(chunk, cache.next_position + start))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ def check_cancelled(cancelled: threading.Event | None, when: str) -> None:
 
 
 class SchedulerStopped(AgentMemError):
-    """The batcher's scheduler was closed or died: a read queued on it did not run."""
+    """The engine's scheduler was closed or died: a read or job queued on it did not run."""
 
 
 class RequestTooLarge(InvalidInput):

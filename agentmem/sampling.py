@@ -10,10 +10,11 @@ the host in one copy. Each turn keeps its own temperature, top-k, top-p and rand
   order transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
   ``TopPLogitsWarper`` apply (ties at the top-k cut are broken by rank instead of all kept).
 - The token is drawn by inverse transform sampling: the row's uniform ``u`` picks the first token
-  whose cumulative probability exceeds ``u``. The uniforms come from each turn's own
-  :class:`random.Random` on the host, so a seeded reply is the same whether its turn ran alone
-  or batched with others, and a reply read in several rounds (compacting between them) draws on
-  from where it was instead of restarting its seed.
+  whose cumulative probability exceeds ``u`` (a draw that rounds up to the total takes the last
+  token kept). The uniforms come from each turn's own :class:`random.Random` on the host, so a
+  seeded turn draws the same numbers whether it ran alone or batched with others (its reply is
+  the same to the rounding of batched products), and a reply read in several rounds (compacting
+  between them) draws on from where it was instead of restarting its seed.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[Sampling]) -> torch.Tensor:
     kept = ordered.masked_fill(rank >= top_k[:, None], -torch.inf)
     probs = kept.softmax(-1)
     mass_before = probs.cumsum(-1) - probs  # the likeliest token always stays: nothing comes before it
-    kept = kept.masked_fill(mass_before >= top_p[:, None], -torch.inf)
+    kept = kept.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1), -torch.inf)
     cumulative = kept.softmax(-1).cumsum(-1)
     pick = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True)
-    sampled = order.gather(-1, pick.clamp(max=vocab - 1))[:, 0]
+    last_kept = kept.isfinite().sum(-1, keepdim=True) - 1  # the kept tokens are a prefix of the order
+    sampled = order.gather(-1, torch.minimum(pick, last_kept))[:, 0]  # a draw rounded up to 1 stays in it
     return torch.where(greedy.bool(), best, sampled)

@@ -37,9 +37,9 @@ a forward costs a forward of its own, so waiting up to that long is the cheaper 
 
 Failures stay with their culprit. A forward that fails commits nothing, so the scheduler splits
 its reads in halves and runs each again, until the read that fails is alone: only its turn gets
-the error. A cancelled turn's reads leave the scheduler: each read carries its turn's
-cancellation (an event its caller sets; :meth:`~Scheduler.withdraw` does the same by cache). A
-waiting read leaves at the next forward it is not part of, with
+the error; if choosing the tokens fails after a forward ran, each read that wanted one is tried
+alone. A cancelled turn's reads leave the scheduler: each read carries its turn's cancellation
+(an event its caller sets). A waiting read leaves at the next forward it is not part of, with
 :class:`~agentmem.errors.TurnCancelled`; a prompt in the forward under way leaves after it (its
 chunks committed and logged) with the same error; a read that forward finishes is delivered, its
 turn stopping where its caller does. A scheduler that dies, or is closed, fails every waiting
@@ -98,7 +98,6 @@ class PendingRead:
     cancelled: threading.Event | None = None  # set when the read's turn is cancelled
     modes: list[TorchDispatchMode] = field(default_factory=_get_current_dispatch_mode_stack)  # the caller's
     done: int = 0
-    withdrawn: bool = False
     finished: Future[int | None] = field(default_factory=Future)
 
     @property
@@ -107,8 +106,8 @@ class PendingRead:
 
     @property
     def dropped(self) -> bool:
-        """Whether its turn no longer wants it (withdrawn, or its cancellation set)."""
-        return self.withdrawn or (self.cancelled is not None and self.cancelled.is_set())
+        """Whether its turn no longer wants it (its cancellation is set)."""
+        return self.cancelled is not None and self.cancelled.is_set()
 
 
 @dataclass(eq=False)
@@ -212,19 +211,6 @@ class Scheduler:
         self._enqueue(self._jobs, job)
         return job.finished.result()  # type: ignore[return-value]
 
-    def withdraw(self, cache: SessionCache) -> int:
-        """Withdraw the reads of ``cache`` (its turn was cancelled): they raise :class:`TurnCancelled`,
-        a waiting one at once, one in the forward under way once its rows are committed. How many."""
-        cancelled = TurnCancelled(WITHDRAWN)
-        with self._changed:
-            mine = [r for r in self._waiting if r.cache is cache]
-            for read in mine:
-                read.withdrawn = True
-                if all(read is not running for running in self._running):
-                    self._waiting.remove(read)
-                    read.finished.set_exception(cancelled)
-        return len(mine)
-
     def close(self) -> None:
         """Stop for good: waiting and later reads and jobs raise :class:`SchedulerStopped`."""
         self._stop(SchedulerStopped("the engine's scheduler was closed"))
@@ -241,7 +227,12 @@ class Scheduler:
             queue.append(item)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._schedule, name="agentmem-scheduler", daemon=True)
-                self._thread.start()
+                try:
+                    self._thread.start()
+                except RuntimeError as exc:  # at interpreter shutdown, or out of threads: nothing will run it
+                    queue.remove(item)
+                    self._thread = None
+                    raise SchedulerStopped(f"the engine's scheduler could not start: {brief(exc)}") from exc
             self._changed.notify_all()
 
     def _stop(self, reason: SchedulerStopped) -> None:
@@ -314,8 +305,10 @@ class Scheduler:
         try:
             with callers_modes([job]):
                 result = job.run()
-        except Exception as exc:  # noqa: BLE001 - the job's caller gets it
+        except BaseException as exc:  # noqa: BLE001 - the job's caller gets it; a fatal one also ends the thread
             job.finished.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
         else:
             job.finished.set_result(result)
         with self._changed:
@@ -343,8 +336,8 @@ class Scheduler:
                 self._waiting = [r for r in self._waiting if r is not read]
             read.finished.set_exception(exc)
             return
-        self._last_forward_seconds = time.monotonic() - began
         self._finish(batch, hidden)
+        self._last_forward_seconds = time.monotonic() - began  # its one host read included: the device's time
 
     def _finish(self, batch: list[tuple[PendingRead, int]], hidden: torch.Tensor) -> None:
         """Log and advance the reads of a forward that ran; choose the tokens of the finished reads
@@ -364,28 +357,39 @@ class Scheduler:
             elif read.dropped:  # a prompt cut between chunks, each committed and logged
                 withdrawn.append(read)
         choosing = [(read, row) for read, row in zip(finished, last_rows) if read.sampling is not None]
-        tokens: dict[int, int] = {}
-        failure: Exception | None = None
-        if choosing:
-            try:
-                with callers_modes([r for r, _ in choosing]):
-                    tokens = dict(zip((id(r) for r, _ in choosing), self._choose(hidden, choosing)))
-            except Exception as exc:  # noqa: BLE001 - their rows are in; the turns that wanted a token get this
-                failure = exc
+        tokens = self._choose_each(hidden, choosing)
         leaving = finished + withdrawn  # of this batch only: a retried half's other half has not run yet
         with self._changed:
             self._waiting = [r for r in self._waiting if all(r is not gone for gone in leaving)]
             self.forwards += 1
             self.steps += len(batch)
             self.tokens += end
-            self.sampled += len(tokens)
+            self.sampled += sum(isinstance(token, int) for token in tokens.values())
         for read in finished:
-            if read.sampling is not None and failure is not None:
-                read.finished.set_exception(failure)
+            token = tokens.get(id(read))
+            if isinstance(token, Exception):
+                read.finished.set_exception(token)
             else:
-                read.finished.set_result(tokens.get(id(read)))
+                read.finished.set_result(token)
         for read in withdrawn:
             read.finished.set_exception(TurnCancelled(WITHDRAWN))
+
+    def _choose_each(self, hidden: torch.Tensor, choosing: list[tuple[PendingRead, int]]) -> dict[int, int | Exception]:
+        """The next token of each read in ``choosing`` by its id, chosen together; if that fails,
+        each alone, so that only a read whose choice fails gets the error (its rows stay
+        committed and logged, as after any failure past a forward)."""
+        if not choosing:
+            return {}
+        try:
+            with callers_modes([r for r, _ in choosing]):
+                return dict(zip((id(r) for r, _ in choosing), self._choose(hidden, choosing)))
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            if len(choosing) == 1:
+                return {id(choosing[0][0]): exc}
+        chosen: dict[int, int | Exception] = {}
+        for one in choosing:
+            chosen.update(self._choose_each(hidden, [one]))
+        return chosen
 
     def _choose(self, hidden: torch.Tensor, choosing: list[tuple[PendingRead, int]]) -> list[int]:
         """The next token of each read in ``choosing`` (read, its last row in ``hidden``): one head
@@ -414,7 +418,10 @@ def callers_modes(work: Sequence[PendingRead | PendingJob]) -> Iterator[None]:
 
 def plan_forward(waiting: Sequence[PendingRead], max_batch: int, step_tokens: int) -> list[tuple[PendingRead, int]]:
     """The next forward: (read, tokens of it) by the policy of the module docstring, from ``waiting``
-    in arrival order."""
+    in arrival order. With ``max_batch`` 1 a forward reads for one session: the oldest read,
+    so that neither decode steps nor prompts can hold the other kind back for good."""
+    if max_batch == 1:
+        return [(waiting[0], min(waiting[0].left, step_tokens))]
     steps = [r for r in waiting if r.step]
     prompts = [r for r in waiting if not r.step]
     steps = steps[: max_batch - 1 if prompts else max_batch]

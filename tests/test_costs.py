@@ -148,3 +148,23 @@ def test_einsum_and_solver_flops_and_bytes_moved_are_counted():
     assert counter.costs.flops["float32"] == 2 * 8 * 16 * 32 * 4 + 8 * 32**3 // 3 + 8 * 2 * 32**2 * 4
     einsum_bytes = (a.nbytes + b.nbytes + 8 * 16 * 4 * 4)
     assert counter.costs.bytes_moved >= einsum_bytes + spd.nbytes * 2
+
+
+def test_a_counter_entered_on_another_thread_too_counts_on_both_until_its_last_exit():
+    """The scheduler enters its callers' counters on its own thread: leaving there must not stop
+    the caller's counting, and the process's functions come back only when the last counter leaves."""
+    import threading
+
+    original, x = torch.Tensor.tolist, torch.arange(4.0)
+    with CostCounter() as counter:
+        def elsewhere() -> None:
+            with counter:
+                x.tolist()
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        x.tolist()
+        torch.tensor([1], device=torch.device("cpu"))
+    assert counter.costs.host_syncs == 2 and sum(counter.costs.blocking_copies.values()) == 1
+    assert torch.Tensor.tolist is original

@@ -82,3 +82,21 @@ def test_bad_settings_are_refused(settings):
 def test_one_setting_per_row():
     with pytest.raises(InvalidInput, match="2 sampling settings for 3 rows"):
         sample_rows(torch.zeros(3, VOCAB), [GREEDY, GREEDY])
+
+
+def test_a_draw_at_the_top_of_the_range_stays_among_the_kept_tokens():
+    """A uniform that rounds up to 1 in float32 must not fall off the kept prefix onto a cut token."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(9))
+    rows = [Sampling(1.0, 0.5, 0, FixedDraw(1 - 2**-30)), Sampling(1.0, 1.0, 3, FixedDraw(1 - 2**-30))]
+    picks = sample_rows(logits, rows)
+    for row, (pick, settings) in enumerate(zip(picks, rows)):
+        kept = transformers_kept(logits[row], settings.temperature, settings.top_p, settings.top_k)
+        assert kept[pick] > 0
+
+
+def test_top_p_of_one_cuts_nothing():
+    """With float32 sums reaching 1 early, a tail token must still be drawable when top_p is 1."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 0] = 40.0  # nearly all the mass on one token: the cumulative sum hits 1.0 at once
+    pick = sample_rows(logits, [Sampling(1.0, 1.0, 0, FixedDraw(1 - 2**-30))])
+    assert pick.item() != 0

@@ -354,15 +354,16 @@ def test_a_forced_failure_of_one_read_fails_only_its_turn(tiny_engine, monkeypat
     assert [r for i, r in enumerate(results) if i != 2] == [r for i, r in enumerate(alone) if i != 2]
 
 
-def test_a_withdrawn_read_leaves_the_scheduler_and_its_cache_consistent(tiny_engine):
+def test_a_cancelled_prompt_leaves_the_scheduler_and_its_cache_consistent(tiny_engine):
     engine = tiny_engine
     cache = engine.prefill([5, 6, 7])
     prompt = list(range(100, 400))  # 75 forwards of 4 tokens
     outcome: list = []
+    cancelled = threading.Event()
 
     def read() -> None:
         try:
-            engine.generate(cache, prompt, max_new_tokens=2)
+            engine.generate(cache, prompt, max_new_tokens=2, cancelled=cancelled)
         except TurnCancelled as exc:
             outcome.append(exc)
 
@@ -371,7 +372,7 @@ def test_a_withdrawn_read_leaves_the_scheduler_and_its_cache_consistent(tiny_eng
         thread.start()
         while scheduler.forwards < 3:
             threading.Event().wait(0.005)
-        assert scheduler.withdraw(cache) == 1
+        cancelled.set()
         thread.join(30)
         assert outcome and scheduler.forwards < 75
         read_so_far = cache.logical_length - 3  # whole chunks, each committed and logged
@@ -434,16 +435,17 @@ def test_a_slow_consumer_does_not_hold_the_other_turns_forwards(tiny_engine):
             thread.join(30)
 
 
-def test_a_withdrawn_read_the_forward_finishes_is_delivered(tiny_engine):
-    """A decode step withdrawn while its forward runs: its row is committed and logged, so the turn
-    gets the result; a prompt withdrawn with tokens left gets TurnCancelled, its chunk logged."""
+def test_a_cancelled_read_the_forward_finishes_is_delivered(tiny_engine):
+    """A decode step cancelled while its forward runs: its row is committed and logged, so the turn
+    gets the result; a prompt cancelled with tokens left gets TurnCancelled, its chunk logged."""
     engine = tiny_engine
     scheduler = Scheduler(engine)
+    cancelled = threading.Event()
     try:
         cache = engine.prefill([5, 6, 7])
-        step = PendingRead(cache, [8], BiasRows(), True, None)
-        prompt = PendingRead(engine.prefill([5]), [9, 10, 11], BiasRows(), False, None)
-        step.withdrawn = prompt.withdrawn = True
+        step = PendingRead(cache, [8], BiasRows(), True, None, cancelled)
+        prompt = PendingRead(engine.prefill([5]), [9, 10, 11], BiasRows(), False, None, cancelled)
+        cancelled.set()
         scheduler._finish([(step, 1), (prompt, 2)], torch.zeros(1, 3, 4))
         assert step.finished.result(1) is None and cache.token_ids == [5, 6, 7, 8]
         with pytest.raises(TurnCancelled):
@@ -506,3 +508,41 @@ def test_one_turns_cancellation_never_touches_another_turn_on_the_same_session(t
         b.join(60)
     assert isinstance(results["a"], list) and results["a"][-1].generated_tokens == 12  # a finished untouched
     assert isinstance(results["b"], TurnCancelled)  # b never read a token
+
+
+def test_a_failing_token_choice_fails_only_its_turn(tiny_engine, monkeypatch):
+    """Choosing the tokens of a forward fails for one row (say, its sampling runs out of memory):
+    the others get their tokens, tried alone, and their replies are the ones they get alone."""
+    engine = tiny_engine
+    with never_ending(engine):
+        made = caches(engine)[:3]
+        alone = [engine.generate(c.clone(), [11, 12], max_new_tokens=6) for c in made]
+        culprit = made[1].clone()
+        real_choose = Scheduler._choose
+
+        def choose(self, hidden, choosing):
+            if any(read.cache is culprit for read, _ in choosing):
+                raise RuntimeError("out of memory choosing this one")
+            return real_choose(self, hidden, choosing)
+
+        monkeypatch.setattr(Scheduler, "_choose", choose)
+        with scheduled(engine, gather_seconds=0.05):
+            jobs = [(culprit if i == 1 else c.clone(), [11, 12]) for i, c in enumerate(made)]
+            results = outcomes_together(engine, jobs, max_new_tokens=6)
+    assert isinstance(results[1], RuntimeError)
+    assert [results[0], results[2]] == [alone[0], alone[2]]
+    assert culprit.token_ids == made[1].token_ids + [11, 12]  # its prompt was read and logged
+
+
+def test_one_read_per_forward_takes_the_oldest_so_steps_are_not_held_back_by_prompts():
+    step, prompt = fake_read(1, step=True), fake_read(500)
+    assert plan_forward([step, prompt], max_batch=1, step_tokens=64) == [(step, 1)]
+    assert plan_forward([prompt, step], max_batch=1, step_tokens=64) == [(prompt, 64)]
+
+
+def test_a_job_that_raises_gives_its_caller_the_error_and_the_scheduler_serves_on(tiny_engine):
+    engine = tiny_engine
+    with scheduled(engine) as scheduler:
+        with pytest.raises(ZeroDivisionError):
+            scheduler.call(lambda: 1 / 0)
+        assert scheduler.call(lambda: 41 + 1) == 42 and scheduler.jobs == 2
