@@ -588,7 +588,7 @@ class SessionCache:
         """
         exports = {"token_ids": TensorExport(
             (self.logical_length,), torch.int64,
-            lambda out: out.copy_(torch.tensor(self._token_ids, dtype=torch.int64, device=out.device)))}
+            lambda out: out.copy_(torch.tensor(self._token_ids, dtype=torch.int64, device="cpu")))}  # out: host
         layers_meta = []
         for i, layer in enumerate(self.layers):
             for j, layout in enumerate(layer.layouts):

@@ -159,7 +159,9 @@ class CostCounter(TorchDispatchMode):
         """Whether a copy op moves data between devices, or host data (built in the block from host
         values) to an explicit device: on a GPU a host-to-device copy, even where the device is the
         CPU here. Same-device copies of device data (a buffer's ``.to(x.device)``) are not."""
-        source, target = (args[1], args[0].device) if func is aten.copy_.default else (args[0], kwargs.get("device"))
+        if func is aten.copy_.default:  # into a tensor that exists: a copy only where the devices differ
+            return args[0].device != args[1].device
+        source, target = args[0], kwargs.get("device")
         if func is aten.to.device:
             target = args[1]
         elif func is aten.to.other:

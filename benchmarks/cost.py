@@ -2,7 +2,8 @@
 
 GPU machines are rarely lent to this project, so GPU cost is counted where the code runs every
 day, with :class:`agentmem.costs.CostCounter` (dispatch level: aten ops ≈ kernel launches, host
-syncs with their call sites, FLOPs by dtype, peak live bytes). The model is Llama-3.1-8B's layer
+syncs and blocking host-to-device copies with their call sites, FLOPs by dtype, bytes moved by
+working operators: an upper bound of the memory traffic that bounds decoding; peak live bytes). The model is Llama-3.1-8B's layer
 shape exactly (hidden 4096, MLP 14,336, 32 query / 8 KV heads, head_dim 128, vocabulary 128,256,
 bf16) with few layers, on random weights (counts do not depend on the weights' values, except
 where compaction keeps data-dependent numbers of rows).
@@ -82,6 +83,9 @@ def per_step(run: Callable[[int], object]) -> Costs:
     step.flops.update({dtype: (n - one.flops[dtype]) // DECODE_STEPS for dtype, n in many.flops.items()})
     step.peak_bytes = many.peak_bytes
     step.host_built = (many.host_built - one.host_built) / DECODE_STEPS
+    step.blocking_copies.update({site: (n - one.blocking_copies[site]) / DECODE_STEPS
+                                 for site, n in many.blocking_copies.items() if n > one.blocking_copies[site]})
+    step.bytes_moved = (many.bytes_moved - one.bytes_moved) // DECODE_STEPS
     return step
 
 
@@ -185,6 +189,7 @@ def long_rows(tokens: int, methods: list[str]) -> list[dict]:
 def row(stage: str, by_layers: dict[int, Costs]) -> dict:
     ops_layer, ops_fixed = scaled(by_layers, lambda c: c.aten_ops)
     syncs_layer, syncs_fixed = scaled(by_layers, lambda c: c.host_syncs)
+    moved_layer, moved_fixed = scaled(by_layers, lambda c: c.bytes_moved)
     top = by_layers[2]
     return {
         "stage": stage,
@@ -192,6 +197,8 @@ def row(stage: str, by_layers: dict[int, Costs]) -> dict:
         f"aten ops {FULL_LAYERS}L": ops_fixed + FULL_LAYERS * ops_layer,
         "syncs / layer": syncs_layer, "syncs fixed": syncs_fixed,
         f"syncs {FULL_LAYERS}L": syncs_fixed + FULL_LAYERS * syncs_layer,
+        "blocking copies (2L)": sum(top.blocking_copies.values()),
+        f"GiB moved {FULL_LAYERS}L": (moved_fixed + FULL_LAYERS * moved_layer) / 2**30,
         "bf16 FLOP share": top.flop_share(torch.bfloat16),
         "GFLOPs (2L)": top.total_flops / 1e9,
         "peak MiB (2L)": top.peak_bytes / 2**20,
@@ -227,6 +234,10 @@ def main() -> None:
     md += "\n## Host syncs by call site (2 layers)\n\n" + "\n".join(
         f"- {stage}: " + (", ".join(f"{site} ×{n:g}" for site, n in found.items()) or "none")
         for stage, found in sites.items()) + "\n"
+    copies = {stage: dict(counted[2].blocking_copies.most_common()) for stage, counted in by_layers.items()}
+    md += "\n## Blocking host-to-device copies by call site (2 layers)\n\n" + "\n".join(
+        f"- {stage}: " + (", ".join(f"{site} ×{n:g}" for site, n in found.items()) or "none")
+        for stage, found in copies.items()) + "\n"
     (RESULTS / "cost.md").write_text(md)
     saved = json.loads((RESULTS / "cost.json").read_text())
     saved.update(long=long, raw={stage: {n: c.as_dict() for n, c in counted.items()}
