@@ -23,6 +23,13 @@ COUNTERS = {
     "checkpoints": "answered turns written to the store while their session stayed live",
     "store_errors": "store calls that failed while live sessions kept serving (lease renewals, spills)",
 }
+# Counted by the engine's scheduler (shared by every manager on the engine), read when scraped.
+SCHEDULER_COUNTERS = {
+    "forwards": "model forwards of shared reads (a step of every decoding turn and prompt chunks, together)",
+    "forward_rows": "session reads those forwards carried (forward_rows / forwards: the mean batch)",
+    "sampled_tokens": "tokens chosen by the forwards' batched sampling",
+    "scheduler_jobs": "forwards run between shared ones (scoring, compaction's reference reads)",
+}
 GAUGES = {
     "live_sessions": "sessions live on the device",
     "live_bytes": "bytes the live caches occupy (padding and spare capacity included: what the device budget counts)",
@@ -33,6 +40,7 @@ GAUGES = {
     "pending_writes": "spills written behind that have not reached the store yet",
     "pending_checkpoints": "answered turns queued or being written to the store",
     "checkpoint_lag_seconds": "age of the oldest answered turn not yet in the store (what a crash now would lose)",
+    "waiting_reads": "reads queued on the engine's scheduler for the next forward",
 }
 
 
@@ -72,7 +80,7 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._read()
-        for name, meaning in COUNTERS.items():
+        for name, meaning in {**COUNTERS, **SCHEDULER_COUNTERS}.items():
             yield CounterMetricFamily(f"agentmem_{name}", meaning, value=stats[name])
         for name, meaning in GAUGES.items():
             yield GaugeMetricFamily(f"agentmem_{name}", meaning, value=stats[name])

@@ -211,6 +211,12 @@ class Scheduler:
         self._enqueue(self._jobs, job)
         return job.finished.result()  # type: ignore[return-value]
 
+    def counts(self) -> dict[str, int]:
+        """Its counters as :data:`agentmem.metrics.SCHEDULER_COUNTERS` names them, and the reads waiting."""
+        with self._changed:
+            return {"forwards": self.forwards, "forward_rows": self.steps, "sampled_tokens": self.sampled,
+                    "scheduler_jobs": self.jobs, "waiting_reads": len(self._waiting)}
+
     def close(self) -> None:
         """Stop for good: waiting and later reads and jobs raise :class:`SchedulerStopped`."""
         self._stop(SchedulerStopped("the engine's scheduler was closed"))

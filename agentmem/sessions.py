@@ -244,8 +244,10 @@ class SessionManager:
         return [out[k] for k in sorted(out)]
 
     def stats(self) -> dict[str, Any]:
-        """Every counter and gauge (:data:`agentmem.metrics.COUNTERS`, :data:`~agentmem.metrics.GAUGES`) now."""
+        """Every counter and gauge (:data:`agentmem.metrics.COUNTERS`,
+        :data:`~agentmem.metrics.SCHEDULER_COUNTERS`, :data:`~agentmem.metrics.GAUGES`) now."""
         live = self._registry.sessions()
+        scheduler = self.engine.scheduler.counts()
         gauges = {
             "live_sessions": len(live),
             "live_bytes": sum(s.cache.allocated_nbytes for s in live),
@@ -256,8 +258,9 @@ class SessionManager:
             "pending_writes": len(self._spiller.pending()),
             "pending_checkpoints": self._residency.checkpoints.pending(),
             "checkpoint_lag_seconds": round(self._residency.checkpoints.lag(), 3),
+            "waiting_reads": scheduler.pop("waiting_reads"),
         }
-        return {**self.metrics.snapshot(), **gauges}
+        return {**self.metrics.snapshot(), **scheduler, **gauges}
 
     def prometheus(self) -> str:
         """:meth:`stats` in the Prometheus text format."""

@@ -546,3 +546,14 @@ def test_a_job_that_raises_gives_its_caller_the_error_and_the_scheduler_serves_o
         with pytest.raises(ZeroDivisionError):
             scheduler.call(lambda: 1 / 0)
         assert scheduler.call(lambda: 41 + 1) == 42 and scheduler.jobs == 2
+
+
+def test_the_schedulers_counts_are_in_the_managers_metrics(tiny_engine, tmp_path):
+    with SessionManager(tiny_engine, f"sqlite:///{tmp_path / 's.db'}") as manager:
+        before = manager.stats()
+        manager.session("counted").chat("Hello there", max_new_tokens=4)
+        after = manager.stats()
+        text = manager.prometheus()
+    assert after["forwards"] - before["forwards"] >= 4 and after["forward_rows"] >= after["forwards"]
+    assert after["sampled_tokens"] - before["sampled_tokens"] >= 3 and after["waiting_reads"] == 0
+    assert f"agentmem_forwards_total {float(after['forwards'])}" in text and "agentmem_waiting_reads 0.0" in text
