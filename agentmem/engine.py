@@ -3,7 +3,8 @@
 Every forward runs the Hugging Face model with the registered session attention
 (:mod:`agentmem.attention`) and explicit *logical* positions: after compaction the cache
 holds fewer rows than tokens read, and new tokens must still get the RoPE position they
-would have had in the full sequence.
+would have had in the full sequence. Every forward runs on the engine's scheduler
+(:mod:`agentmem.scheduler`), whichever thread asks for it.
 """
 
 from __future__ import annotations
