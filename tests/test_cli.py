@@ -566,7 +566,7 @@ def test_a_store_failing_at_the_end_of_a_chat_keeps_the_turns_until_the_user_dec
     background warnings go to $AGENTMEM_HOME/agentmem.log, not into the reply."""
     import logging as logging_module
 
-    from agentmem import cli
+    from agentmem.cli import chat as cli
     from agentmem.errors import StoreUnavailable
     from agentmem.storage import open_store
     from agentmem.storage.sql import SqlStore
@@ -658,9 +658,7 @@ def test_stats_sums_what_the_store_holds_per_tenant(engine, tmp_path):
     ("key-1: [unclosed\n", "cannot read API keys"),
 ])
 def test_serve_checks_its_api_keys_before_loading_a_model(tmp_path, monkeypatch, content, problem):
-    import agentmem.cli
-
-    monkeypatch.setattr(agentmem.cli, "_load_engine", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("agentmem.cli.serve.load_engine", lambda *a: pytest.fail("the model was loaded"))
     keys = tmp_path / "keys.yaml"
     keys.write_text(content)
     result = CliRunner().invoke(app, ["serve", "--api-keys", str(keys)])
@@ -668,7 +666,7 @@ def test_serve_checks_its_api_keys_before_loading_a_model(tmp_path, monkeypatch,
 
 
 def test_serve_maps_each_key_to_its_tenant(tmp_path):
-    from agentmem.cli import _load_api_keys
+    from agentmem.cli.serve import _load_api_keys
 
     keys = tmp_path / "keys.json"
     keys.write_text('{"sk-a": "acme", "sk-b": "globex"}')
