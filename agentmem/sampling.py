@@ -84,6 +84,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[Sampling]) -> torch.Tensor:
     kept = kept.masked_fill((mass_before >= top_p[:, None]) & (top_p[:, None] < 1), -torch.inf)
     cumulative = kept.softmax(-1).cumsum(-1)
     pick = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True)
-    last_kept = kept.isfinite().sum(-1, keepdim=True) - 1  # the kept tokens are a prefix of the order
+    # The kept tokens are a prefix of the order (none in a row of NaN logits: its pick stays in range).
+    last_kept = (kept.isfinite().sum(-1, keepdim=True) - 1).clamp(min=0)
     sampled = order.gather(-1, torch.minimum(pick, last_kept))[:, 0]  # a draw rounded up to 1 stays in it
     return torch.where(greedy.bool(), best, sampled)

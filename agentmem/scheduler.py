@@ -386,12 +386,15 @@ class Scheduler:
         committed and logged, as after any failure past a forward)."""
         if not choosing:
             return {}
+        streams = [(read.sampling.rng, read.sampling.rng.getstate()) for read, _ in choosing]
         try:
             with callers_modes([r for r, _ in choosing]):
                 return dict(zip((id(r) for r, _ in choosing), self._choose(hidden, choosing)))
         except Exception as exc:  # noqa: BLE001 - isolated below
             if len(choosing) == 1:
                 return {id(choosing[0][0]): exc}
+        for rng, state in streams:  # the failed call drew for every row: each draws again alone, as it would have
+            rng.setstate(state)
         chosen: dict[int, int | Exception] = {}
         for one in choosing:
             chosen.update(self._choose_each(hidden, [one]))

@@ -90,3 +90,14 @@ def test_imports_resolve_relative_and_type_checking_imports(tmp_path):
     assert imports("agentmem.mod", source, known) == {"agentmem.session", "agentmem.residency"}
     source.write_text("from agentmem import residency, Engine\nHOMES = {'X': 'agentmem.cache'}\n")
     assert imports("agentmem.mod", source, known) == {"agentmem", "agentmem.residency", "agentmem.cache"}
+
+
+def test_every_package_folder_is_in_the_built_distribution():
+    """setuptools' package list is explicit: a package folder missing from it is missing from a
+    wheel (an editable install would hide that)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(("agentmem", *init.parent.relative_to(ROOT / "agentmem").parts))
+               for init in (ROOT / "agentmem").rglob("__init__.py")}
+    assert folders and folders <= listed, folders - listed

@@ -557,3 +557,49 @@ def test_the_schedulers_counts_are_in_the_managers_metrics(tiny_engine, tmp_path
     assert after["forwards"] - before["forwards"] >= 4 and after["forward_rows"] >= after["forwards"]
     assert after["sampled_tokens"] - before["sampled_tokens"] >= 3 and after["waiting_reads"] == 0
     assert f"agentmem_forwards_total {float(after['forwards'])}" in text and "agentmem_waiting_reads 0.0" in text
+
+
+def test_a_token_choice_retried_alone_draws_what_it_would_have(tiny_engine, monkeypatch):
+    """A batched choice that fails after drawing (say, out of memory in its sort) is retried per
+    read from the same random state: seeded replies stay the ones they are alone."""
+    import agentmem.scheduler as scheduler_module
+
+    engine = tiny_engine
+    settings = {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95}
+    real = scheduler_module.sample_rows
+    failed: list[int] = []
+
+    def fails_batched(logits, rows):
+        chosen = real(logits, rows)  # every row has drawn its uniform by now
+        if len(rows) > 1:
+            failed.append(len(rows))
+            raise RuntimeError("out of memory choosing several rows")
+        return chosen
+
+    with never_ending(engine):
+        made = caches(engine)[:3]
+        alone = [engine.generate(c.clone(), [11, 12], seed=i, **settings) for i, c in enumerate(made)]
+        monkeypatch.setattr(scheduler_module, "sample_rows", fails_batched)
+        with scheduled(engine, gather_seconds=0.05):
+            replies: list = [None] * len(made)
+            start = threading.Barrier(len(made))
+
+            def turn(i: int) -> None:
+                start.wait()
+                replies[i] = engine.generate(made[i].clone(), [11, 12], seed=i, **settings)
+
+            threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(made))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+    assert failed and replies == alone
+
+
+def test_a_row_of_nan_logits_is_answered_without_an_out_of_range_index():
+    from agentmem.sampling import Sampling, sample_rows
+
+    logits = torch.full((2, 50), float("nan"))
+    logits[1] = torch.randn(50)
+    picks = sample_rows(logits, [Sampling.of(1.0, 0.9, 0, seed=1), Sampling.of(1.0, 0.9, 0, seed=2)])
+    assert 0 <= picks[0] < 50 and 0 <= picks[1] < 50

@@ -125,8 +125,6 @@ class _CountingFileHandler(logging.FileHandler):
         super().emit(record)
 
 
-
-
 @contextmanager
 def _log_to_file() -> Iterator[None]:
     """During a chat, agentmem's warnings go to ``$AGENTMEM_HOME/agentmem.log``, not into the streamed

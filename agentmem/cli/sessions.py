@@ -252,9 +252,5 @@ def _get_record(store: str | None, tenant: str, session_id: str):
         backend.close()
 
 
-
-
-
-
 def _when(timestamp: float | None) -> str | None:
     return None if timestamp is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
