@@ -3,6 +3,7 @@ reply is the one it gets alone."""
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -565,7 +566,9 @@ def test_a_token_choice_retried_alone_draws_what_it_would_have(tiny_engine, monk
     import agentmem.scheduler as scheduler_module
 
     engine = tiny_engine
-    settings = {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95}
+    # top_k: a random model's distribution is nearly flat over the vocabulary, where batched
+    # rounding alone can move a draw across a neighbour's boundary; 40 tokens leave wide ones
+    settings = {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95, "top_k": 40}
     real = scheduler_module.sample_rows
     failed: list[int] = []
 
@@ -578,15 +581,17 @@ def test_a_token_choice_retried_alone_draws_what_it_would_have(tiny_engine, monk
 
     with never_ending(engine):
         made = caches(engine)[:3]
-        alone = [engine.generate(c.clone(), [11, 12], seed=i, **settings) for i, c in enumerate(made)]
+        streams_alone = [random.Random(i) for i in range(len(made))]
+        alone = [engine.generate(c.clone(), [11, 12], seed=streams_alone[i], **settings) for i, c in enumerate(made)]
         monkeypatch.setattr(scheduler_module, "sample_rows", fails_batched)
+        streams = [random.Random(i) for i in range(len(made))]
         with scheduled(engine, gather_seconds=0.05):
             replies: list = [None] * len(made)
             start = threading.Barrier(len(made))
 
             def turn(i: int) -> None:
                 start.wait()
-                replies[i] = engine.generate(made[i].clone(), [11, 12], seed=i, **settings)
+                replies[i] = engine.generate(made[i].clone(), [11, 12], seed=streams[i], **settings)
 
             threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(made))]
             for t in threads:
@@ -594,6 +599,8 @@ def test_a_token_choice_retried_alone_draws_what_it_would_have(tiny_engine, monk
             for t in threads:
                 t.join(60)
     assert failed and replies == alone
+    # each stream drew once per token chosen, as alone: none drew again for a retry
+    assert [s.getstate() for s in streams] == [s.getstate() for s in streams_alone]
 
 
 def test_a_row_of_nan_logits_is_answered_without_an_out_of_range_index():
