@@ -150,8 +150,9 @@ class Engine:
 
         def score_chunk(start: int) -> torch.Tensor:  # a job: the forward and the head's products
             states = self._forward(cache, ids[start : start + chunk])[0]
-            targets = to_device(ids[start + 1 : start + 1 + chunk], states.device)  # the last has none
-            out = [self.head(states[s : min(s + _LOGPROB_CHUNK, len(targets))]).float().log_softmax(-1)
+            targets = to_device(ids[start + 1 : start + 1 + chunk], states.device)
+            states = states[: len(targets)]  # the sequence's last token has no target
+            out = [self.head(states[s : s + _LOGPROB_CHUNK]).float().log_softmax(-1)
                    .gather(-1, targets[s : s + _LOGPROB_CHUNK, None])[:, 0] for s in range(0, len(targets), _LOGPROB_CHUNK)]
             return torch.cat(out) if out else states.new_empty(0, dtype=torch.float32)
 
@@ -391,12 +392,7 @@ class Engine:
         """Raise :class:`InvalidInput` for generation settings :meth:`stream` cannot honour."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidInput(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if not temperature >= 0:
-            raise InvalidInput(f"temperature must be >= 0, got {temperature!r}")
-        if not 0 < top_p <= 1:
-            raise InvalidInput(f"top_p must be in (0, 1], got {top_p!r}")
-        if not isinstance(top_k, int) or top_k < 0:
-            raise InvalidInput(f"top_k must be a non-negative integer, got {top_k!r}")
+        Sampling(temperature, top_p, top_k)  # its own checks: one place says what the settings may be
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:

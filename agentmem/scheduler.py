@@ -195,10 +195,10 @@ class Scheduler:
         stay committed and logged."""
         if len(ids) < 1:
             raise InvalidInput("a read needs at least one token")
-        check_cancelled(cancelled, "before this read")
-        waiting = PendingRead(cache, list(ids), bias_rows, step, sampling, cancelled)
         if self.on_thread:
             raise InvalidInput("the scheduler's own work cannot queue a read on it")
+        check_cancelled(cancelled, "before this read")
+        waiting = PendingRead(cache, list(ids), bias_rows, step, sampling, cancelled)
         self._enqueue(self._waiting, waiting)
         return waiting.finished.result()
 
