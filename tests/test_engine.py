@@ -338,3 +338,11 @@ def test_bytes_to_append_predicts_what_the_buffers_grow_by(tiny_engine):
         assert cache.allocated_nbytes - before == grown[-1]
         before = cache.allocated_nbytes
     assert grown[0] == grown[2] == 0 < grown[1]
+
+
+@pytest.mark.parametrize("chunk_size", [0, -3, True, 2.5])
+def test_prefill_refuses_a_chunk_size_that_is_not_a_positive_integer(tiny_engine, chunk_size):
+    cache = tiny_engine.prefill([5, 6])
+    with pytest.raises(InvalidInput, match="chunk_size must be a positive integer"):
+        tiny_engine.prefill([7, 8, 9], cache, chunk_size=chunk_size)
+    assert cache.token_ids == [5, 6]  # nothing read
