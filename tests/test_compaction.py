@@ -272,18 +272,20 @@ def test_weaker_ridges_lower_unseen_error_where_heads_keep_few_rows(engine, real
     assert statistics.geometric_mean(ratios) < 0.8, ratios
 
 
-def test_a_layer_with_a_head_over_the_fit_cap_keeps_every_head_as_it_is(engine, real_reference):
-    """One head keeping more than MAX_FIT_ROWS rows leaves the whole layer unfitted: every head's
-    β is its prior and its values are the cache's own, in the cache's dtype."""
-    span, train, held, _ = split_attention(engine, real_reference, 14)
+def test_a_head_keeping_more_rows_than_its_queries_is_fitted_and_loses_nothing_unseen(engine, real_reference):
+    """No head is too wide to fit: one keeping more rows than the fits have queries (solved as
+    the queries' own system) is fitted beside narrow ones, and on queries neither the fits nor
+    the choice saw no head does worse than its rows unfitted."""
+    span, train, held, unseen = split_attention(engine, real_reference, 14)
+    train = SpanAttention(span, train.queries.take(slice(0, 200)), train.scale, train.lse_span[:, :200],
+                          train.output[:, :200], train.share[:, :200])  # fewer queries than the wide head's rows
     scores = real_reference[1].scores[14]
-    small = [s.topk(60).indices for s in scores]
-    fitted, plain = choose_fits(span, train, held, rows_of(small)), span.unfitted(rows_of(small))
-    assert not torch.equal(fitted.values, plain.values.float())  # fitted under the cap
-    over = rows_of([scores[0].topk(solvers.MAX_FIT_ROWS + 1).indices, *small[1:]])
-    choice, plain = choose_fits(span, train, held, over), span.unfitted(over)
-    assert torch.equal(choice.rows.index, plain.rows.index) and torch.equal(choice.beta, plain.beta)
-    assert choice.values.dtype == span.values.dtype and torch.equal(choice.values, plain.values)
+    wide = 300
+    rows = rows_of([scores[0].topk(wide).indices, *(s.topk(60).indices for s in scores[1:])])
+    choice, plain = choose_fits(span, train, held, rows), span.unfitted(rows)
+    assert choice.fits is not None and choice.fits.shape == (len(rows.counts),)
+    assert not torch.equal(choice.values[0, :wide], plain.values[0, :wide].float())  # the wide head is fitted
+    assert (unseen_error(span, unseen, choice) <= unseen_error(span, unseen, plain) * 1.05).all()
 
 
 def random_attention(keys: torch.Tensor, values: torch.Tensor):
@@ -330,9 +332,64 @@ def test_candidate_values_judged_together_score_as_each_judged_alone():
     assert together.shape == (3, 2) and torch.allclose(together, alone, rtol=1e-6, atol=0)
 
 
+def reference_value_fit(att, index, valid, beta, kept, strength):
+    """:func:`fit_values`'s change for one ridge strength from the ``t × t`` normal equations in
+    float64, built from whole (queries × rows) matrices: what the chunked and the dual paths solve."""
+    probs = (att.logits_of(index).masked_fill(~valid[:, None, :], -math.inf) + beta[:, None, :]).softmax(-1)
+    probs = probs.nan_to_num(0.0).double()
+    root = att.share.double().sqrt()[..., None]
+    a, b = probs * root, (att.output.double() - probs @ kept.double()) * root
+    gram = a.transpose(1, 2) @ a
+    ridge = strength * gram.diagonal(dim1=1, dim2=2).sum(-1) / valid.sum(-1)
+    system = gram + ridge[:, None, None] * torch.eye(index.shape[1], dtype=torch.float64)
+    return kept.double() + torch.linalg.solve(system, a.transpose(1, 2) @ b)
+
+
+@pytest.mark.parametrize("rows", [120, 700])
+def test_value_fits_equal_the_normal_equations_whole_or_chunked_and_from_either_side(monkeypatch, rows):
+    """The value fit summed over query chunks (rows fewer than the 600 queries) and the one solved
+    as the queries' ``N × N`` system (more rows than queries) both equal the ``t × t`` normal
+    equations built whole, in float64."""
+    torch.manual_seed(0)
+    span, train, _ = random_attention(torch.randn(2, 1000, 16), torch.randn(2, 1000, 16))
+    selection = rows_of([torch.arange(rows), torch.arange(0, 1000, 25)])
+    index, valid = selection.index, selection.valid
+    kept = span.values.gather(1, index[..., None].expand(-1, -1, 16))
+    log_w = fit_mass(train, index, valid).log()
+    expected = reference_value_fit(train, index, valid, log_w, kept, 0.1)
+    whole = fit_values(train, index, valid, log_w, kept, (0.1,))[0]
+    monkeypatch.setattr(solvers, "BLOCK_ELEMENTS", 2 * rows * 50)  # 50 queries a chunk
+    chunked = fit_values(train, index, valid, log_w, kept, (0.1,))[0]
+    for fitted in (whole, chunked):
+        assert torch.allclose(fitted.double(), expected, rtol=1e-3, atol=1e-3), (fitted.double() - expected).abs().max()
+
+
+def test_heads_fitted_in_groups_or_chunks_choose_what_each_head_alone_chooses(monkeypatch):
+    """A head's fit does not depend on the heads solved beside it (their widths pad its
+    systems), on the query chunks, or on whether its group solves from the rows' or the
+    queries' side: heads of 700, 30 and 200 rows, fitted together, split into groups with
+    chunked queries, and each alone, make the same choice."""
+    torch.manual_seed(0)
+    span, train, held = random_attention(torch.randn(3, 1000, 16), torch.randn(3, 1000, 16))
+    selection = rows_of([torch.arange(0, 700), torch.arange(0, 900, 30), torch.arange(100, 900, 4)])
+    together = choose_fits(span, train, held, selection)
+    monkeypatch.setattr(solvers, "GROUP_ELEMENTS", 0)
+    monkeypatch.setattr(solvers, "BLOCK_ELEMENTS", 3 * 700 * 64)
+    assert solvers.head_groups(selection.counts) == [[0, 2], [1]]  # 700 rows solved from the queries' side
+    grouped = choose_fits(span, train, held, selection)
+    for h, count in enumerate(selection.counts):
+        one = torch.tensor([h])
+        alone = choose_fits(train.heads(one).span, train.heads(one), held.heads(one),
+                            Selection(selection.index[one, :count], selection.valid[one, :count], (count,)))
+        for choice in (together, grouped):
+            assert torch.equal(choice.fits[h : h + 1], alone.fits)
+            assert torch.allclose(choice.beta[h, :count], alone.beta[0], atol=2e-3)  # the NNLS step: a power iteration
+            assert torch.allclose(choice.values[h, :count], alone.values[0], atol=1e-3)
+
+
 def test_a_head_whose_kept_rows_the_queries_cannot_tell_apart_is_fitted_without_failing():
-    """Two kept rows with the same key make a head's mass system singular in float32 (the ridge
-    is relative to the widest head's padded system): the fits must fall back to the unfitted
+    """Two kept rows with the same key make a head's mass system singular in float32 (a ridge of
+    a millionth of its mean diagonal cannot lift it there): the fits must fall back to the unfitted
     answer for that head, not fail the compaction (``am`` in a session of Python's docs did)."""
     torch.manual_seed(0)
     keys, values = torch.randn(2, 200, 16), torch.randn(2, 200, 16)
@@ -1002,33 +1059,23 @@ def test_window_rows_and_their_assembly_equal_the_per_head_plain_path(llama):
             assert torch.equal(segment.positions[rows], span.positions[h, plain].to(torch.int32))
 
 
-def test_am_that_can_fit_no_layer_samples_no_queries_and_scores_no_candidates(llama, monkeypatch):
-    """Calibrated budgets above MAX_FIT_ROWS on every head: AM is selection alone, so it samples
-    no queries for the fits and runs no end-to-end check (both candidates would be the same rows),
-    and its stats say so; it keeps what the sampling path keeps. A compaction that fits says that."""
-    monkeypatch.setattr(solvers, "MAX_FIT_ROWS", 4)
+def test_am_fits_every_layer_and_says_what_each_head_chose(llama, monkeypatch):
+    """Calibrated budgets keeping more rows on every head than the fits have queries (8): AM still
+    fits every layer, its stats say what the heads chose (shares of :data:`FIT_KINDS` over every
+    fitted head) and whether the end-to-end check kept the fits; the cache holds what it says."""
     cache = llama.prefill(doc_ids(llama, 200))
-    am = AttentionMatching(head_budgets=torch.ones(llama.num_layers, llama.num_kv_heads))  # ~46 rows a head
-    arguments = {"ratio": 4, "keep_recent": 16}
-    samples, probes = [], []
-    collect, score = scoring.collect_reference, llama.score
-    monkeypatch.setattr(scoring, "collect_reference", lambda *a, **k: (samples.append(k["max_queries"]),
-                                                                       collect(*a, **k))[1])
-    monkeypatch.setattr(llama, "score", lambda c, tokens: (probes.append(tokens), score(c, tokens))[1])
-    small = compact(llama, cache, am, **arguments)
+    am = AttentionMatching(head_budgets=torch.ones(llama.num_layers, llama.num_kv_heads), max_queries=10)
+    nll = []
+    score = llama.score
+    monkeypatch.setattr(llama, "score", lambda c, tokens: (nll.append(-score(c, tokens).mean().item()), score(c, tokens))[1])
+    small = compact(llama, cache, am, ratio=4, keep_recent=16)
     stats = small.compaction_stats
-    assert samples == [1] and probes == []
-    assert (stats.compactor, stats.fitted_layers, stats.fit_queries, stats.end_to_end_checked) == (am, 0, 0, False)
-    assert [reason.split(":")[0] for reason in stats.skipped] == ["the fits' query sample", "the end-to-end check"]
-    monkeypatch.setattr(attention_matching, "fits_possible", lambda job, proportions: True)  # as if a layer could be
-    sampled = compact(llama, cache, am, **arguments)
-    assert samples[1] is None and probes == []  # every query sampled; still no layer fitted, nothing to check
-    (kept, meta), (kept_sampled, meta_sampled) = small.to_tensors(), sampled.to_tensors()
-    assert meta == meta_sampled and all(torch.equal(kept[name], kept_sampled[name]) for name in kept)
-    monkeypatch.setattr(solvers, "MAX_FIT_ROWS", 512)
-    fitted = compact(llama, cache, "am-fast", ratio=4, keep_recent=16).compaction_stats
-    assert fitted.fitted_layers == llama.num_layers and fitted.end_to_end_checked and not fitted.skipped
-    assert 0 < fitted.fit_queries <= 1536 and len(probes) == 2
+    assert (stats.compactor, stats.fitted_layers, stats.fit_queries) == (am, llama.num_layers, 10)
+    assert min(min(layer.rows_per_head) for layer in small.layers) > 8
+    shares = stats.fit_shares
+    assert list(shares) == list(solvers.FIT_KINDS) and math.isclose(sum(shares.values()), 1.0)
+    assert stats.end_to_end_checked and len(nll) == 2 and not stats.skipped
+    assert stats.fits_kept == (nll[0] <= nll[1])  # fitted first, then the same rows unfitted
 
 
 def test_a_bf16_cache_keeps_fitted_beta_in_float32(tokenizer, monkeypatch):

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 
 from agentmem.chat import encode
-from agentmem.compaction import budgets, solvers
+from agentmem.compaction import solvers
 from agentmem.compaction.base import Job, check_count
 from agentmem.compaction.queries import REPEAT_PROMPT, LayerQueries, sample_positions
 from agentmem.compaction.scoring import Chosen, GlobalSelection, sink_slots
@@ -22,6 +22,7 @@ from agentmem.errors import InvalidInput
 
 VALIDATION_TOKENS = 256  # span tokens the end-to-end check re-reads (at most a quarter of the span)
 SELECTIONS = ("attention", "omp")
+HOLDOUT_RUNS = 10  # contiguous runs the fits' query sample is cut into, to hold some out (AttentionMatching.split)
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,25 @@ class AttentionMatching(GlobalSelection):
         return replace(super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens),
                        fit_sinks=False)
 
+    def split(self, job: Job, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled queries' indices the fits are solved on and those held out to choose between
+        them: ``holdout`` of :data:`HOLDOUT_RUNS` contiguous runs of the sample, chosen at random.
+
+        The sample is in reading order, and neighbouring tokens ask nearly the same of the span:
+        queries held out one by one sit between training queries, so a fit that only memorised
+        its training queries (a head keeping more rows than it has queries) looked as good on
+        them. Whole runs are other passages of the text.
+        """
+        runs = torch.arange(count, device=job.cache.device).tensor_split(HOLDOUT_RUNS)
+        generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        order = torch.randperm(HOLDOUT_RUNS, generator=generator, device="cpu").tolist()  # on the host: no sync
+        held = max(1, round(self.holdout * HOLDOUT_RUNS))
+        pick = lambda chosen: torch.cat([runs[r] for r in sorted(chosen)])  # noqa: E731
+        return pick(order[held:]), pick(order[:held])
+
     def choose(self, job: Job) -> Chosen:
-        omp = self.selection == "omp"
-        proportions = self.proportions(job.engine)
-        fitting = omp or fits_possible(job, proportions)  # OMP chooses rows on the sample even where none can be fitted
-        if not fitting:
-            job.stats.skipped.append(
-                f"the fits' query sample: no layer can keep at most {solvers.MAX_FIT_ROWS} rows on every head")
-        reference = self.reference(job, self.max_queries if fitting else 1, held_out=held_out(job) if fitting else ())
-        selection = self.select(job, reference.scores, proportions)
+        reference = self.reference(job, self.max_queries, held_out=held_out(job))
+        selection = self.select(job, reference.scores, self.proportions(job.engine))
         fitted = [self._fitted_layer(job, span, queries, rows)
                   for span, queries, rows in zip(job.plan.layers, reference.queries, selection)]
         if not job.stats.fitted_layers:
@@ -89,38 +100,27 @@ class AttentionMatching(GlobalSelection):
             return fitted, reference
         job.stats.fit_queries = max(queries.q.shape[1] for queries in reference.queries)
         unfitted = [span.unfitted(choice.rows) for span, choice in zip(job.plan.layers, fitted)]  # OMP's rows, with OMP
-        return end_to_end_choice(job, [fitted, unfitted]), reference
+        chosen = end_to_end_choice(job, [fitted, unfitted])
+        job.stats.fits_kept = chosen is fitted
+        return chosen, reference
 
     def _fitted_layer(self, job: Job, span: LayerSpan, queries: LayerQueries, rows: Selection) -> LayerChoice:
-        """One layer's choice: its rows (re-chosen by OMP with ``selection="omp"``) fitted where they
-        can be (:func:`~agentmem.compaction.solvers.choose_fits`), counted in ``job.stats``."""
-        omp = self.selection == "omp"
-        if not (sum(rows.counts) and queries.q.shape[1] and (omp or solvers.fits_rows(rows.counts))):
-            return span.unfitted(rows)  # nothing of the span kept, no query to fit on, or rows too many to fit
-        order = self.permutation(job, queries.q.shape[1])
-        cut = max(1, int(len(order) * self.holdout))
-        train = SpanAttention.of(span, queries.take(order[cut:]), job.scale)
-        held = SpanAttention.of(span, queries.take(order[:cut]), job.scale)
-        if omp:
+        """One layer's choice: its rows (re-chosen by OMP with ``selection="omp"``) fitted
+        (:func:`~agentmem.compaction.solvers.choose_fits`), counted in ``job.stats``."""
+        if not (sum(rows.counts) and queries.q.shape[1]):
+            return span.unfitted(rows)  # nothing of the span kept, or no query to fit on
+        train_index, held_index = self.split(job, queries.q.shape[1])
+        train = SpanAttention.of(span, queries.take(train_index), job.scale)
+        held = SpanAttention.of(span, queries.take(held_index), job.scale)
+        if self.selection == "omp":
             rows = solvers.omp_select(train, rows.counts)
-        job.stats.fitted_layers += int(solvers.can_fit(train, rows))
+        if not train.count:
+            return span.unfitted(rows)
+        job.stats.fitted_layers += 1
         fixed = None if self.sinks_fitted else sink_slots(job, span)
-        return solvers.choose_fits(span, train, held, rows, fixed=fixed)
-
-
-def fits_possible(job: Job, proportions: torch.Tensor | None) -> bool:
-    """Whether any layer could keep at most :data:`~agentmem.compaction.solvers.MAX_FIT_ROWS`
-    rows on every head, the condition for AM to fit it, judged before any query is read.
-
-    With calibrated budgets (``proportions``) the rows each head keeps are known now. With
-    global ones a layer keeps at least what the other layers cannot hold; one that must keep
-    more than its heads hold under the cap has a head over it whatever the scores.
-    """
-    if proportions is not None:
-        return any(sum(b) and solvers.fits_rows(b) for b in budgets.proportional(job.counts, job.total, proportions))
-    rows = job.plan.rows
-    return any(job.total - (rows - span.rows) <= sum(min(c, solvers.MAX_FIT_ROWS) for c in span.counts)
-               for span in job.plan.layers)
+        choice = solvers.choose_fits(span, train, held, rows, fixed=fixed)
+        job.stats.count_fits(choice.fits)
+        return choice
 
 
 def validation_text(job: Job) -> list[int]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentmem.cache import SessionCache
+from agentmem.compaction.solvers import FIT_KINDS
 from agentmem.compaction.span import SpanPlan, plan_span
 from agentmem.errors import InvalidInput
 
@@ -31,15 +32,35 @@ class CompactionStats:
     fitted (the others keep their rows as they are); ``fit_queries``: reference queries per KV
     head sampled for the fits (the most of any layer; 0 when none were); ``end_to_end_checked``:
     whether the model scored the candidates
-    (:func:`~agentmem.compaction.attention_matching.end_to_end_choice`); ``skipped``: work left
-    out because it could not change the result, each with its reason.
+    (:func:`~agentmem.compaction.attention_matching.end_to_end_choice`); ``fits_kept``: whether
+    the fitted candidate was kept (it is when there is no check to make); ``skipped``: work left
+    out because it could not change the result, each with its reason. :attr:`fit_shares` says what
+    the fits chose head by head.
     """
 
     compactor: Compactor | None = None
     fitted_layers: int = 0
     fit_queries: int = 0
     end_to_end_checked: bool = False
+    fits_kept: bool = True
     skipped: list[str] = field(default_factory=list)
+    head_fits: torch.Tensor | None = None  # fitted heads per kind of fit, on the device until asked for
+
+    def count_fits(self, kinds: torch.Tensor) -> None:
+        """Add one layer's heads, each a :data:`FIT_KINDS` index ``(H,)``."""
+        tally = (kinds[:, None] == torch.arange(len(FIT_KINDS), device=kinds.device)).sum(0)  # no host read
+        self.head_fits = tally if self.head_fits is None else self.head_fits + tally
+
+    @property
+    def fit_shares(self) -> dict[str, float]:
+        """Share of the fitted layers' heads that chose each kind of fit (``{}``: none fitted), in :data:`~agentmem.compaction.solvers.FIT_KINDS` order.
+
+        Read from the device when asked, so a compaction itself waits for none of it.
+        """
+        if self.head_fits is None:
+            return {}
+        counts = self.head_fits.tolist()
+        return {kind: count / max(1, sum(counts)) for kind, count in zip(FIT_KINDS, counts)}
 
 
 @dataclass

@@ -67,8 +67,13 @@ class LayerQueries:
     span_lse: torch.Tensor | None = None
     span_out: torch.Tensor | None = None
 
-    def take(self, index: torch.Tensor) -> LayerQueries:
+    def take(self, index: torch.Tensor | slice) -> LayerQueries:
+        """The queries ``index`` of every KV head."""
         return LayerQueries(*(None if part is None else part[:, index] for part in self._parts()))
+
+    def heads(self, index: torch.Tensor) -> LayerQueries:
+        """Every query of the KV heads ``index`` (a device tensor)."""
+        return LayerQueries(*(None if part is None else part.index_select(0, index) for part in self._parts()))
 
     def with_float_outputs(self) -> LayerQueries:
         """The same queries with their outputs in float32, as the fits use them; the queries stay in

@@ -15,7 +15,7 @@ Notation per head: reference queries ``q`` (N of them), span keys ``K`` with pri
 A head keeps rows ``S``. Its mass is matched by ``w ≥ 0`` (β = b_S + log w, bounded) from
 non-negative least squares on ``Σ_i exp(q·K_i·s + b_i − lse_span)·w_i ≈ 1``; its values by a
 ridge fit toward the kept rows' own values: ``C_v = V_S + argmin ‖P·Δ − (Y − P·V_S)‖² + λ‖Δ‖²``
-with ``λ = s · mean diag(PᵀP)`` for each ``s`` in :data:`RIDGE_STRENGTHS`. Unregularised fits
+with ``λ = s · mean diag(PᵀP)`` (over the head's own rows) for each ``s`` in :data:`RIDGE_STRENGTHS`. Unregularised fits
 collapse when a head keeps many rows; a fixed ``s = 1`` holds back heads that keep few rows
 seen by many queries, where the fit is well determined, so ``s`` is chosen per head
 (``docs/benchmarks/fidelity.md``).
@@ -23,24 +23,33 @@ seen by many queries, where the fit is well determined, so ``s`` is chosen per h
 Every fitted part is judged by the layer's true attention output on held-out queries (see
 :func:`output_error`) and dropped where it does not beat the unfitted choice, head by head on
 the device: the choice is never read back to the host.
+
+Sizes: every head is fitted, however many rows it keeps. Nothing of size (queries × rows) is
+held whole: the systems are summed over chunks of queries (:meth:`SpanAttention.chunks`, at
+most :data:`~agentmem.compaction.blockwise.BLOCK_ELEMENTS` per tensor), so memory grows with
+the rows' systems ``(heads, t, t)`` alone. Heads whose row counts differ widely are solved in
+groups (:func:`head_groups`), so a head keeping few rows is not padded to the widest head's
+system; a 32k-token span at 10x leaves some heads with thousands of rows and others with tens.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from agentmem.cache import to_device
-from agentmem.compaction.blockwise import KeyBlock, attention_stats, weighted_key_sums
+from agentmem.compaction.blockwise import BLOCK_ELEMENTS, KeyBlock, attention_stats, weighted_key_sums
 from agentmem.compaction.queries import LayerQueries
 from agentmem.compaction.span import LayerChoice, LayerSpan, Selection, best_slots
 
 BETA_BOUND = 3.0  # |β − prior| ≤ 3, as in the paper
 RIDGE_STRENGTHS = (1.0, 0.1, 0.01)  # value-fit ridge λ, in units of mean diag(PᵀP): held-out error picks per head
-MAX_FIT_ROWS = 512  # a layer with a head keeping more rows is not fitted (see choose_fits)
+# Padded system entries a group of heads may hold before it is split by row count (head_groups).
+GROUP_ELEMENTS = BLOCK_ELEMENTS
+FIT_KINDS = ("kept as is", "beta only", "values only", "beta and values")  # what a head's chosen candidate fits
 _NEG = float("-inf")
 
 
@@ -78,16 +87,29 @@ class SpanAttention:
         return torch.add(self.span.prior.gather(1, index)[:, None, :], torch.bmm(q, keys.transpose(1, 2)),
                          alpha=self.scale)
 
+    @property
+    def count(self) -> int:
+        """Queries per KV head."""
+        return self.lse_span.shape[1]
 
-def fits_rows(counts: Sequence[int]) -> bool:
-    """Whether a layer whose heads keep ``counts`` rows can be fitted: none keeps more than
-    :data:`MAX_FIT_ROWS` (see :func:`choose_fits`)."""
-    return max(counts, default=0) <= MAX_FIT_ROWS
+    def chunks(self, width: int) -> Iterator[SpanAttention]:
+        """The same attention over consecutive chunks of the queries, each small enough that a
+        ``(H, chunk, width)`` float32 tensor holds at most ``BLOCK_ELEMENTS`` entries."""
+        step = max(1, BLOCK_ELEMENTS // max(1, self.lse_span.shape[0] * width))
+        if step >= self.count:
+            yield self
+            return
+        for start in range(0, self.count, step):
+            rows = slice(start, start + step)
+            yield SpanAttention(self.span, self.queries.take(rows), self.scale, self.lse_span[:, rows],
+                                self.output[:, rows], self.share[:, rows])
 
-
-def can_fit(train: SpanAttention, rows: Selection) -> bool:
-    """Whether :func:`choose_fits` fits ``rows``: they are few enough and there are queries to fit them on."""
-    return bool(train.lse_span.shape[1]) and fits_rows(rows.counts)
+    def heads(self, index: torch.Tensor) -> SpanAttention:
+        """The same attention for the KV heads ``index`` (a device tensor) alone."""
+        span = replace(self.span, keys=self.span.keys.index_select(0, index),
+                       values=self.span.values.index_select(0, index), prior=self.span.prior.index_select(0, index))
+        return SpanAttention(span, self.queries.heads(index), self.scale, self.lse_span.index_select(0, index),
+                             self.output.index_select(0, index), self.share.index_select(0, index))
 
 
 def kept_logits(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -113,15 +135,19 @@ def fit_mass(
 
     Only ``free`` rows (default: every valid one) are weighted; the others keep ``w = 1`` and
     their mass counts toward the target. Solved by projected gradient from the clamped ridge
-    solution, step ``1/λ_max``.
+    solution, step ``1/λ_max``; the normal equations are summed over query chunks.
     """
     free = valid if free is None else free
-    design, target = _mass_design(att, index, valid, free)
-    weight = att.share[..., None]
-    gram = torch.bmm(design.transpose(1, 2), design * weight)  # (H, t, t)
-    rhs = (design * weight * target[..., None]).sum(1)  # (H, t)
-    eye = torch.eye(gram.shape[-1], device=gram.device)[None]
-    ridge = 1e-6 * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]
+    heads, width = index.shape
+    gram = torch.zeros(heads, width, width, device=index.device)
+    rhs = torch.zeros(heads, width, device=index.device)
+    for part in att.chunks(width):
+        design, target = _mass_design(part, index, valid, free)
+        weighted = design * part.share[..., None]
+        gram += torch.bmm(design.transpose(1, 2), weighted)  # (H, t, t)
+        rhs += (weighted * target[..., None]).sum(1)  # (H, t)
+    eye = torch.eye(width, device=gram.device)[None]
+    ridge = 1e-6 * _mean_diagonal(gram.diagonal(dim1=1, dim2=2).sum(-1), free)
     lo, hi = math.exp(-BETA_BOUND), math.exp(BETA_BOUND)
     w = _solve(gram + ridge * eye, rhs[..., None], fallback=1.0)[..., 0].nan_to_num(1.0).clamp(lo, hi)
     step = 1.0 / _largest_eigenvalue(gram).clamp(min=1e-12)
@@ -140,11 +166,14 @@ def fit_scalar_mass(
     untouched, and fixes only how much they weigh against the rest of the cache.
     """
     free = valid if free is None else free
-    design, target = _mass_design(att, index, valid, free)
-    scaled = design.sum(-1)  # (H, N)
-    weight = att.share
-    c = (weight * scaled * target).sum(-1) / (weight * scaled * scaled).sum(-1).clamp(min=1e-30)
-    c = c.nan_to_num(1.0).clamp(math.exp(-BETA_BOUND), math.exp(BETA_BOUND))
+    numerator = torch.zeros(index.shape[0], device=index.device)
+    denominator = torch.zeros_like(numerator)
+    for part in att.chunks(index.shape[1]):
+        design, target = _mass_design(part, index, valid, free)
+        scaled = design.sum(-1)  # (H, N)
+        numerator += (part.share * scaled * target).sum(-1)
+        denominator += (part.share * scaled * scaled).sum(-1)
+    c = (numerator / denominator.clamp(min=1e-30)).nan_to_num(1.0).clamp(math.exp(-BETA_BOUND), math.exp(BETA_BOUND))
     return torch.where(free, c[:, None], 1.0)
 
 
@@ -154,18 +183,55 @@ def fit_values(
 ) -> torch.Tensor:
     """Values ``(S, H, t, d)`` fitted toward the kept rows' own, one per ridge strength ``s``
     (``λ = s · mean diag(PᵀP)``, module doc); the system is built once for all of them. Only
-    ``free`` rows (default: every valid one) change."""
+    ``free`` rows (default: every valid one) change.
+
+    With ``A = √a·P`` (free columns) and ``B = √a·(Y − P·V_S)``, the change is
+    ``Δ = (AᵀA + λI)⁻¹AᵀB``: a ``t × t`` system summed over query chunks. A head keeping more rows
+    than there are queries solves the same change as ``Δ = Aᵀ(AAᵀ + λI)⁻¹B`` instead, an ``N × N``
+    system: the cost of a fit grows with the smaller of rows and queries.
+    """
     free = valid if free is None else free
+    width = index.shape[1]
+    if att.count < width:
+        design, residual = _value_design(att, index, valid, beta, kept_values, free)
+        kernel = torch.bmm(design, design.transpose(1, 2))  # (H, N, N)
+        scale = _mean_diagonal(kernel.diagonal(dim1=1, dim2=2).sum(-1), free)  # trace(AAᵀ) = trace(AᵀA)
+        delta = torch.matmul(design.transpose(1, 2), _solve(_ridged(kernel, scale, strengths),
+                                                            residual.expand(len(strengths), *residual.shape),
+                                                            fallback=0.0))
+        return kept_values + delta
+    gram = torch.zeros(index.shape[0], width, width, device=index.device)
+    rhs = torch.zeros_like(kept_values)
+    for part in att.chunks(width):
+        design, residual = _value_design(part, index, valid, beta, kept_values, free)
+        gram += torch.bmm(design.transpose(1, 2), design)
+        rhs += torch.bmm(design.transpose(1, 2), residual)
+    scale = _mean_diagonal(gram.diagonal(dim1=1, dim2=2).sum(-1), free)
+    return kept_values + _solve(_ridged(gram, scale, strengths), rhs.expand(len(strengths), *rhs.shape), fallback=0.0)
+
+
+def _value_design(
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, kept_values: torch.Tensor,
+    free: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A`` ``(H, N, t)`` and ``B`` ``(H, N, d)`` of :func:`fit_values`: each query's attention over
+    the kept rows (0 on rows not free, so their change is 0) and the output it misses, both
+    weighted by the square root of its share of attention on the span."""
     probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)  # 0 on padding
-    weighted = probs * att.share[..., None]
-    rhs = torch.bmm(weighted.transpose(1, 2), att.output - torch.bmm(probs, kept_values)) * free[..., None]
-    mask = free[:, None, :]
-    gram = torch.bmm((probs * mask).transpose(1, 2), weighted * mask)  # rows not free: zero rows and columns,
-    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)[:, None, None]  # so their Δ is 0
+    root = att.share.sqrt()[..., None]
+    return probs * free[:, None, :] * root, (att.output - torch.bmm(probs, kept_values)) * root
+
+
+def _mean_diagonal(trace: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
+    """Each head's mean diagonal entry of ``AᵀA`` ``(H, 1, 1)`` over its own free rows: a head's
+    ridge does not depend on how wide the heads solved beside it are."""
+    return (trace / free.sum(-1).clamp(min=1)).clamp(min=1e-12)[:, None, None]
+
+
+def _ridged(gram: torch.Tensor, scale: torch.Tensor, strengths: tuple[float, ...]) -> torch.Tensor:
+    """``gram + s·scale·I`` ``(S, H, n, n)`` for each ridge strength ``s``."""
     eye = torch.eye(gram.shape[-1], device=gram.device)[None]
-    systems = torch.stack([gram + s * scale * eye for s in strengths])  # (S, H, t, t)
-    delta = _solve(systems, rhs.expand(len(strengths), *rhs.shape), fallback=0.0)
-    return kept_values + delta * free[..., None]
+    return torch.stack([gram + s * scale * eye for s in strengths])
 
 
 def output_error(
@@ -188,6 +254,20 @@ def output_error(
     full = att.queries.out
     mixed = (share_c * out_c + full - att.share[..., None] * att.output) / (share_c + 1.0 - att.share[..., None])
     return (mixed - full).pow(2).sum(-1).mean(-1)
+
+
+def candidate_errors(
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, candidates: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """:func:`output_error` of every candidate (a β change ``(H, t)`` with its values ``(V, H, t, d)``),
+    ``(Σ V, H)``, over query chunks: each chunk's logits are formed once for all candidates."""
+    total = None
+    for part in att.chunks(index.shape[1]):
+        logits = kept_logits(part, index, valid)
+        errors = torch.cat([output_error(part, index, valid, beta, values, logits) for beta, values in candidates])
+        errors = errors * (part.count / att.count)  # chunks' means, weighted by their queries
+        total = errors if total is None else total + errors
+    return total
 
 
 def omp_select(att: SpanAttention, budgets: Sequence[int], *, rounds: int = 8) -> Selection:
@@ -215,9 +295,27 @@ def omp_select(att: SpanAttention, budgets: Sequence[int], *, rounds: int = 8) -
         excluded |= added
         rows = Selection.of_mask(chosen, targets[r + 1])
         w = fit_mass(att, rows.index, rows.valid, iterations=20)
-        approx = (kept_logits(att, rows.index, rows.valid) - att.lse_span[..., None]).exp()
-        residual = 1.0 - (approx * w[:, None, :]).sum(-1)
+        residual = torch.cat([
+            1.0 - ((kept_logits(part, rows.index, rows.valid) - part.lse_span[..., None]).exp() * w[:, None, :]).sum(-1)
+            for part in att.chunks(rows.index.shape[1])], dim=1)
     return rows
+
+
+def head_groups(counts: Sequence[int]) -> list[list[int]]:
+    """KV heads in groups solved together, widest first: a group's systems are padded to its
+    widest head, so a head joins a group only while the padded entries stay within twice the
+    group's own (or within :data:`GROUP_ELEMENTS`, too few to matter)."""
+    order = sorted(range(len(counts)), key=lambda h: -counts[h])
+    groups: list[list[int]] = []
+    for h in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            padded = (len(group) + 1) * counts[group[0]] ** 2
+            if padded <= max(GROUP_ELEMENTS, 2 * sum(counts[g] ** 2 for g in [*group, h])):
+                group.append(h)
+                continue
+        groups.append([h])
+    return groups
 
 
 def choose_fits(
@@ -229,28 +327,58 @@ def choose_fits(
     Candidates: kept rows as they are; each of no / one-scalar / per-row β, with the kept
     values or values fitted at each ridge strength in ``strengths``. On real caches (see the
     tests) fitted values usually help, and a per-row β often hurts unless values are refitted
-    with it — hence the validation. A layer whose heads keep up to :data:`MAX_FIT_ROWS` rows
-    each is fitted; in any other every head keeps its rows as they are (fitting the heads under
-    the cap there too kept less of the text, at more cost). Rows on ``fixed`` span slots ``(H, n)`` keep
-    their β and values in every candidate; the fits of the others account for them.
+    with it — hence the validation. Every head is fitted, whatever its number of rows, in
+    groups of similar width (:func:`head_groups`). Rows on ``fixed`` span slots ``(H, n)`` keep
+    their β and values in every candidate; the fits of the others account for them. The
+    choice's ``fits`` say which of :data:`FIT_KINDS` each head chose.
     """
-    if not can_fit(train, rows):
-        return span.unfitted(rows)
-    index, valid = rows.index, rows.valid
+    unfitted = span.unfitted(rows)
+    heads = len(rows.counts)
+    kinds = torch.zeros(heads, dtype=torch.long, device=rows.index.device)
+    if not train.count or not max(rows.counts, default=0):
+        return replace(unfitted, fits=kinds)
+    beta, values = unfitted.beta.float().clone(), unfitted.values.float().clone()
+    groups = head_groups(rows.counts)
+    for group in groups:
+        width = rows.counts[group[0]]
+        if not width:
+            continue
+        if len(groups) == 1:
+            select, part_train, part_held = slice(None), train, held
+            part_rows = rows
+            part_fixed = fixed
+        else:
+            select = to_device(group, rows.index.device)
+            part_train, part_held = train.heads(select), held.heads(select)
+            part_rows = Selection(rows.index[select, :width], rows.valid[select, :width],
+                                  tuple(rows.counts[h] for h in group))
+            part_fixed = None if fixed is None else fixed.index_select(0, select)
+        group_beta, group_values, group_kinds = _fit_group(part_train, part_held, part_rows, strengths, part_fixed)
+        beta[select, :width], values[select, :width], kinds[select] = group_beta, group_values, group_kinds
+    return LayerChoice(rows, beta, values, kinds)
+
+
+def _fit_group(
+    train: SpanAttention, held: SpanAttention, rows: Selection, strengths: tuple[float, ...], fixed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """β ``(H, t)``, values ``(H, t, d)`` and :data:`FIT_KINDS` index ``(H,)`` each head of one group chooses."""
+    span, index, valid = train.span, rows.index, rows.valid
     free = valid if fixed is None else valid & ~fixed.gather(1, index)
     kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
     prior = span.prior.gather(1, index).masked_fill(~valid, 0.0)  # padding may gather a -inf slot: NaN below
-    betas, values = [], []  # each β with the kept values, then with the values fitted to it at each strength
+    log_ws, values = [], []  # each β with the kept values, then with the values fitted to it at each strength
     for log_w in (torch.zeros_like(prior), fit_scalar_mass(train, index, valid, free=free).log(),
                   fit_mass(train, index, valid, free=free).log()):
-        betas.append(prior + log_w)
+        log_ws.append(log_w)
         values.append(torch.cat([kept_values[None], fit_values(train, index, valid, log_w, kept_values, strengths,
                                                                free=free)]))
-    logits = kept_logits(held, index, valid)
-    errors = torch.cat([output_error(held, index, valid, b - prior, v, logits) for b, v in zip(betas, values)])
+    errors = candidate_errors(held, index, valid, list(zip(log_ws, values)))
     best = errors.nan_to_num(float("inf")).argmin(0)  # (H,): each head's choice, made on the device, never read
-    heads = torch.arange(len(rows.counts), device=best.device)
-    return LayerChoice(rows, torch.stack(betas)[best // values[0].shape[0], heads], torch.cat(values)[best, heads])
+    heads = torch.arange(index.shape[0], device=best.device)
+    per_beta = values[0].shape[0]
+    beta_fitted, values_fitted = best >= per_beta, best % per_beta > 0
+    kinds = beta_fitted.long() + 2 * values_fitted.long()  # FIT_KINDS order
+    return prior + torch.stack(log_ws)[best // per_beta, heads], torch.cat(values)[best, heads], kinds
 
 
 def _solve(systems: torch.Tensor, rhs: torch.Tensor, *, fallback: float) -> torch.Tensor:

@@ -116,11 +116,14 @@ def best_slots(scores: torch.Tensor, counts: torch.Tensor, widest: int) -> torch
 @dataclass
 class LayerChoice:
     """What the KV heads of one layer keep: the ``rows`` and, per entry of their padded index, β
-    ``(H, t)`` (float32 in fitted choices; the prior's, unfitted) and values ``(H, t, d)``."""
+    ``(H, t)`` (float32 in fitted choices; the prior's, unfitted) and values ``(H, t, d)``.
+    ``fits`` ``(H,)``: which of :data:`~agentmem.compaction.solvers.FIT_KINDS` each head's
+    fit chose (``None``: none was tried)."""
 
     rows: Selection
     beta: torch.Tensor
     values: torch.Tensor
+    fits: torch.Tensor | None = None
 
 
 @dataclass
