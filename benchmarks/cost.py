@@ -173,17 +173,28 @@ def long_rows(tokens: int, methods: list[str]) -> list[dict]:
     engine = random_shape_engine("long-cost", torch.device("cpu"), torch.bfloat16, tokens + 512)
     ids = text_ids(engine, tokens)
     cache, prefill = count(engine.prefill, ids)
-    stages = {"prefill, engine": prefill}
+    stages, fits = {"prefill, engine": prefill}, {"prefill, engine": {}}
     for method in methods:
         print(f"{tokens} tokens: {method}", file=sys.stderr, flush=True)
-        stages[f"compact {method} {RATIO}x"] = count(compact, engine, cache, method, ratio=RATIO)[1]
+        stage = f"compact {method} {RATIO}x"
+        compacted, stages[stage] = count(compact, engine, cache, method, ratio=RATIO)
+        fits[stage] = fit_columns(compacted.compaction_stats)
     flops = {stage: width_scaled_flops(c, narrow, SHAPES["llama-8b"]) for stage, c in stages.items()}
     return [{"stage": stage, "GFLOPs / layer (8B width)": flops[stage] / 1e9,
              "× prefill": flops[stage] / flops["prefill, engine"],
              # projections run in the cache dtype: rescaling them changes only the bf16 count
              "bf16 FLOP share": 1 - (c.total_flops - c.flops["bfloat16"]) / flops[stage],
-             "syncs": c.host_syncs, "peak MiB (narrow width)": c.peak_bytes / 2**20}
+             "syncs": c.host_syncs, "peak MiB (narrow width)": c.peak_bytes / 2**20, **fits[stage]}
             for stage, c in stages.items()]
+
+
+def fit_columns(stats) -> dict:
+    """What AM fitted in one compaction: its fitted layers, the share of their heads whose fits
+    changed β or values, and whether the end-to-end check kept the fits (blank for other methods)."""
+    if not stats.fitted_layers:
+        return {}
+    return {"fitted layers": stats.fitted_layers, "heads fitted": 1 - stats.fit_shares["kept as is"],
+            "fits kept": stats.fits_kept}
 
 
 def row(stage: str, by_layers: dict[int, Costs]) -> dict:
@@ -209,7 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048, help="tokens read: the table's length")
     parser.add_argument("--long", type=int, default=32768, help="tokens of the FLOPs-at-length table (0: skip it)")
-    parser.add_argument("--long-methods", nargs="+", default=["am", "global-eviction"], choices=METHODS)
+    parser.add_argument("--long-methods", nargs="+", default=["am", "am-fast", "global-eviction"], choices=METHODS)
     args = parser.parse_args()
     if args.tokens <= DECODE_PROMPT:
         parser.error(f"--tokens must exceed the decode prompt of {DECODE_PROMPT}")
