@@ -29,7 +29,7 @@ held whole: the systems are summed over chunks of queries (:meth:`SpanAttention.
 most :data:`~agentmem.compaction.blockwise.BLOCK_ELEMENTS` per tensor), so memory grows with
 the rows' systems ``(heads, t, t)`` alone. Heads whose row counts differ widely are solved in
 groups (:func:`head_groups`), so a head keeping few rows is not padded to the widest head's
-system; a 32k-token span at 10x leaves some heads with thousands of rows and others with tens.
+system; a long span compacted hard leaves some heads with thousands of rows and others with tens.
 """
 
 from __future__ import annotations
