@@ -68,11 +68,14 @@ def kind(doc: str) -> str:
     return "code" if doc.startswith("code") else "prose"
 
 
-def make_probes(tokenize, ids: list[int]) -> dict[str, tuple[list[int], int]]:
-    """probe name → (tokens to score after the context, number of target tokens at their end)."""
-    middle = CONTEXT // 2
+def make_probes(tokenize, ids: list[int], context: int = CONTEXT) -> dict[str, tuple[list[int], int]]:
+    """probe name → (tokens to score after the context, number of target tokens at their end).
+
+    ``context`` is the context's length in tokens (its last token opens the ``next`` probe).
+    """
+    middle = context // 2
     return {
-        "next": (ids[CONTEXT - 1 : CONTEXT + NEXT], NEXT),
+        "next": (ids[context - 1 : context + NEXT], NEXT),
         "opening": (tokenize(OPENING_PROMPT) + ids[:PASSAGE], PASSAGE),
         "middle": (tokenize(MIDDLE_PROMPT) + ids[middle - CUE : middle + PASSAGE], PASSAGE),
     }
