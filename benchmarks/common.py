@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -147,3 +149,19 @@ def save_figure(fig: Figure, name: str) -> None:
 
     fig.savefig(RESULTS / f"{name}.png", dpi=100)
     plt.close(fig)
+
+
+def side_venv(name: str, packages: Sequence[str], *, quiet_conflicts: bool = False) -> Path:
+    """The Python of ``benchmarks/.venv-NAME``, made on first use: the local CPU torch first (an
+    unpinned torch would pull a CUDA build over the network), then ``packages``, for third-party
+    code whose pins clash with ours (it runs there, driven through JSON job files)."""
+    venv = RESULTS.parent / f".venv-{name}"
+    python = venv / "bin" / "python"
+    if not (venv / ".ready").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run(pip + ["torch==2.13.0"], check=True)
+        env = {**os.environ, "PIP_NO_WARN_CONFLICTS": "1"} if quiet_conflicts else None
+        subprocess.run(pip + list(packages), check=True, env=env)
+        (venv / ".ready").touch()
+    return python

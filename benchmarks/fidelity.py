@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import torch
 from agentmem import Engine
 from agentmem.compaction import compact
 from agentmem.models import EMBEDDED, resolve_model_dir
-from common import RESULTS, command_line, commands_after, machine, markdown_table, write_results
+from common import RESULTS, command_line, commands_after, machine, markdown_table, side_venv, write_results
 
 CONTEXT, NEXT, PASSAGE, CUE = 1536, 160, 128, 16
 RATIOS = (4, 10, 20, 50)
@@ -217,7 +216,7 @@ def ablate(rows: list[dict]) -> list[dict]:
 
 def run_kvpress(jobs: list[dict], ratios: list[int], presses: list[str]) -> list[dict]:
     """The kvpress presses on the same model, text and probes, in the kvpress virtual environment."""
-    python = ensure_kvpress_env()
+    python = side_venv("kvpress", ["kvpress==0.5.5"], quiet_conflicts=True)  # kvpress pins transformers < 5.3
     job_file = RESULTS / "kvpress_job.json"
     out_file = RESULTS / "kvpress_out.json"
     payload = {
@@ -235,19 +234,6 @@ def run_kvpress(jobs: list[dict], ratios: list[int], presses: list[str]) -> list
     job_file.unlink()
     out_file.unlink()
     return rows
-
-
-def ensure_kvpress_env() -> Path:
-    """``benchmarks/.venv-kvpress`` with the local CPU torch and kvpress (which pins transformers < 5.3)."""
-    venv = HERE / ".venv-kvpress"
-    python = venv / "bin" / "python"
-    if not (venv / ".ready").exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q"]
-        subprocess.run(pip + ["torch==2.13.0"], check=True)
-        subprocess.run(pip + ["kvpress==0.5.5"], check=True, env={**os.environ, "PIP_NO_WARN_CONFLICTS": "1"})
-        (venv / ".ready").touch()
-    return python
 
 
 YMIN, YMAX = -0.1, 1.05  # retention below YMIN (worse than no context) is drawn at the edge, its value written

@@ -58,7 +58,8 @@ import torch
 from agentmem import Engine
 from agentmem.compaction import compact
 from agentmem.models import EMBEDDED, resolve_model_dir
-from common import RESULTS, command_line, commands_after, machine, markdown_table, pyplot, save_figure, write_results
+from common import (RESULTS, command_line, commands_after, machine, markdown_table, pyplot, save_figure, side_venv,
+                    write_results)
 from fidelity import CONTEXT, NEXT, _row, documents, make_probes, probe_nll, summarise
 
 HERE = Path(__file__).resolve().parent
@@ -234,7 +235,8 @@ def run_paper(paper: Path, jobs: list[dict], threads: int) -> tuple[list[dict], 
 def run_runner(paper: Path, task: str, job: dict) -> object:
     """``paper_code_runner.py TASK`` in their environment, in a scratch folder: their code writes
     logs and caches under its working directory."""
-    python = ensure_paper_env()
+    # Their code pins transformers 4.57; its other pins (vLLM, accelerate, datasets) serve what this run does not use.
+    python = side_venv("paper", ["transformers==4.57.1"])
     with tempfile.TemporaryDirectory(prefix="paper-code-") as scratch:
         job_file, out_file = Path(scratch) / "job.json", Path(scratch) / "out.json"
         job_file.write_text(json.dumps(job))
@@ -242,20 +244,6 @@ def run_runner(paper: Path, task: str, job: dict) -> object:
         subprocess.run([str(python), str(HERE / "paper_code_runner.py"), "--paper-code", str(paper.resolve()), task,
                         str(job_file), str(out_file)], check=True, cwd=scratch, env=env)
         return json.loads(out_file.read_text())
-
-
-def ensure_paper_env() -> Path:
-    """``benchmarks/.venv-paper``: the local CPU torch and the transformers their code pins. Their
-    other pins (vLLM, accelerate, datasets) serve generation, GPUs and datasets this run does not use."""
-    venv = HERE / ".venv-paper"
-    python = venv / "bin" / "python"
-    if not (venv / ".ready").exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q"]
-        subprocess.run(pip + ["torch==2.13.0"], check=True)
-        subprocess.run(pip + ["transformers==4.57.1"], check=True)
-        (venv / ".ready").touch()
-    return python
 
 
 def calibrate(paper: Path, commit: str, threads: int) -> None:
