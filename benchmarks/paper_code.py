@@ -13,7 +13,14 @@ are fidelity's (``make_probes``, ``probe_nll``, ``_row``, ``summarise``): (NLL w
 NLL) / (NLL without context − NLL with the full cache); recall is the mean of the two recall
 probes. Every method compacts the whole context, no raw recent window.
 
-Ours: ``am``, ``am-fast`` and ``global-eviction`` through ``agentmem.compaction.compact``.
+Ours: ``am``, ``am-fast`` and ``global-eviction`` through ``agentmem.compaction.compact``, and
+``am-fast`` and ``global-eviction`` with rows scored by the largest share of attention any one
+query gives them (``score="max"``, KVzip's rule, our default until rows were scored by its root
+mean square over the queries, as their code scores them), the ablation of that choice. At 1,536
+tokens, ``am-fast`` also runs with fixed per-head budgets instead of its global selection: the
+profile ``agentmem calibrate`` ships for the model (``head_budgets="calibrated"``) and the budgets
+their optimisation computed (below), so the two procedures' budgets are compared on the same
+method; the page also compares the two tables themselves (``budget_agreement``).
 Theirs, from their config files, with their ``repeat`` queries (the context, "Repeat the
 previous context verbatim.", the context again; generation-free, so no vLLM):
 
@@ -49,14 +56,15 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from agentmem import Engine
-from agentmem.compaction import compact
+from agentmem.compaction import METHODS, Compactor, compact
 from agentmem.models import EMBEDDED, resolve_model_dir
 from common import (RESULTS, command_line, commands_after, machine, markdown_table, pyplot, save_figure, side_venv,
                     write_results)
@@ -68,7 +76,13 @@ BUDGETS = RESULTS / "paper_code_budgets.json"
 SIZES = (1536, 4096, 8192)
 RATIOS = (10, 20, 50)
 PROBE_ROOM = 192  # positions a session of 4,096 or 8,192 leaves after its context: the longest probe's
-OURS = ("am", "am-fast", "global-eviction")
+OURS: dict[str, Callable[[], Compactor]] = {  # made when run: "their budgets" reads their saved budgets
+    **{name: (lambda name=name: METHODS[name].compactor) for name in ("am", "am-fast", "global-eviction")},
+    **{f"{name}, max score": (lambda name=name: replace(METHODS[name].compactor, score="max"))
+       for name in ("am-fast", "global-eviction")},
+    "am-fast, calibrated budgets": lambda: replace(METHODS["am-fast"].compactor, head_budgets="calibrated"),
+    "am-fast, their budgets": lambda: replace(METHODS["am-fast"].compactor, head_budgets=their_budget_table()),
+}
 THEIRS = {  # our name -> their config file, the config in it, and what we override
     "paper uniform": {"config_file": "default", "config": "AM-HighestAttnKeys-basic"},
     "paper global": {"config_file": "global_highest_attention_keys", "config": "global_rms_nnls2_-3_3_lsq"},
@@ -78,6 +92,7 @@ THEIRS = {  # our name -> their config file, the config in it, and what we overr
     "paper omp-fast": {"config_file": "best", "config": "omp_nnls0_-inf_7_drop-7_lsq_k4int2"},
 }
 QUERY_CONFIG = "repeat"
+SELECTION_METHODS = tuple(name for name in OURS if "budgets" not in name)  # ours with their own global selection
 
 
 class Plan(NamedTuple):
@@ -92,8 +107,8 @@ class Plan(NamedTuple):
 # ratio; --docs, --ratios and --methods ask for the rest.
 PLAN = {
     1536: Plan([0, 1, 4, 5], RATIOS, (*OURS, "paper uniform", "paper global", "paper optimized")),
-    4096: Plan([0], RATIOS, (*OURS, "paper global")),
-    8192: Plan([0], (20,), (*OURS, "paper global")),
+    4096: Plan([0], RATIOS, (*SELECTION_METHODS, "paper global")),
+    8192: Plan([0], (20,), (*SELECTION_METHODS, "paper global")),
 }
 # Their head-budget optimisation at CPU scale. Theirs (scripts/head-budget-optimization.sh):
 # QuALITY articles, their questions, answers of up to 2,048 tokens, 51 ratios from 0 to 0.5 per head.
@@ -159,7 +174,8 @@ def main() -> None:
                        args.methods or PLAN[size].methods) for size in args.sizes}
     commit = subprocess.run(["git", "-C", str(args.paper_code), "rev-parse", "HEAD"], capture_output=True, text=True,
                             check=True).stdout.strip()
-    if any("paper optimized" in p.methods for p in plan.values()) and (args.calibrate or not BUDGETS.exists()):
+    if (any({"paper optimized", "am-fast, their budgets"} & set(p.methods) for p in plan.values())
+            and (args.calibrate or not BUDGETS.exists())):
         calibrate(args.paper_code, commit, args.threads)
 
     engine = Engine.load(EMBEDDED)
@@ -188,7 +204,7 @@ def main() -> None:
             for ratio in ratios:
                 for method in (m for m in methods if m in OURS):
                     start = time.perf_counter()
-                    small = compact(engine, full, method, ratio=ratio, keep_recent=0)
+                    small = compact(engine, full, OURS[method](), ratio=ratio, keep_recent=0)
                     seconds = time.perf_counter() - start
                     kept = sum(sum(layer.rows_per_head) for layer in small.layers)
                     rows.append({"size": size, **_row(doc, method, ratio, probe_nll(engine, small, probes), reference,
@@ -208,7 +224,7 @@ def main() -> None:
         measured = {(r["size"], r["doc"], r["method"], r["ratio"]) for r in rows}
         saved = json.loads((RESULTS / "paper_code.json").read_text())["rows"]
         rows = [r for r in saved if (r["size"], r["doc"], r["method"], r["ratio"]) not in measured] + rows
-    write(rows, commit, command)
+    write(rows, commit, command, budget_agreement(engine) if BUDGETS.exists() else [])
     if failures:
         sys.exit("\n".join(failures))
 
@@ -267,6 +283,38 @@ def calibrate(paper: Path, commit: str, threads: int) -> None:
             "solver loss per ratio": result["solver"]}}, indent=2))
 
 
+def their_budget_table() -> tuple[tuple[float, ...], ...]:
+    """Their optimised budgets (``results/paper_code_budgets.json``: ``L{layer}H{head}`` → share) as a
+    (layers, KV heads) table."""
+    saved = {k: v for k, v in json.loads(BUDGETS.read_text()).items() if k.startswith("L")}
+    cells = {tuple(int(x) for x in key[1:].split("H")): share for key, share in saved.items()}
+    layers, heads = (max(i for i, _ in cells) + 1), (max(j for _, j in cells) + 1)
+    return tuple(tuple(cells[i, j] for j in range(heads)) for i in range(layers))
+
+
+def budget_agreement(engine: Engine) -> list[dict]:
+    """The profile ``agentmem calibrate`` ships for the model against their optimised budgets: how alike
+    the two tables of per-head shares are, and where each puts the budget."""
+    from agentmem.compaction import calibrate
+
+    tables = {"agentmem calibrate (shipped)": calibrate.shipped(engine).double(),
+              "their optimisation": torch.tensor(their_budget_table(), dtype=torch.float64)}
+    tables = {name: table / table.sum() for name, table in tables.items()}
+    ours, theirs = (t.flatten() for t in tables.values())
+    ranks = [t.argsort().argsort().double() for t in (ours, theirs)]
+    uniform = 1 / ours.numel()
+    layers = ours.numel() // tables["their optimisation"].shape[1]
+    thirds = [(i * layers // 3, (i + 1) * layers // 3) for i in range(3)]
+    rows = [{"measure": "Pearson r of the two tables", "value": float(torch.corrcoef(torch.stack([ours, theirs]))[0, 1])},
+            {"measure": "Spearman ρ of the two tables", "value": float(torch.corrcoef(torch.stack(ranks))[0, 1])}]
+    for name, table in tables.items():
+        rows.append({"measure": f"{name}: heads under 1/10 of a uniform share", "value": int((table < uniform / 10).sum())})
+        rows.append({"measure": f"{name}: largest head's share", "value": float(table.max())})
+        for first, end in thirds:
+            rows.append({"measure": f"{name}: share of layers {first}–{end - 1}", "value": float(table[first:end].sum())})
+    return rows
+
+
 def headline(summary: list[dict], size: int) -> list[dict]:
     """One row per method at a size: recall and next-token retention at each ratio, and the seconds."""
     at = [r for r in summary if r["size"] == size and r["ratio"] > 1]
@@ -322,7 +370,23 @@ def theirs_ahead(rows: list[dict]) -> list[dict]:
     return out
 
 
-def write(rows: list[dict], commit: str, command: str) -> None:
+def score_ablation(summary: list[dict]) -> list[dict]:
+    """Per size and ratio: what scoring rows by RMS (the default) keeps over scoring them by the largest share."""
+    at = {(r["size"], r["ratio"], r["method"]): r for r in summary}
+    out = []
+    for size, ratio, method in sorted(at):
+        maxed = at.get((size, ratio, f"{method}, max score"))
+        if maxed is None:
+            continue
+        row = {"size": size, "ratio": ratio, "method": method, "docs": at[size, ratio, method]["docs"]}
+        for key in ("recall", "next"):
+            row[f"{key}: rms"], row[f"{key}: max"] = at[size, ratio, method][key], maxed[key]
+            row[f"{key}: rms − max"] = at[size, ratio, method][key] - maxed[key]
+        out.append(row)
+    return out
+
+
+def write(rows: list[dict], commit: str, command: str, agreement: list[dict]) -> None:
     sizes = sorted({r["size"] for r in rows})
     summary = [{"size": size, **row} for size in sizes for row in summarise([r for r in rows if r["size"] == size])]
     ahead = theirs_ahead(rows)
@@ -335,19 +399,26 @@ def write(rows: list[dict], commit: str, command: str) -> None:
     body = "".join(f"\n## {size:,}-token {'context' if size == CONTEXT else 'session'}: recall and next-token "
                    f"retention, mean over documents\n\n{markdown_table(headline(summary, size))}\n"
                    f"{control_line(rows, size)}" for size in sizes)
+    body += ("\n## Scoring rows by the root mean square of their shares (the default) or by the largest share\n\n"
+             f"{markdown_table(score_ablation(summary))}\n")
+    if agreement:
+        body += ("\n## Per-head budgets: the profile `agentmem calibrate` ships against their optimisation's "
+                 f"(the tables themselves; what each keeps: the rows `am-fast, … budgets`)\n\n{markdown_table(agreement)}\n")
     body += ("\n## Where their code keeps more than ours (mean over the same documents; pairs where ours keeps as "
              f"much or more are not listed)\n\n{markdown_table(ahead) if ahead else 'Nowhere.'}\n")
     title, rest = md.split("\n", 1)
     md = f"{title}\n{body}\n## Every method, ratio and size (mean over documents)\n{rest}"
     (RESULTS / "paper_code.md").write_text(md)
     (RESULTS / "paper_code.json").write_text(json.dumps(
-        {"summary": summary, "theirs ahead": ahead, "rows": rows, "budgets": budgets, **extra}, indent=2, default=str))
+        {"summary": summary, "theirs ahead": ahead, "rows": rows, "budgets": budgets, "budget agreement": agreement,
+         **extra}, indent=2, default=str))
     plot(summary)
     print(md)
 
 
 STYLES = {  # method -> (colour, marker, line): ours solid, theirs dashed
     "am": ("C0", "o", "-"), "am-fast": ("C9", "s", "-"), "global-eviction": ("C2", "^", "-"),
+    "am-fast, max score": ("C9", "s", ":"), "global-eviction, max score": ("C2", "^", ":"),
     "paper uniform": ("C3", "D", "--"), "paper global": ("C1", "v", "--"), "paper optimized": ("C4", "P", "--"),
     "paper on-policy": ("C5", "X", "--"), "paper omp-fast": ("C6", "*", "--"),
 }

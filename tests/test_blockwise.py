@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agentmem.compaction import blockwise
-from agentmem.compaction.blockwise import KeyBlock, attention_stats, weighted_key_sums
+from agentmem.compaction.blockwise import SCORE_RULES, KeyBlock, KeyScores, attention_stats, weighted_key_sums
 
 
 def dense(q, blocks, scale, last_visible):
@@ -42,6 +42,17 @@ def assert_equal_dense(stats, q, blocks, last_visible, softmax_of):
     return logits, lse
 
 
+def scores_of(rule, blocks, *indices):
+    """Fresh :class:`KeyScores` under ``rule`` for the given blocks."""
+    heads = blocks[0].keys.shape[0]
+    return {i: KeyScores(rule, heads, blocks[i].length, "cpu") for i in indices}
+
+
+def dense_scores(rule, shares):
+    """The rule over dense float64 shares ``(H, N, k)`` of every query: the largest, or the root mean square."""
+    return shares.amax(1) if rule == "max" else shares.pow(2).mean(1).sqrt()
+
+
 @pytest.fixture(params=[("fused", 2**24), ("fused", 512), ("tiled", 2**24), ("tiled", 512)],
                 ids=["fused-kernel", "fused-kernel-slices", "one-tile", "many-tiles"])
 def tiles(request, monkeypatch):
@@ -69,15 +80,54 @@ def make_blocks(seed=0, heads=3, d=8):
     return q, blocks, last_visible
 
 
-def test_lse_output_and_key_maxima_equal_dense_softmax(tiles):
+@pytest.mark.parametrize("rule", SCORE_RULES)
+def test_lse_output_and_key_scores_equal_dense_softmax(tiles, rule):
     q, blocks, last_visible = make_blocks()
-    stats = attention_stats(q, blocks, 0.3, output=True, key_max_of=(0, 1), softmax_of=(0, 2),
-                            last_visible=last_visible)
+    scores = scores_of(rule, blocks, 0, 1)
+    stats = attention_stats(q, blocks, 0.3, output=True, scores=scores, softmax_of=(0, 2), last_visible=last_visible)
     logits, lse = assert_equal_dense(stats, q, blocks, last_visible, (0, 2))
-    share = (logits - lse[..., None]).exp().amax(1)
-    assert torch.allclose(stats.key_max[0].double(), share[:, :50], atol=1e-6)
-    assert torch.allclose(stats.key_max[1].double(), share[:, 50:220], atol=1e-6)
-    assert (stats.key_max[0][1, 30:] == 0).all()  # padding slots receive no attention
+    share = dense_scores(rule, (logits - lse[..., None]).exp())
+    assert torch.allclose(scores[0].value().double(), share[:, :50], atol=1e-6)
+    assert torch.allclose(scores[1].value().double(), share[:, 50:220], atol=1e-6)
+    assert (scores[0].value()[1, 30:] == 0).all()  # padding slots receive no attention
+
+
+@pytest.mark.parametrize("rule", SCORE_RULES)
+def test_key_scores_over_batches_of_queries_equal_one_batch(rule):
+    """Queries shown in two calls score keys as all of them in one: the rule runs over every query."""
+    q, blocks, _ = make_blocks(seed=5)
+    blocks = blocks[:2]
+    whole, parts = scores_of(rule, blocks, 1), scores_of(rule, blocks, 1)
+    attention_stats(q, blocks, 0.3, scores=whole)
+    for half in q.split([9, q.shape[1] - 9], dim=1):
+        attention_stats(half, blocks, 0.3, scores=parts)
+    assert parts[1].queries == whole[1].queries == q.shape[1]
+    assert torch.allclose(parts[1].value(), whole[1].value(), atol=1e-7)
+
+
+def test_rms_ranks_a_key_many_queries_share_above_one_a_single_query_peaks_on():
+    """Key 0 takes 30% of every query's attention, key 1 90% of one query's and nothing of the
+    rest: ``max`` prefers key 1, ``rms`` key 0."""
+    shares = torch.full((1, 20, 3), 0.7 / 2)
+    shares[0, :, 0] = 0.3
+    shares[0, :, 1] = 0.0
+    shares[0, 0] = torch.tensor([0.05, 0.9, 0.05])
+    log_shares = shares.log()
+    ranked = {}
+    for rule in SCORE_RULES:
+        scores = KeyScores(rule, 1, 3, "cpu")
+        scores.queries += 20
+        scores.add(0, log_shares.clone())
+        ranked[rule] = scores.value()[0]
+    assert ranked["max"][1] > ranked["max"][0] and ranked["rms"][0] > ranked["rms"][1]
+    assert torch.allclose(ranked["rms"], dense_scores("rms", shares)[0])
+
+
+def test_an_unknown_score_rule_is_refused():
+    from agentmem.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="score must be one of"):
+        KeyScores("mean", 1, 3, "cpu")
 
 
 def test_hidden_heads_empty_blocks_and_long_masked_runs_equal_dense(tiles):
@@ -98,13 +148,14 @@ def test_hidden_heads_empty_blocks_and_long_masked_runs_equal_dense(tiles):
     ]
     q = torch.randn(heads, 24, d, generator=g) * 2
     last_visible = torch.arange(50, 146, 4)  # each query sees a different number of the causal block's keys
-    stats = attention_stats(q, blocks, 0.3, output=True, key_max_of=(2,), softmax_of=(0, 1, 2, 3),
+    scores = scores_of("max", blocks, 2)
+    stats = attention_stats(q, blocks, 0.3, output=True, scores=scores, softmax_of=(0, 1, 2, 3),
                             last_visible=last_visible)
     logits, lse = assert_equal_dense(stats, q, blocks, last_visible, (0, 1, 2, 3))
     assert torch.isneginf(stats.block_lse[0][1]).all() and (stats.block_output[0][1] == 0).all()
     assert torch.isneginf(stats.block_lse[1]).all() and (stats.block_output[1] == 0).all()
     share = (logits[..., 30:1330] - lse[..., None]).exp().amax(1)
-    assert torch.allclose(stats.key_max[0].double(), share, atol=1e-6) and (stats.key_max[0][0, :600] == 0).all()
+    assert torch.allclose(scores[2].value().double(), share, atol=1e-6) and (scores[2].value()[0, :600] == 0).all()
     no_output = attention_stats(q, blocks, 0.3, softmax_of=(2,), last_visible=last_visible)
     assert no_output.output is None and no_output.block_output == [None]
     assert torch.allclose(no_output.block_lse[0], stats.block_lse[2])
@@ -129,14 +180,17 @@ def test_bf16_inputs_run_bf16_products_and_float32_statistics(tiles):
     q, blocks, last_visible = make_blocks(seed=3)
     low = [KeyBlock(b.keys.bfloat16(), b.values.bfloat16(), b.bias, b.causal) for b in blocks]
     rounded = [KeyBlock(b.keys.float(), b.values.float(), b.bias, b.causal) for b in low]
-    wanted = {"output": True, "key_max_of": (0, 1), "softmax_of": (0, 2), "last_visible": last_visible}
-    stats, costs = count(attention_stats, q.bfloat16(), low, 0.3, **wanted)
-    exact = attention_stats(q.bfloat16().float(), rounded, 0.3, **wanted)
+    wanted = {"output": True, "softmax_of": (0, 2), "last_visible": last_visible}
+    scores, exact_scores = scores_of("rms", blocks, 0, 1), scores_of("rms", blocks, 0, 1)
+    stats, costs = count(attention_stats, q.bfloat16(), low, 0.3, scores=scores, **wanted)
+    exact = attention_stats(q.bfloat16().float(), rounded, 0.3, scores=exact_scores, **wanted)
     assert costs.flops["bfloat16"] > 0 and costs.flops["float32"] == 0
-    assert stats.lse.dtype == stats.output.dtype == stats.key_max[0].dtype == torch.float32
+    assert stats.lse.dtype == stats.output.dtype == scores[0].value().dtype == torch.float32
     assert torch.allclose(stats.lse, exact.lse, atol=0.03) and torch.allclose(stats.output, exact.output, atol=0.02)
-    for got, expected in zip(stats.key_max + stats.block_lse, exact.key_max + exact.block_lse):
-        assert torch.allclose(got, expected, atol=0.03)
+    got = [scores[0].value(), scores[1].value(), *stats.block_lse]
+    expected = [exact_scores[0].value(), exact_scores[1].value(), *exact.block_lse]
+    for a, b in zip(got, expected):
+        assert torch.allclose(a, b, atol=0.03)
 
 
 def test_a_bias_is_added_to_bf16_logits_in_float32(tiles):
@@ -146,10 +200,11 @@ def test_a_bias_is_added_to_bf16_logits_in_float32(tiles):
     heads, d = 2, 8
     bias = 1.0 + torch.arange(heads * 40, dtype=torch.float32).view(heads, 40) * 2**-12
     block = KeyBlock(torch.zeros(heads, 40, d, dtype=torch.bfloat16), torch.randn(heads, 40, d).bfloat16(), bias)
-    stats = attention_stats(torch.randn(heads, 24, d).bfloat16(), [block], 0.3, output=True, key_max_of=(0,))
+    scores = scores_of("max", [block], 0)
+    stats = attention_stats(torch.randn(heads, 24, d).bfloat16(), [block], 0.3, output=True, scores=scores)
     lse = bias.double().logsumexp(-1)
     assert torch.allclose(stats.lse.double(), lse[:, None].expand(heads, 24), atol=1e-4, rtol=0)
-    assert torch.allclose(stats.key_max[0].double(), (bias.double() - lse[:, None]).exp(), atol=1e-5, rtol=0)
+    assert torch.allclose(scores[0].value().double(), (bias.double() - lse[:, None]).exp(), atol=1e-5, rtol=0)
 
 
 def test_a_query_seeing_only_hidden_slots_gets_zero_output(tiles):

@@ -61,3 +61,26 @@ def test_a_session_holds_its_context_and_the_continuation_probe():
     for size in paper_code.SIZES:
         if size != paper_code.CONTEXT:  # the cache holds context - 1 tokens; "next" reads NEXT + 1 more
             assert paper_code.context_length(size) + paper_code.NEXT <= size
+
+
+def test_score_ablation_pairs_each_method_with_its_max_score_variant_at_the_same_size_and_ratio():
+    summary = [{"size": 4096, "ratio": 20, "method": m, "docs": 1, "recall": rec, "next": nxt}
+               for m, rec, nxt in (("am-fast", 0.7, 0.9), ("am-fast, max score", 0.5, 0.8), ("am", 0.6, 0.6),
+                                   ("global-eviction, max score", 0.2, 0.2))]
+    table = paper_code.score_ablation(summary)
+    assert [(r["method"], r["ratio"]) for r in table] == [("am-fast", 20)]  # am and eviction lack a pair here
+    assert abs(table[0]["recall: rms − max"] - 0.2) < 1e-12 and abs(table[0]["next: rms − max"] - 0.1) < 1e-12
+    assert all(m in paper_code.OURS for m in ("am-fast, max score", "global-eviction, max score"))
+    assert paper_code.OURS["am-fast, max score"]().score == "max" and paper_code.OURS["am-fast"]().score == "rms"
+
+
+def test_their_budgets_become_a_layers_by_heads_table_our_method_takes(tmp_path, monkeypatch):
+    import json
+
+    saved = tmp_path / "budgets.json"
+    saved.write_text(json.dumps({"L0H0": 0.1, "L0H1": 0.2, "L1H0": 0.3, "L1H1": 0.4, "_about": {"what": "test"}}))
+    monkeypatch.setattr(paper_code, "BUDGETS", saved)
+    assert paper_code.their_budget_table() == ((0.1, 0.2), (0.3, 0.4))
+    method = paper_code.OURS["am-fast, their budgets"]()
+    assert method.score == "rms" and len(method.head_budgets) == 2 and abs(method.head_budgets[1][1] - 0.4) < 1e-6
+    assert all("budgets" not in name for name in paper_code.SELECTION_METHODS)

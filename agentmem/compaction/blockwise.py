@@ -1,7 +1,8 @@
 """Attention statistics in bounded memory: query chunks × key blocks, online log-sum-exp.
 
 Compaction needs, for many reference queries over long spans, each query's total attention
-mass (log-sum-exp), its attention output, and per key the largest weight any query gave it.
+mass (log-sum-exp), its attention output, and per key a score of the weights the queries gave
+it (:class:`KeyScores`).
 Materialising (queries × keys) logits of a whole span does not scale (32k keys × 128k folded
 queries in fp32 is hundreds of GiB), so everything here walks query chunks and key blocks
 sized to at most ``BLOCK_ELEMENTS`` logits at once, keeping running statistics only:
@@ -11,8 +12,9 @@ sized to at most ``BLOCK_ELEMENTS`` logits at once, keeping running statistics o
   On CPU a fused kernel does each block (:func:`_block_softmax`); elsewhere an online softmax
   over logit tiles: running max ``m``, sum ``Σ exp(logit − m)`` and output accumulator per
   query, rescaled whenever ``m`` grows;
-- pass 2 (only for blocks whose per-key maxima are wanted): logits recomputed and
-  ``max_q exp(logit − lse_q)`` folded into a running per-key maximum.
+- pass 2 (only for blocks whose keys are scored): logits recomputed, shifted to each query's
+  share of its total attention ``exp(logit − lse_q)``, and folded into the keys' running
+  scores (:class:`KeyScores`: a maximum, or a sum of squares).
 
 Precision: the matrix products run in the inputs' dtype and the statistics in float32. A bf16
 cache's products are bf16 products (tensor cores on a GPU, far faster than an fp32 product there,
@@ -26,8 +28,8 @@ With float32 inputs the tiles' work is bound by memory traffic (each tile is wri
 matrix product and then read by every elementwise step), so the per-key bias and, in pass 2,
 each query's ``−lse`` enter the matrix product itself as extra columns:
 ``[q·scale, 1, −lse] · [k, bias, 1]`` is the shifted, biased logit. After the product writes a
-tile, pass 2 reads it once (``amax``) and the tiled pass 1 five times, two of them in-place
-updates (``exp`` of the shifted logits). A bf16 product cannot carry them (its output is
+tile, pass 2 reads it once (``amax``) or three times (square and ``exp`` in place, sum) and
+the tiled pass 1 five times, two of them in-place updates (``exp`` of the shifted logits). A bf16 product cannot carry them (its output is
 rounded to bf16): there they are added in the step that converts the tile to float32.
 
 Blocks may lie in any floating dtype on any device; a block in another dtype than the queries'
@@ -37,13 +39,19 @@ at a time, so a cache is never copied whole. Every tensor is made on the device 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from agentmem.errors import InvalidInput
+
 BLOCK_ELEMENTS = 2**24  # logits per (query chunk × key block) tile: 64 MiB in float32
 QUERY_CHUNK = 1024  # folded queries per KV head in one chunk
+ScoreRule = Literal["rms", "max"]
+SCORE_RULES: tuple[ScoreRule, ...] = ("rms", "max")
+DEFAULT_SCORE: ScoreRule = "rms"
 
 
 @dataclass(frozen=True)
@@ -91,15 +99,50 @@ class KeyBlock:
         return self.keys.shape[1]
 
 
+class KeyScores:
+    """Each key's score under all the queries shown to it so far, batch after batch: ``(H, k)``.
+
+    A query's *share* of a key is the weight it gives the key out of all its attention
+    (everything it sees: KVzip's normalisation, which makes scores compare across layers and
+    heads, so that rows can be chosen over all of them at once).
+
+    - ``"rms"``: the root mean square of the key's shares over the queries (the paper code's
+      ``rms`` score). A key that many queries attend to outranks one a single query peaks on;
+      side by side with ``"max"``, what each keeps: ``docs/benchmarks/paper_code.md``.
+    - ``"max"``: the largest share any one query gave the key (KVzip's rule).
+
+    Both are a mean or a maximum over queries, so the scores of different sets of queries (a
+    compaction's fresh queries, the queries an earlier one kept) compare.
+    """
+
+    def __init__(self, rule: ScoreRule, heads: int, keys: int, device: torch.device | str) -> None:
+        if rule not in SCORE_RULES:
+            raise InvalidInput(f"score must be one of {', '.join(SCORE_RULES)}, got {rule!r}")
+        self.rule = rule
+        self.total = torch.zeros(heads, keys, dtype=torch.float32, device=device)  # the max, or the sum of squares
+        self.queries = 0
+
+    def add(self, first: int, log_shares: torch.Tensor) -> None:
+        """Fold a float32 tile ``(H, n, t)`` of log-shares of keys ``first … first + t`` in; the tile is consumed."""
+        view = self.total[:, first : first + log_shares.shape[2]]
+        if self.rule == "max":
+            torch.maximum(view, log_shares.amax(1).exp_(), out=view)
+        else:
+            view += log_shares.mul_(2).exp_().sum(1)
+
+    def value(self) -> torch.Tensor:
+        """The scores ``(H, k)`` in float32: 0 for a key no query saw."""
+        return self.total if self.rule == "max" else (self.total / max(1, self.queries)).sqrt()
+
+
 @dataclass
 class AttentionStats:
-    """``lse`` ``(H, N)``; ``output`` ``(H, N, d)`` or ``None``; ``key_max`` per requested block ``(H, k)``;
-    ``block_lse`` ``(H, N)`` and ``block_output`` ``(H, N, d)`` (or ``None``) of each block in
-    ``softmax_of``: the same statistics over that block alone."""
+    """``lse`` ``(H, N)``; ``output`` ``(H, N, d)`` or ``None``; ``block_lse`` ``(H, N)`` and
+    ``block_output`` ``(H, N, d)`` (or ``None``) of each block in ``softmax_of``: the same
+    statistics over that block alone."""
 
     lse: torch.Tensor
     output: torch.Tensor | None
-    key_max: list[torch.Tensor]
     block_lse: list[torch.Tensor]
     block_output: list[torch.Tensor | None]
 
@@ -110,16 +153,16 @@ def attention_stats(
     scale: float,
     *,
     output: bool = False,
-    key_max_of: tuple[int, ...] = (),
+    scores: Mapping[int, KeyScores] | None = None,
     softmax_of: tuple[int, ...] = (),
     last_visible: torch.Tensor | None = None,
 ) -> AttentionStats:
     """Softmax statistics of queries ``q`` ``(H, N, d)`` over the concatenation of ``blocks``.
 
-    ``key_max_of`` lists blocks whose per-key ``max_q exp(logit − lse_q)`` is returned (the
-    largest share of any query's total attention the key received); ``softmax_of`` blocks
-    whose own log-sum-exp (and output) is returned too, at no extra pass: the span's, which
-    the fits need. ``last_visible`` ``(N,)`` is required when a block is causal.
+    ``scores`` maps blocks to the :class:`KeyScores` their keys' shares of these queries'
+    attention are folded into; ``softmax_of`` lists blocks whose own log-sum-exp (and output)
+    is returned too, at no extra pass: the span's, which the fits need. ``last_visible``
+    ``(N,)`` is required when a block is causal.
     """
     heads, count, _ = q.shape
     width = blocks[0].values.shape[-1] if output else 0
@@ -127,7 +170,9 @@ def attention_stats(
     results = [(torch.empty(heads, count, dtype=torch.float32, device=q.device),
                 torch.empty(heads, count, width, dtype=torch.float32, device=q.device) if output else None)
                for _ in range(1 + len(softmax_of))]
-    key_max = [torch.zeros(heads, blocks[i].length, dtype=torch.float32, device=q.device) for i in key_max_of]
+    scores = scores or {}
+    for key_scores in scores.values():
+        key_scores.queries += count
     for start in range(0, count, QUERY_CHUNK):
         rows = slice(start, min(count, start + QUERY_CHUNK))
         chunk = _Chunk.of(q[:, rows], scale)
@@ -138,13 +183,11 @@ def attention_stats(
             if out is not None:
                 out[:, rows] = chunk_out
         shift = _negated(softmax[0][0])
-        for slot, i in enumerate(key_max_of):
-            for k0, shares in _block_logits(chunk, blocks[i], visible, shift):
-                tile_max = shares.amax(1).exp_()
-                view = key_max[slot][:, k0 : k0 + tile_max.shape[1]]
-                torch.maximum(view, tile_max, out=view)
+        for i, key_scores in scores.items():
+            for k0, log_shares in _block_logits(chunk, blocks[i], visible, shift):
+                key_scores.add(k0, log_shares)
     (lse, out), *parts = results
-    return AttentionStats(lse, out, key_max, [part_lse for part_lse, _ in parts], [part_out for _, part_out in parts])
+    return AttentionStats(lse, out, [part_lse for part_lse, _ in parts], [part_out for _, part_out in parts])
 
 
 def weighted_key_sums(

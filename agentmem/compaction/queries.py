@@ -5,8 +5,9 @@ sees the cache plus its own earlier tokens), into scratch rows outside the sessi
 the cache is never grown or changed. For every layer, as the forward runs,
 :class:`ReferenceRecorder` keeps, in memory bounded independently of the span's length:
 
-- ``scores`` ``(H, n)``: per span slot, the largest share of any reference query's *total*
-  attention (sinks, the span, recent rows, the query's own window) the slot received.
+- ``scores`` ``(H, n)``: per span slot, a score of the shares of the reference queries' *total*
+  attention (sinks, the span, recent rows, the query's own window) the slot received: their
+  root mean square, or the largest (:class:`~agentmem.compaction.blockwise.KeyScores`).
   Normalising by everything a query sees, as KVzip does, is what makes scores comparable
   across layers and heads for global selection;
 - a bounded random *sample* of the queries (post-RoPE, GQA groups folded under their KV
@@ -35,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from agentmem.cache import LayerCache, SessionCache
-from agentmem.compaction.blockwise import KeyBlock, attention_stats
+from agentmem.compaction.blockwise import DEFAULT_SCORE, KeyBlock, KeyScores, ScoreRule, attention_stats
 from agentmem.compaction.span import LayerSpan, SpanPlan
 from agentmem.errors import InvalidInput
 
@@ -106,14 +107,15 @@ class ReferenceRecorder:
     ``sample`` are the global ids (``token_index * group + g``) of the queries to keep, sorted, in
     a host tensor: which of a window's queries to keep is looked up on the host (the sample is
     known before the forward pass), so the forward never waits to read it from the device.
+    ``score`` is the rule span slots are scored by, over every window's queries together.
     """
 
-    def __init__(self, plan: SpanPlan, sample: torch.Tensor, group: int) -> None:
+    def __init__(self, plan: SpanPlan, sample: torch.Tensor, group: int, score: ScoreRule) -> None:
         self.plan = plan
         self._ids = sample.tolist()  # read once, from host memory
         self.sample = sample.to(plan.layers[0].prior.device)
         self.group = group
-        self.scores = [torch.zeros_like(span.prior) for span in plan.layers]
+        self.scores = [KeyScores(score, *span.prior.shape, span.prior.device) for span in plan.layers]
         self._kept: dict[int, list[LayerQueries]] = {}
         self._seen = [0] * len(plan.layers)  # reference tokens each layer has read so far
         self._cache_blocks: dict[int, list[KeyBlock]] = {}  # the cache does not change while windows are read
@@ -131,9 +133,8 @@ class ReferenceRecorder:
         blocks = [*self._blocks_of(layer_idx, layer), KeyBlock(scratch[0], scratch[1], causal=True)]
         past = scratch[0].shape[1] - n
         last_visible = torch.arange(past, past + n, device=query.device).repeat(self.group)
-        stats = attention_stats(folded, blocks, scale, output=True, key_max_of=(1,), softmax_of=(1,),
-                                last_visible=last_visible)
-        torch.maximum(self.scores[layer_idx], stats.key_max[0], out=self.scores[layer_idx])
+        stats = attention_stats(folded, blocks, scale, output=True, scores={1: self.scores[layer_idx]},
+                                softmax_of=(1,), last_visible=last_visible)
         output = stats.output.to(query.dtype)
         self._keep(layer_idx, LayerQueries(folded, stats.lse, output, stats.block_lse[0], stats.block_output[0]), n)
         return output.reshape(q_heads, n, d)
@@ -155,7 +156,7 @@ class ReferenceRecorder:
         self._kept.setdefault(layer_idx, []).append(window.take(local))
 
     def result(self) -> Reference:
-        scores = [s.masked_fill(~span.valid, float("-inf")) for s, span in zip(self.scores, self.plan.layers)]
+        scores = [s.value().masked_fill(~span.valid, float("-inf")) for s, span in zip(self.scores, self.plan.layers)]
         return Reference(scores, [self._sampled(i) for i in range(len(self.plan.layers))])
 
     def _sampled(self, layer_idx: int) -> LayerQueries:
@@ -186,6 +187,7 @@ def check_source(source: str) -> list[str]:
 def collect_reference(
     engine, cache: SessionCache, plan: SpanPlan, source: str, *, start: int, budget: int, max_queries: int | None,
     seed: int, held_out: frozenset[int] = frozenset(), refresh: tuple[int, int] | None = None,
+    score: ScoreRule = DEFAULT_SCORE,
 ) -> Reference:
     """Scores and a query sample of ``source`` (module doc) for the span's text from position
     ``start`` on, reading at most about ``budget`` tokens of it.
@@ -194,9 +196,10 @@ def collect_reference(
     so that its rows are scored by queries of the cache as it is now (see
     :meth:`~agentmem.compaction.scoring.ScoringCompactor.refresh_range`).
 
-    ``max_queries`` caps the sample per KV head; it is also capped so that all layers'
-    samples fit in ``SAMPLE_BYTES``. Queries reading a token position in ``held_out`` score
-    rows but are never sampled, so what the fits are validated on stays unseen by them.
+    Span slots are scored by the rule ``score``. ``max_queries`` caps the sample per KV head;
+    it is also capped so that all layers' samples fit in ``SAMPLE_BYTES``. Queries reading a
+    token position in ``held_out`` score rows but are never sampled, so what the fits are
+    validated on stays unseen by them.
     """
     parts = check_source(source)
     span_tokens = cache.token_ids[start : plan.end]
@@ -207,7 +210,7 @@ def collect_reference(
     if refresh is not None and refresh[1] > refresh[0]:
         reads.append((cache.token_ids[refresh[0] : refresh[1]], refresh[0], "repeat", refresh[1] - refresh[0]))
     if not reads or room <= 0:  # nothing to read, or no room left in the model's context to read it
-        return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device="cpu"), 1).result()
+        return ReferenceRecorder(plan, torch.zeros(0, dtype=torch.long, device="cpu"), 1, score).result()
     windows = [(w[:room], [-1 if i < 0 else first + i for i in at[:room]]) for tokens, first, p, size in reads
                for w, at in _windows(engine, cache, tokens, p, size, seed)]
     group = engine.num_heads // engine.num_kv_heads
@@ -218,7 +221,7 @@ def collect_reference(
     generator = torch.Generator(device="cpu").manual_seed(seed)
     chosen = torch.tensor(candidates, dtype=torch.long, device="cpu")[
         torch.randperm(len(candidates), generator=generator, device="cpu")[:keep]]
-    recorder = ReferenceRecorder(plan, chosen.sort().values, group)
+    recorder = ReferenceRecorder(plan, chosen.sort().values, group, score)
     engine.observe(cache, [w for w, _ in windows], recorder)
     return recorder.result()
 

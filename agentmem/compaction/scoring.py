@@ -20,7 +20,7 @@ import torch
 from agentmem.cache import SessionCache
 from agentmem.compaction import budgets
 from agentmem.compaction.base import Compactor, Job, check_count
-from agentmem.compaction.blockwise import attention_stats
+from agentmem.compaction.blockwise import DEFAULT_SCORE, SCORE_RULES, KeyScores, ScoreRule, attention_stats
 from agentmem.compaction.queries import (
     DEFAULT_SOURCE,
     STORED_QUERIES,
@@ -50,6 +50,9 @@ class ScoringCompactor(Compactor):
     ``queries`` names the reference queries rows are scored (and AM's fitted) by
     (:mod:`~agentmem.compaction.queries`): the default ``repeat+tail`` asks what a later recall
     of the text asks (a copy of it) and what a continuation asks (its end read again).
+    ``score`` is how their attention scores a row: ``"rms"`` (the root mean square of its
+    shares of the queries' attention, the default) or ``"max"`` (the largest share; see
+    :class:`~agentmem.compaction.blockwise.KeyScores`).
 
     ``reread="all"`` re-reads all the text the span stands for and judges every row afresh:
     the cost of a compaction grows with the session's history. ``reread="new"`` re-reads only
@@ -76,9 +79,12 @@ class ScoringCompactor(Compactor):
     reread: Literal["new", "all"] = "all"
     refresh_tokens: int = 0
     seed: int = 0
+    score: ScoreRule = DEFAULT_SCORE
 
     def __post_init__(self) -> None:
         check_source(self.queries)
+        if self.score not in SCORE_RULES:
+            raise InvalidInput(f"score must be one of {', '.join(SCORE_RULES)}, got {self.score!r}")
         if self.reread not in REREAD:
             raise InvalidInput(f"reread must be one of {', '.join(REREAD)}, got {self.reread!r}")
         check_count("refresh_tokens", self.refresh_tokens)
@@ -157,7 +163,8 @@ class ScoringCompactor(Compactor):
         sample = None if max_queries is None else max(max_queries, STORED_QUERIES if keep else 1)
         reference = collect_reference(job.engine, job.cache, plan, self.queries, start=start,
                                       budget=plan.end - start, max_queries=sample, seed=self.seed,
-                                      held_out=frozenset(held_out), refresh=self.refresh_range(job))
+                                      held_out=frozenset(held_out), refresh=self.refresh_range(job),
+                                      score=self.score)
         parts = [[(layer.q, plan.end - start)] for layer in reference.queries]
         if self.incremental(job):
             for i, (layer, span) in enumerate(zip(job.cache.layers, plan.layers)):
@@ -176,17 +183,18 @@ class ScoringCompactor(Compactor):
         its text just now: then that stale score is dropped), what the new queries give it and
         what the kept queries give it, and the kept queries join the sample the fits are
         solved on, so old rows are re-fitted with the new ones. The recorded scores stay in
-        the max because a few hundred kept queries see less than the thousands that read the
-        text once: scored by the kept queries alone, old rows lose to new ones. Returns the
-        kept queries with the tokens each segment stands for.
+        the max because a few hundred kept queries are a thin sample of the thousands that
+        read the text once: scored by the kept queries alone, old rows would lose to new ones
+        on the sample's luck. Returns the kept queries with the tokens each segment stands for.
         """
         mine = reference.queries[i]
         old = [(job.engine.rotate(stored.queries, job.cache.next_position - stored.at).to(mine.q.dtype), tokens)
                for stored, tokens in span.replaced]
         queries = torch.cat([q for q, _ in old], 1)
-        stats = attention_stats(queries, cache_blocks(layer, span), job.scale, output=True, key_max_of=(1,),
+        kept_scores = KeyScores(self.score, *span.valid.shape, queries.device)
+        stats = attention_stats(queries, cache_blocks(layer, span), job.scale, output=True, scores={1: kept_scores},
                                 softmax_of=(1,))
-        seen = stats.key_max[0].masked_fill(~span.valid, -math.inf)
+        seen = kept_scores.value().masked_fill(~span.valid, -math.inf)
         recorded = span.recorded.masked_fill(self._refreshed(job, span), -math.inf)  # re-measured: the old score is stale
         reference.scores[i] = reference.scores[i].fmax(recorded).fmax(seen)
         reference.queries[i] = LayerQueries.cat([mine, LayerQueries(queries, stats.lse, stats.output.to(mine.q.dtype),
