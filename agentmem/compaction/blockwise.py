@@ -29,8 +29,9 @@ matrix product and then read by every elementwise step), so the per-key bias and
 each query's ``−lse`` enter the matrix product itself as extra columns:
 ``[q·scale, 1, −lse] · [k, bias, 1]`` is the shifted, biased logit. After the product writes a
 tile, pass 2 reads it once (``amax``) or three times (square and ``exp`` in place, sum) and
-the tiled pass 1 five times, two of them in-place updates (``exp`` of the shifted logits). A bf16 product cannot carry them (its output is
-rounded to bf16): there they are added in the step that converts the tile to float32.
+the tiled pass 1 five times, two of them in-place updates (``exp`` of the shifted logits). A
+bf16 product cannot carry them (its output is rounded to bf16): there they are added in the
+step that converts the tile to float32.
 
 Blocks may lie in any floating dtype on any device; a block in another dtype than the queries'
 is converted a tile (or, for the fused CPU kernel, a slice of at most ``BLOCK_ELEMENTS`` keys)
