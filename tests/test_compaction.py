@@ -849,6 +849,32 @@ def test_self_study_writes_at_most_one_window(llama, monkeypatch):
     assert asked and max(asked) == 24
 
 
+def test_self_study_samples_again_until_its_share_is_written(llama, monkeypatch):
+    """A sample ends with its answer (end of sequence): self-study samples more questions, each
+    with its own seed and read as its own window, until its share is written, and leaves the
+    cache as it was."""
+    from agentmem.compaction import queries
+
+    calls = []
+    generate = llama.generate
+
+    def short_answers(cache, prompt, *, max_new_tokens, seed, **kwargs):  # seven tokens, then "end of sequence"
+        calls.append((max_new_tokens, seed))
+        return generate(cache, prompt, max_new_tokens=min(7, max_new_tokens), seed=seed, **kwargs)
+
+    monkeypatch.setattr(llama, "eos_token_ids", frozenset())
+    monkeypatch.setattr(llama, "generate", short_answers)
+    cache = llama.prefill(doc_ids(llama, 60))
+    before = (cache.logical_length, cache.token_ids)
+    windows = queries._windows(llama, cache, cache.token_ids, "self-study", 40, seed=3)
+    prompt = len(llama.tokenizer(queries.SELF_STUDY_PROMPT, add_special_tokens=False)["input_ids"])
+    share = 40 - prompt
+    assert [seed for _, seed in calls] == list(range(3, 3 + len(calls))) and len(calls) == -(-share // 7)
+    assert [asked for asked, _ in calls] == list(range(share, 0, -7))
+    assert sum(len(window) - prompt for window, _ in windows) == share and len(windows) == len(calls)
+    assert (cache.logical_length, cache.token_ids) == before
+
+
 def test_reference_windows_past_the_model_context_are_not_read(llama):
     """Within a few tokens of the model's context the reference has no room left: the compaction
     reads nothing (it used to send an empty window to the model and fail) and still compacts."""

@@ -20,7 +20,9 @@ Sources (``queries=``):
 - ``repeat``: "repeat the text above", then the span's tokens again: the queries of a copy,
   one window per ``WINDOW_TOKENS`` of span (as KVzip's chunked scoring does);
 - ``context``: the span's tokens read a second time, without the instruction;
-- ``self-study``: the model writes a question and answer about the text; their queries;
+- ``self-study``: the model writes questions about the text and answers them (the paper's
+  self-study: samples of one question and its answer each, until its share of the budget, one
+  window at most, is written); their queries;
 - ``tail``: the span's last ``TAIL_TOKENS`` tokens read again, without an instruction: the
   queries a *continuation* asks of the span's end, which copying queries under-ask (what adding
   it to ``repeat`` changes: ``docs/benchmarks/fidelity.md``);
@@ -233,13 +235,20 @@ def _windows(
     encode = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     if source == "self-study":
         prompt = encode(SELF_STUDY_PROMPT)
-        mark = cache.logical_length
-        try:  # one window's worth at most: sampling is slow, and it grows the cache's buffer while it runs
-            written = engine.generate(cache, prompt, max_new_tokens=min(WINDOW_TOKENS, max(16, budget - len(prompt))),
-                                      temperature=0.8, top_p=0.95, seed=seed)
-        finally:
-            cache.truncate(mark)
-        return [(prompt + written, [-1] * (len(prompt) + len(written)))]
+        room = min(WINDOW_TOKENS, max(16, budget - len(prompt)))  # one window's worth at most: sampling is slow
+        samples: list[tuple[list[int], list[int]]] = []
+        while room > 0:  # a sample ends with its answer: sample again until the share is written
+            mark = cache.logical_length
+            try:  # sampling grows the cache's buffer while it runs
+                written = engine.generate(cache, prompt, max_new_tokens=room, temperature=0.8, top_p=0.95,
+                                          seed=seed + len(samples))
+            finally:
+                cache.truncate(mark)
+            if not written:
+                break
+            samples.append((prompt + written, [-1] * (len(prompt) + len(written))))
+            room -= len(written)
+        return samples
     if source == "tail":
         first = max(0, len(span_tokens) - budget)
         return [(span_tokens[first:], list(range(first, len(span_tokens))))]
