@@ -419,6 +419,7 @@ def write(rows: list[dict], commit: str, command: str, agreement: list[dict]) ->
 STYLES = {  # method -> (colour, marker, line): ours solid, theirs dashed
     "am": ("C0", "o", "-"), "am-fast": ("C9", "s", "-"), "global-eviction": ("C2", "^", "-"),
     "am-fast, max score": ("C9", "s", ":"), "global-eviction, max score": ("C2", "^", ":"),
+    "am-fast, calibrated budgets": ("C8", "P", "-."), "am-fast, their budgets": ("C7", "X", "-."),
     "paper uniform": ("C3", "D", "--"), "paper global": ("C1", "v", "--"), "paper optimized": ("C4", "P", "--"),
     "paper on-policy": ("C5", "X", "--"), "paper omp-fast": ("C6", "*", "--"),
 }
@@ -462,7 +463,8 @@ def plot(summary: list[dict]) -> None:
         axes[0][column].set_title(f"{size:,}-token {'context' if size == CONTEXT else 'session'} ({docs} docs)")
         axes[1][column].set_xlabel("compaction ratio")
     axes[1][0].legend(fontsize=9, loc="lower left")
-    fig.suptitle("Ours (solid) vs the paper authors' code (dashed), SmolLM2-135M, same text, probes and ratios\n"
+    fig.suptitle("Ours (solid; dotted: rows scored by their largest share; dash-dot: fixed per-head budgets) vs the "
+                 "paper authors' code (dashed), SmolLM2-135M, same text, probes and ratios\n"
                  "retention = (NLL no context − NLL compacted) / (NLL no context − NLL full cache); "
                  f"below {YMIN} drawn on the edge, value written", fontsize=11)
     fig.tight_layout()
