@@ -63,7 +63,7 @@ from typing import NamedTuple
 
 import torch
 
-from agentmem import Engine
+from agentmem import Engine, SessionCache
 from agentmem.compaction import METHODS, Compactor, compact
 from agentmem.models import EMBEDDED, resolve_model_dir
 from common import (RESULTS, command_line, commands_after, machine, markdown_table, pyplot, save_figure, side_venv,
@@ -183,35 +183,20 @@ def main() -> None:
     rows, jobs = [], []
     for size, (doc_indices, ratios, methods) in plan.items():
         assert size <= engine.max_context, f"{size} tokens exceed the model's window of {engine.max_context}"
-        context = context_length(size)
         docs = size_documents(size)
         for i in doc_indices:
-            doc, text = docs[i]
-            ids = tokenize(text)
-            assert len(ids) >= context + NEXT, doc
-            probes = make_probes(tokenize, ids, context)
-            # The context's last token opens the "next" probe, so the cache holds the first context - 1.
-            start = time.perf_counter()
-            full = engine.prefill(ids[: context - 1])
-            prefill_s = time.perf_counter() - start
-            reference = {"full": probe_nll(engine, full, probes),
-                         "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
-            print(f"{size} {doc}: prefill {prefill_s:.1f} s, NLL full {reference['full']}, none {reference['none']}",
-                  flush=True)
-            jobs.append({"size": size, "doc": doc, "context": ids[: context - 1], "reference": reference,
-                         "probes": {k: list(v) for k, v in probes.items()}, "ratios": list(ratios),
+            context = read_context(engine, tokenize, size, *docs[i])
+            print(f"{size} {context.doc}: prefill {context.prefill_s:.1f} s, NLL full {context.reference['full']}, "
+                  f"none {context.reference['none']}", flush=True)
+            jobs.append({"size": size, "doc": context.doc, "context": context.ids, "reference": context.reference,
+                         "probes": {k: list(v) for k, v in context.probes.items()}, "ratios": list(ratios),
                          "methods": [m for m in methods if m in THEIRS]})
             for ratio in ratios:
                 for method in (m for m in methods if m in OURS):
-                    start = time.perf_counter()
-                    small = compact(engine, full, OURS[method](), ratio=ratio, keep_recent=0)
-                    seconds = time.perf_counter() - start
-                    kept = sum(sum(layer.rows_per_head) for layer in small.layers)
-                    rows.append({"size": size, **_row(doc, method, ratio, probe_nll(engine, small, probes), reference,
-                                                      seconds, small.nbytes, prefill_s, kept)})
-                    print(f"  {size} {ratio:3d}x {method:18s} {seconds:7.1f} s  " + "  ".join(
+                    rows.append(compacted_row(engine, context, size, method, OURS[method](), ratio))
+                    print(f"  {size} {ratio:3d}x {method:18s} {rows[-1]['seconds']:7.1f} s  " + "  ".join(
                         f"{k} {rows[-1][k]:.3f}" for k in ("next", "opening", "middle")), flush=True)
-            del full
+            del context
     failures = []
     if any(j["methods"] for j in jobs):
         try:  # our rows are written whatever happens on their side
@@ -227,6 +212,42 @@ def main() -> None:
     write(rows, commit, command, budget_agreement(engine) if BUDGETS.exists() else [])
     if failures:
         sys.exit("\n".join(failures))
+
+
+class Context(NamedTuple):
+    """A document's context read into a cache: the tokens cached, the probes, and the NLLs of the
+    probes after the full cache and after none, between which retention is measured."""
+
+    doc: str
+    ids: list[int]
+    probes: dict[str, tuple[list[int], int]]
+    full: SessionCache
+    reference: dict[str, dict[str, float]]
+    prefill_s: float
+
+
+def read_context(engine: Engine, tokenize: Callable[[str], list[int]], size: int, doc: str, text: str) -> Context:
+    """``doc``'s context at ``size`` (:func:`context_length`) prefilled, with its probes and reference NLLs."""
+    context = context_length(size)
+    ids = tokenize(text)
+    assert len(ids) >= context + NEXT, doc
+    probes = make_probes(tokenize, ids, context)
+    # The context's last token opens the "next" probe, so the cache holds the first context - 1.
+    start = time.perf_counter()
+    full = engine.prefill(ids[: context - 1])
+    prefill_s = time.perf_counter() - start
+    reference = {"full": probe_nll(engine, full, probes), "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
+    return Context(doc, ids[: context - 1], probes, full, reference, prefill_s)
+
+
+def compacted_row(engine: Engine, context: Context, size: int, method: str, compactor: Compactor, ratio: int) -> dict:
+    """One compaction of the context's whole cache by ``compactor``: its retention row (fidelity's ``_row``)."""
+    start = time.perf_counter()
+    small = compact(engine, context.full, compactor, ratio=ratio, keep_recent=0)
+    seconds = time.perf_counter() - start
+    kept = sum(sum(layer.rows_per_head) for layer in small.layers)
+    return {"size": size, **_row(context.doc, method, ratio, probe_nll(engine, small, context.probes),
+                                 context.reference, seconds, small.nbytes, context.prefill_s, kept)}
 
 
 def run_paper(paper: Path, jobs: list[dict], threads: int) -> tuple[list[dict], list[str]]:

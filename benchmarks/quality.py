@@ -28,18 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
 from agentmem import Engine
-from agentmem.compaction import METHODS, Compactor, compact
+from agentmem.compaction import METHODS, Compactor
 from agentmem.models import EMBEDDED
 from common import RESULTS, command_line, machine, markdown_table, pyplot, save_figure, write_results
-from fidelity import NEXT, _row, make_probes, probe_nll
-from paper_code import context_length, size_documents
+from fidelity import kind
+from paper_code import compacted_row, read_context, size_documents
 
 DEFAULT = "am-fast"
 METHODS_RUN: dict[str, Compactor] = {
@@ -74,29 +73,16 @@ def main() -> None:
     tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rows = []
     for size in args.sizes:
-        context, docs = context_length(size), size_documents(size)
+        docs = size_documents(size)
         for i in PLAN[size].docs:
-            doc, text = docs[i]
-            ids = tokenize(text)
-            assert len(ids) >= context + NEXT, doc
-            probes = make_probes(tokenize, ids, context)
-            start = time.perf_counter()
-            full = engine.prefill(ids[: context - 1])  # the context's last token opens the "next" probe
-            prefill_s = time.perf_counter() - start
-            reference = {"full": probe_nll(engine, full, probes),
-                         "none": probe_nll(engine, engine.prefill(tokenize("\n")), probes)}
+            context = read_context(engine, tokenize, size, *docs[i])
             for ratio in args.ratios or PLAN[size].ratios:
                 for method in args.methods or PLAN[size].methods:
-                    start = time.perf_counter()
-                    small = compact(engine, full, METHODS_RUN[method], ratio=ratio, keep_recent=0)
-                    seconds = time.perf_counter() - start
-                    kept = sum(sum(layer.rows_per_head) for layer in small.layers)
-                    rows.append({"size": size, "kind": "code" if doc.startswith("code") else "prose",
-                                 **_row(doc, method, ratio, probe_nll(engine, small, probes), reference, seconds,
-                                        small.nbytes, prefill_s, kept)})
-                    print(f"{size} {doc} {ratio:3d}x {method:26s} {seconds:6.1f} s  recall {rows[-1]['recall']:.3f}"
-                          f"  next {rows[-1]['next']:.3f}", flush=True)
-            del full
+                    rows.append({**compacted_row(engine, context, size, method, METHODS_RUN[method], ratio),
+                                 "kind": kind(context.doc)})
+                    print(f"{size} {context.doc} {ratio:3d}x {method:26s} {rows[-1]['seconds']:6.1f} s  "
+                          f"recall {rows[-1]['recall']:.3f}  next {rows[-1]['next']:.3f}", flush=True)
+            del context
     write(rows)
 
 

@@ -156,6 +156,7 @@ def test_a_session_s_compactor_is_its_policy_s_method_with_its_reading_settings(
     (lambda: AttentionMatching(max_queries=2.5), "max_queries must be a non-negative integer"),
     (lambda: AttentionMatching(holdout=1.0), "holdout must be a share between 0 and 1"),
     (lambda: GlobalEviction(queries="telepathy"), "telepathy"),
+    (lambda: GlobalEviction(score="mean"), "score must be one of rms, max, got 'mean'"),
     (lambda: TopAttention(refresh_tokens=-1), "refresh_tokens must be a non-negative integer"),
     (lambda: TopAttention(seed=True), "seed must be a non-negative integer"),
     (lambda: GlobalEviction(head_budgets=torch.zeros(3, 2)), "positive sum"),

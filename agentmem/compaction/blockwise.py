@@ -100,6 +100,12 @@ class KeyBlock:
         return self.keys.shape[1]
 
 
+def check_score(rule: object) -> None:
+    """Raise :class:`~agentmem.errors.InvalidInput` unless ``rule`` is one of :data:`SCORE_RULES`."""
+    if rule not in SCORE_RULES:
+        raise InvalidInput(f"score must be one of {', '.join(SCORE_RULES)}, got {rule!r}")
+
+
 class KeyScores:
     """Each key's score under all the queries shown to it so far, batch after batch: ``(H, k)``.
 
@@ -117,8 +123,7 @@ class KeyScores:
     """
 
     def __init__(self, rule: ScoreRule, heads: int, keys: int, device: torch.device | str) -> None:
-        if rule not in SCORE_RULES:
-            raise InvalidInput(f"score must be one of {', '.join(SCORE_RULES)}, got {rule!r}")
+        check_score(rule)
         self.rule = rule
         self.total = torch.zeros(heads, keys, dtype=torch.float32, device=device)  # the max, or the sum of squares
         self.queries = 0

@@ -20,7 +20,7 @@ import torch
 from agentmem.cache import SessionCache
 from agentmem.compaction import budgets
 from agentmem.compaction.base import Compactor, Job, check_count
-from agentmem.compaction.blockwise import DEFAULT_SCORE, SCORE_RULES, KeyScores, ScoreRule, attention_stats
+from agentmem.compaction.blockwise import DEFAULT_SCORE, KeyScores, ScoreRule, attention_stats, check_score
 from agentmem.compaction.queries import (
     DEFAULT_SOURCE,
     STORED_QUERIES,
@@ -83,8 +83,7 @@ class ScoringCompactor(Compactor):
 
     def __post_init__(self) -> None:
         check_source(self.queries)
-        if self.score not in SCORE_RULES:
-            raise InvalidInput(f"score must be one of {', '.join(SCORE_RULES)}, got {self.score!r}")
+        check_score(self.score)
         if self.reread not in REREAD:
             raise InvalidInput(f"reread must be one of {', '.join(REREAD)}, got {self.reread!r}")
         check_count("refresh_tokens", self.refresh_tokens)
