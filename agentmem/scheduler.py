@@ -199,7 +199,7 @@ class Scheduler:
             raise InvalidInput("the scheduler's own work cannot queue a read on it")
         check_cancelled(cancelled, "before this read")
         waiting = PendingRead(cache, list(ids), bias_rows, step, sampling, cancelled)
-        self._enqueue(self._waiting, waiting)
+        self._enqueue(waiting)
         return waiting.finished.result()
 
     def call(self, run: Callable[[], T]) -> T:
@@ -208,7 +208,7 @@ class Scheduler:
         if self.on_thread:
             return run()
         job = PendingJob(run)
-        self._enqueue(self._jobs, job)
+        self._enqueue(job)
         return job.finished.result()  # type: ignore[return-value]
 
     def counts(self) -> dict[str, int]:
@@ -226,10 +226,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------------ the scheduler
 
-    def _enqueue(self, queue: list, item: PendingRead | PendingJob) -> None:
+    def _enqueue(self, item: PendingRead | PendingJob) -> None:
+        """Queue ``item``, starting the thread if none runs. Its queue is looked up under the lock:
+        the scheduler replaces ``_waiting`` and ``_jobs`` with new lists, so a list fetched before
+        the lock may already be dropped, and an item put there would wait forever."""
         with self._changed:
             if self._stopped is not None:
                 raise SchedulerStopped(str(self._stopped))
+            queue = self._jobs if isinstance(item, PendingJob) else self._waiting
             queue.append(item)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._schedule, name="agentmem-scheduler", daemon=True)

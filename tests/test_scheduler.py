@@ -4,7 +4,9 @@ reply is the one it gets alone."""
 from __future__ import annotations
 
 import random
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -610,3 +612,56 @@ def test_a_row_of_nan_logits_is_answered_without_an_out_of_range_index():
     logits[1] = torch.randn(50)
     picks = sample_rows(logits, [Sampling.of(1.0, 0.9, 0, seed=1), Sampling.of(1.0, 0.9, 0, seed=2)])
     assert 0 <= picks[0] < 50 and 0 <= picks[1] < 50
+
+
+class InstantModel:
+    """A model whose forwards take no time, so the scheduler's own locking is all that runs."""
+
+    def commit_rows(self, caches, tokens, bias_rows) -> torch.Tensor:
+        return torch.zeros(1, sum(map(len, tokens)), 1)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("no read here asks for a token")
+
+
+class LoggedCache:
+    """What a read needs of a cache when the model is :class:`InstantModel`: its log."""
+
+    def __init__(self) -> None:
+        self.log: list[int] = []
+
+    def extend_log(self, ids) -> None:
+        self.log.extend(ids)
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_reads_and_jobs_racing_forwards_and_idle_exits_are_all_answered(max_batch):
+    """Many threads queue reads and jobs while forwards finish and the thread idles out and
+    restarts; thread switches forced as often as Python allows. Every one is answered: none is
+    queued where no forward will find it (a read that was waited on forever, a turn hung)."""
+    scheduler = Scheduler(InstantModel(), max_batch=max_batch, step_tokens=64, gather_seconds=0,
+                          idle_seconds=0.0005)
+    caches = [LoggedCache() for _ in range(8)]
+    answered = [0] * len(caches)
+
+    def work(i: int) -> None:
+        for n in range(150):
+            if n % 10 == 0:
+                assert scheduler.call(lambda: n) == n
+            scheduler.read(caches[i], [i, n], BiasRows(), step=n % 2 == 1)
+            answered[i] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(caches))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        sys.setswitchinterval(interval)
+        scheduler.close()
+    assert answered == [150] * len(caches)
+    assert all(cache.log == [x for n in range(150) for x in (i, n)] for i, cache in enumerate(caches))
