@@ -63,7 +63,7 @@ class Usage:
     position: int = 0
     replacements: int = 0
     finish_reason: str = "stop"
-    compaction_events: list[dict[str, Any]] = field(default_factory=list)  # rows before/after, seconds
+    compaction_events: list[dict[str, Any]] = field(default_factory=list)  # rows before/after, seconds, fits
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -503,10 +503,13 @@ class Session:
     def _compact_with(self, policy: BudgetPolicy, protect: int, incoming: int = 0) -> dict[str, Any]:
         before, began = self.cache.physical_length, time.perf_counter()
         self.cache = self._host.compact(self.cache, policy, protect, incoming)
+        stats = self.cache.compaction_stats
         return {
             "rows_before": before, "rows_after": self.cache.physical_length,
             "logical_tokens": self.cache.logical_length, "seconds": round(time.perf_counter() - began, 4),
             "method": policy.method,
+            "fitted_layers": 0 if stats is None else stats.fitted_layers,
+            "fits_kept": stats is not None and stats.fitted_layers > 0 and stats.fits_kept,
         }
 
     def _system_tokens(self, messages: Sequence[Mapping[str, Any]] | None = None) -> int:

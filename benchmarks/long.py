@@ -273,6 +273,34 @@ class Summarised:
         engine.prefill(delta, self.cache)
 
 
+def token_range(tokenizer, ids: list[int], text: str) -> tuple[int, int]:
+    """``[first, end)``: the fewest tokens of ``ids`` whose text holds ``text`` (where a fact was read)."""
+    end = next(e for e in range(1, len(ids) + 1) if text in tokenizer.decode(ids[:e]))
+    return max(s for s in range(end) if text in tokenizer.decode(ids[s:end])), end
+
+
+def rows_within(cache, first: int, end: int) -> int:
+    """Rows, over every layer and KV head, that stand for the tokens at positions ``[first, end)``:
+    how much of a passage a cache still holds (raw, a token is a row in each head)."""
+    tail_start = cache.tail_start
+    positions = (layer.slot_positions(0, layer.length, tail_start) for layer in cache.layers)
+    return sum(int(((p >= first) & (p < end)).sum()) for p in positions)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` policy settings (values as JSON, else as strings) for :class:`BudgetPolicy`."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--policy takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def position(cache) -> int:
     """The RoPE position the next token read into ``cache`` takes (``logical_length`` before placement)."""
     return getattr(cache, "next_position", cache.logical_length)
@@ -327,7 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     marks = list(range(every, total + 1, every))
     if not marks or marks[-1] != total:
         marks.append(total)
-    policy = BudgetPolicy(max_live_tokens=args.budget)
+    policy = BudgetPolicy(max_live_tokens=args.budget, **parse_overrides(args.policy))
     turns = turn_texts(engine.tokenizer, args.turn_tokens, total // args.turn_tokens + 8)
     kinds = [kind for kind, _ in turns]
     reserve = max(args.chunk, 2 * PASSAGE) + 64  # room a probe needs at the window's edge
@@ -343,7 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             SessionManager(engine, f"sqlite:///{home}/s.db", default_policy=policy) as manager:
         session = manager.session("told")
         never = manager.session("never-told") if args.never_told == "session" else None
-        compactions = 0
+        compactions = fits_kept = 0
         k = 0
         for mark in marks:
             while session.cache.logical_length < mark and not stopped:
@@ -356,6 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     reply = session.chat((FACT + "\n\n" + text) if k == 0 else text, max_new_tokens=1)
                     seconds["session"] += time.perf_counter() - t0
                     compactions += reply.usage.compactions
+                    fits_kept += sum(e["fits_kept"] for e in reply.usage.compaction_events)
                     seconds["session compactions"] += sum(e["seconds"] for e in reply.usage.compaction_events)
                     if never is not None:
                         t0 = time.perf_counter()
@@ -366,6 +395,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     print(f"session stopped at {before:,} tokens: {exc}", flush=True)
                     break
                 delta = session.cache.token_ids[before:]
+                if k == 0:
+                    fact_first, fact_end = token_range(engine.tokenizer, delta, FACT)
                 t0 = time.perf_counter()
                 streaming.read(delta)
                 seconds["StreamingLLM"] += time.perf_counter() - t0
@@ -418,7 +449,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             seconds["probes"] += time.perf_counter() - t0
             never_passage = {key: nll(v) for key, v in scored["in-window"].items() if key.startswith("passage")}
             row.update({"session tokens": read, "session rows": session.cache.physical_length,
-                        "session position": position(session.cache), "compactions": compactions})
+                        "session position": position(session.cache), "compactions": compactions,
+                        "fits kept": fits_kept, "fact rows": rows_within(session.cache, fact_first, fact_end)})
             entry = {"tokens read": mark, "session tokens": read, "passages counted": [p.turn for p in counted]}
             for name in METHODS:
                 s = scored[name]
@@ -464,6 +496,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             "last summary": "" if summary is None else summary.last_summary,
             "StreamingLLM evictions": streaming.evictions, "StreamingLLM": streaming.stopped or "ran",
             "placement": "available" if streaming.place is not None else "absent",
+            "policy": policy.model_dump(exclude_defaults=True), "fact tokens": fact_end - fact_first,
+            "rows per token": sum(layer.num_heads for layer in session.cache.layers),
             "wall s": round(time.perf_counter() - began, 1)}
 
 
@@ -562,6 +596,9 @@ def save(result: dict[str, object], args: argparse.Namespace) -> None:
         "summary": "not run (--fast)" if args.fast else
                    f"{result['summaries']} summaries of up to {args.summary_tokens} tokens, each followed by the last "
                    "tokens, up to the live rows a session's compaction leaves",
+        "policy": result["policy"],
+        "fact rows": f"rows of the session's cache standing for the fact's {result['fact tokens']} tokens, over "
+                     f"{result['rows per token']} layers x KV heads (read raw: {result['fact tokens'] * result['rows per token']:,})",
         "seconds": {k: round(v, 1) for k, v in result["seconds"].items()}, "wall s": result["wall s"],
         "machine": machine(), "command": command_line(),
     }
@@ -632,6 +669,8 @@ def main() -> None:
     parser.add_argument("--fast", action="store_true",
                         help="only the session and its StreamingLLM and in-window baselines, probed once a window "
                              "(no summary baseline, no placements compared)")
+    parser.add_argument("--policy", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="BudgetPolicy settings besides max_live_tokens (values as JSON), e.g. reread=all")
     parser.add_argument("--name", default="long", help="results file name: benchmarks/results/NAME.{md,json,png}")
     parser.add_argument("--plot-only", action="store_true", help="redraw NAME.png from NAME.json and exit")
     args = parser.parse_args()

@@ -519,6 +519,24 @@ def test_a_turn_that_crosses_the_budget_compacts_once_leaving_room_for_its_reply
             assert before_reading >= 2
 
 
+@pytest.mark.parametrize("method", ["am", "global-eviction"])
+def test_compaction_events_say_which_layers_were_fitted_and_whether_the_fits_were_kept(tiny, tmp_path, method):
+    """A turn's compaction events carry the compaction's own stats: what a caller (or long.py)
+    needs to see whether the fits it paid for were used."""
+    policy = BudgetPolicy(max_live_tokens=128, keep_recent=8, target_ratio=4, method=method)
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy) as manager:
+        session = manager.session("fits")
+        events = [e for turn in range(3) for e in session.chat(filler(turn), max_new_tokens=1).usage.compaction_events]
+        stats = session.cache.compaction_stats
+    assert events and stats is not None
+    assert (events[-1]["fitted_layers"], events[-1]["fits_kept"]) == (
+        stats.fitted_layers, stats.fitted_layers > 0 and stats.fits_kept)
+    if method == "global-eviction":
+        assert all(e["fitted_layers"] == 0 and not e["fits_kept"] for e in events)
+    else:
+        assert all(e["fitted_layers"] > 0 for e in events)
+
+
 def test_a_long_first_message_keeps_its_system_prompt_protected(tiny, tmp_path):
     policy = BudgetPolicy(max_live_tokens=96, keep_recent=8, target_ratio=4, method="global-eviction")
     system = {"role": "system", "content": "You are a careful assistant. " * 4}
