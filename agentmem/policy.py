@@ -52,6 +52,11 @@ class BudgetPolicy(BaseModel):
     refresh_tokens: int | None = Field(
         None, ge=0, description="with reread=new, older text each compaction re-reads as well, in turn, so old rows are "
                                 "re-scored against the cache as it is now (unset: half of max_live_tokens; 0: never)")
+    history_bands: int = Field(
+        0, ge=0, description="cut a compaction's history into this many bands of equal tokens, each keeping an equal "
+                             "share of the rows, so text compacted many times is not worn down below the rest "
+                             "(0 or 1: rows chosen over the whole history by score alone; methods that choose rows "
+                             "globally only)")
     max_sessions: int | None = Field(None, gt=0, description="live sessions per tenant")
     max_stored_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the store")
     max_host_bytes: int | None = Field(None, gt=0, description="bytes a tenant may keep in the host-memory tier")
@@ -106,6 +111,13 @@ class BudgetPolicy(BaseModel):
             raise ValueError(f"keep_recent ({self.keep_recent}) must be below max_live_tokens ({self.max_live_tokens})")
         if self.target_tokens is not None and self.target_tokens + self.keep_recent >= self.max_live_tokens:
             raise ValueError("target_tokens + keep_recent must be below max_live_tokens, or compaction cannot help")
+        if self.history_bands > 1:
+            from agentmem.compaction.methods import named
+            from agentmem.compaction.scoring import GlobalSelection
+
+            if not isinstance(named(self.method), GlobalSelection):
+                raise ValueError(f"history_bands needs a method that chooses rows over the whole history; "
+                                 f"{self.method!r} does not")
         return self
 
     def compaction_target(self, logical_tokens: int, protected: int = 0, incoming: int = 0) -> int:
@@ -134,13 +146,15 @@ class BudgetPolicy(BaseModel):
         return min(filled, max(self.max_live_tokens - incoming, filled // 2))
 
     def compactor(self) -> Compactor:
-        """The compactor this policy's sessions use: its ``method`` with its ``queries``, ``reread``
-        and :attr:`refresh`, as a session runs it (:meth:`~agentmem.compaction.Compactor.for_session`:
+        """The compactor this policy's sessions use: its ``method`` with its ``queries``, ``reread``,
+        :attr:`refresh` and ``history_bands``, as a session runs it (:meth:`~agentmem.compaction.Compactor.for_session`:
         a session compacts again and again, so AM never fits its attention sinks); sessions run it
         through :func:`agentmem.session.compact_under`, with :meth:`compaction_target`."""
         from agentmem.compaction.methods import named
 
-        return named(self.method).for_session(queries=self.queries, reread=self.reread, refresh_tokens=self.refresh)
+        bands = {"history_bands": self.history_bands} if self.history_bands > 1 else {}  # only methods that take them
+        return named(self.method).for_session(queries=self.queries, reread=self.reread, refresh_tokens=self.refresh,
+                                              **bands)
 
     @property
     def turn_room(self) -> int:

@@ -1142,3 +1142,59 @@ def test_the_fit_solver_falls_back_for_a_singular_head_and_solves_the_others():
     out = _solve(torch.stack([singular, good]), rhs, fallback=7.0)
     assert torch.equal(out[0], torch.full((2, 1), 7.0))
     torch.testing.assert_close(out[1], torch.linalg.solve(good, rhs[1]))
+
+
+def test_band_quotas_share_the_rows_equally_and_hand_on_what_a_band_cannot_take():
+    from agentmem.compaction.budgets import band_quotas
+
+    assert band_quotas([100, 100, 100, 100], 40) == [10, 10, 10, 10]
+    assert band_quotas([100, 100, 100], 40) == [14, 13, 13]  # exact: the remainder to the oldest
+    assert band_quotas([3, 100, 0, 100], 40) == [3, 19, 0, 18]  # a thin band's rest goes to the others
+    assert band_quotas([3, 4], 40) == [3, 4] and band_quotas([0, 0], 5) == [0, 0]  # never more than held
+
+
+def test_banded_selection_keeps_each_band_its_share_where_a_global_choice_takes_the_new_text():
+    """Rows of the newest band score highest: the global choice keeps only them, the banded one
+    keeps every band's share, each band's best rows, over all layers and heads."""
+    from agentmem.compaction import budgets
+
+    g = torch.Generator().manual_seed(0)
+    bands = [torch.arange(n).expand(2, n) * 4 // n for n in (40, 24)]  # 4 bands of each layer's slots
+    scores = [torch.rand(2, n, generator=g) + band for band, n in zip(bands, (40, 24))]  # newer scores higher
+    scores[0][1, :3] = -math.inf  # padding
+    kept = lambda selections: [torch.cat([bands[i][h, rows.index[h, :c]] for i, rows in enumerate(selections)  # noqa: E731
+                                          for h, c in enumerate(rows.counts)]).bincount(minlength=4).tolist()]
+    assert kept(budgets.global_top(scores, 32)) == [[0, 0, 0, 32]]
+    banded = budgets.banded_top(scores, bands, 4, 32)
+    assert kept(banded) == [[8, 8, 8, 8]] and sum(sum(rows.counts) for rows in banded) == 32
+    flat_scores = torch.cat([s.reshape(-1) for s in scores])
+    flat_bands = torch.cat([b.reshape(-1) for b in bands])
+    for b in range(4):  # within a band, its best rows
+        chosen = torch.cat([s[h, rows.index[h, :c]] for s, rows in zip(scores, banded) for h, c in enumerate(rows.counts)
+                            if c])
+        in_band = flat_scores[(flat_bands == b) & torch.isfinite(flat_scores)]
+        assert set(in_band.topk(8).values.tolist()) <= set(chosen.tolist())
+
+
+def test_a_policy_s_history_bands_reach_its_compactor_and_hold_every_band_at_its_share(llama):
+    """A cache compacted again and again under a policy's history_bands: the last compaction's
+    rows are spread equally over the bands of its span (every band held enough to fill its share),
+    the attention sinks counted in the oldest."""
+    ids = doc_ids(llama, 900)
+    policy = BudgetPolicy(max_live_tokens=160, keep_recent=16, method="global-eviction", history_bands=4)
+    compactor = policy.compactor()
+    assert compactor.history_bands == 4 and BudgetPolicy(method="global-eviction").compactor().history_bands == 0
+    cache = llama.new_cache()
+    for end in range(120, 900, 60):
+        llama.prefill(ids[cache.logical_length : end], cache)
+        plan = plan_span(cache, protect_prefix=0, keep_recent=16)
+        cache = compact(llama, cache, compactor, target_tokens=policy.compaction_target(end), keep_recent=16)
+    per_band = torch.zeros(4, dtype=torch.long)
+    for layer in cache.layers:
+        positions = layer.slot_positions(0, layer.prefix_length, cache.tail_start)
+        real = positions >= 0
+        per_band += (((positions[real] - plan.start) * 4) // (plan.end - plan.start)).bincount(minlength=4)
+    assert int(per_band.sum()) == sum(sum(seg.head_rows) for layer in cache.layers for seg in layer.layouts)
+    assert int(per_band.max() - per_band.min()) <= 1, per_band
+    with pytest.raises(ValueError, match="history_bands"):
+        BudgetPolicy(history_bands=4, method="top-attention")

@@ -71,9 +71,9 @@ class AttentionMatching(GlobalSelection):
         """Whether the attention sinks are fitted (``fit_sinks``, or its default for ``reread``)."""
         return self.reread == "all" if self.fit_sinks is None else self.fit_sinks
 
-    def for_session(self, *, queries: str, reread: str, refresh_tokens: int) -> AttentionMatching:
-        return replace(super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens),
-                       fit_sinks=False)
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int, history_bands: int = 0) -> AttentionMatching:
+        return replace(super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens,
+                                           history_bands=history_bands), fit_sinks=False)
 
     def split(self, job: Job, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampled queries' indices the fits are solved on and those held out to choose between

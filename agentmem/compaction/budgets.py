@@ -27,6 +27,49 @@ def global_top(scores: list[torch.Tensor], total: int) -> list[Selection]:
     keep = torch.zeros_like(flat, dtype=torch.bool)
     keep[flat.topk(min(total, flat.numel())).indices] = True
     keep &= torch.isfinite(flat)
+    return _per_layer(keep, scores)
+
+
+def banded_top(scores: list[torch.Tensor], bands: list[torch.Tensor], count: int, total: int) -> list[Selection]:
+    """:func:`global_top` within each of ``count`` bands of the history: band ``b`` (``bands``
+    ``(H, n)`` per layer, each row's band) keeps its ``total / count`` best rows over all layers
+    and heads; what a band cannot fill (it holds fewer rows) goes to the others, the oldest
+    first. So every part of the history is compacted to about the same ratio of rows to tokens,
+    and a part compacted many times is not worn down further than the rest by each new choice.
+
+    One host read for the rows each band holds, one for the rows each head keeps.
+    """
+    flat = torch.cat([s.reshape(-1) for s in scores])
+    band = torch.cat([b.reshape(-1) for b in bands])
+    real = torch.isfinite(flat)
+    quota = band_quotas(torch.bincount(band[real], minlength=count)[:count].tolist(), total)
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    for b, take in enumerate(quota):
+        if take:
+            keep[flat.masked_fill(band != b, -math.inf).topk(take).indices] = True
+    keep &= real
+    return _per_layer(keep, scores)
+
+
+def band_quotas(held: list[int], total: int) -> list[int]:
+    """Rows each band keeps: equal shares of ``total`` (exactly, the remainder to the oldest),
+    none above what a band ``held``; what a full band cannot take is shared among the others."""
+    quota = [0] * len(held)
+    left = min(total, sum(held))
+    open_bands = [b for b, rows in enumerate(held) if rows]
+    while left > 0:
+        share, extra = divmod(left, len(open_bands))
+        for i, b in enumerate(open_bands):
+            add = min(held[b] - quota[b], share + (i < extra))
+            quota[b] += add
+            left -= add
+        open_bands = [b for b in open_bands if quota[b] < held[b]]
+    return quota
+
+
+def _per_layer(keep: torch.Tensor, scores: list[torch.Tensor]) -> list[Selection]:
+    """A flat keep mask over every layer's ``(H, n)`` slots as a :class:`Selection` per layer
+    (the rows each head keeps counted on the device and read in one go)."""
     masks = [mask.view(s.shape) for mask, s in zip(keep.split([s.numel() for s in scores]), scores)]
     counts = torch.cat([mask.sum(1) for mask in masks]).tolist()
     heads = scores[0].shape[0]

@@ -236,13 +236,26 @@ class GlobalSelection(ScoringCompactor):
     shares (:mod:`~agentmem.compaction.calibrate`): a tensor or nested sequences (kept as a tuple
     table), ``"calibrated"`` (the profile shipped for the model) or the path of a calibration
     file; each head then keeps its own best rows.
+
+    ``history_bands`` (> 1) cuts the span's tokens into that many bands of equal length, each
+    keeping an equal share of the rows (:func:`~agentmem.compaction.budgets.banded_top`): every
+    part of a session's history is then held at the same ratio of rows to tokens, so text
+    compacted many times is not worn down below the rest (``docs/benchmarks/long.md``).
     """
 
     head_budgets: HeadBudgets | str | None = None
+    history_bands: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "head_budgets", _budget_table(self.head_budgets))
+        check_count("history_bands", self.history_bands)
+        if self.history_bands and self.head_budgets is not None:
+            raise InvalidInput("history_bands chooses rows globally within each band: it takes no head_budgets")
+
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int, history_bands: int = 0) -> GlobalSelection:
+        return replace(super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens),
+                       history_bands=history_bands)
 
     def check(self, engine: Engine) -> None:
         self.proportions(engine)
@@ -263,9 +276,20 @@ class GlobalSelection(ScoringCompactor):
         """Rows per layer: the global top ``job.total`` (sinks kept), or each head's best under
         ``proportions`` (:meth:`proportions`)."""
         scores = keep_sinks(job, scores)
+        if self.history_bands > 1:
+            return budgets.banded_top(scores, history_bands(job, self.history_bands), self.history_bands, job.total)
         if proportions is None:
             return budgets.global_top(scores, job.total)
         return budgets.per_head_top(scores, job.counts, job.total, proportions)
+
+
+def history_bands(job: Job, count: int) -> list[torch.Tensor]:
+    """``(H, n)`` per layer: the band of the span's tokens each row stands for, of ``count``
+    bands of equal tokens from the span's first to its last (rows of unknown position: the
+    oldest band)."""
+    first, length = job.plan.start, max(1, job.plan.end - job.plan.start)
+    return [((span.positions - first).clamp(min=0) * count // length).clamp(max=count - 1)
+            for span in job.plan.layers]
 
 
 def _budget_table(value: object) -> HeadBudgets | str | None:
