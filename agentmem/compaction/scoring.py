@@ -250,7 +250,7 @@ class GlobalSelection(ScoringCompactor):
         super().__post_init__()
         object.__setattr__(self, "head_budgets", _budget_table(self.head_budgets))
         check_count("history_bands", self.history_bands)
-        if self.history_bands and self.head_budgets is not None:
+        if self.history_bands > 1 and self.head_budgets is not None:
             raise InvalidInput("history_bands chooses rows globally within each band: it takes no head_budgets")
 
     def for_session(self, *, queries: str, reread: str, refresh_tokens: int, history_bands: int = 0) -> GlobalSelection:
