@@ -113,11 +113,10 @@ class BudgetPolicy(BaseModel):
             raise ValueError("target_tokens + keep_recent must be below max_live_tokens, or compaction cannot help")
         if self.history_bands > 1:
             from agentmem.compaction.methods import named
-            from agentmem.compaction.scoring import GlobalSelection
 
-            if not isinstance(named(self.method), GlobalSelection):
-                raise ValueError(f"history_bands needs a method that chooses rows over the whole history; "
-                                 f"{self.method!r} does not")
+            if not getattr(named(self.method), "takes_history_bands", False):
+                raise ValueError(f"history_bands needs a method that chooses rows over the whole history by "
+                                 f"score; {self.method!r} does not")
         return self
 
     def compaction_target(self, logical_tokens: int, protected: int = 0, incoming: int = 0) -> int:

@@ -275,7 +275,9 @@ class Summarised:
 
 def token_range(tokenizer, ids: list[int], text: str) -> tuple[int, int]:
     """``[first, end)``: the fewest tokens of ``ids`` whose text holds ``text`` (where a fact was read)."""
-    end = next(e for e in range(1, len(ids) + 1) if text in tokenizer.decode(ids[:e]))
+    end = next((e for e in range(1, len(ids) + 1) if text in tokenizer.decode(ids[:e])), None)
+    if end is None:
+        raise SystemExit(f"{text!r} is not in the first turn as read")
     return max(s for s in range(end) if text in tokenizer.decode(ids[s:end])), end
 
 
@@ -355,7 +357,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     marks = list(range(every, total + 1, every))
     if not marks or marks[-1] != total:
         marks.append(total)
-    policy = BudgetPolicy(max_live_tokens=args.budget, **parse_overrides(args.policy))
+    policy = BudgetPolicy(**{"max_live_tokens": args.budget, **parse_overrides(args.policy)})
     turns = turn_texts(engine.tokenizer, args.turn_tokens, total // args.turn_tokens + 8)
     kinds = [kind for kind, _ in turns]
     reserve = max(args.chunk, 2 * PASSAGE) + 64  # room a probe needs at the window's edge
@@ -372,6 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         session = manager.session("told")
         never = manager.session("never-told") if args.never_told == "session" else None
         compactions = fits_kept = 0
+        fact = (0, 0)  # the fact's tokens, once the first turn is read
         k = 0
         for mark in marks:
             while session.cache.logical_length < mark and not stopped:
@@ -396,7 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     break
                 delta = session.cache.token_ids[before:]
                 if k == 0:
-                    fact_first, fact_end = token_range(engine.tokenizer, delta, FACT)
+                    fact = tuple(before + i for i in token_range(engine.tokenizer, delta, FACT))
                 t0 = time.perf_counter()
                 streaming.read(delta)
                 seconds["StreamingLLM"] += time.perf_counter() - t0
@@ -450,7 +453,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             never_passage = {key: nll(v) for key, v in scored["in-window"].items() if key.startswith("passage")}
             row.update({"session tokens": read, "session rows": session.cache.physical_length,
                         "session position": position(session.cache), "compactions": compactions,
-                        "fits kept": fits_kept, "fact rows": rows_within(session.cache, fact_first, fact_end)})
+                        "fits kept": fits_kept, "fact rows": rows_within(session.cache, *fact)})
             entry = {"tokens read": mark, "session tokens": read, "passages counted": [p.turn for p in counted]}
             for name in METHODS:
                 s = scored[name]
@@ -496,7 +499,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             "last summary": "" if summary is None else summary.last_summary,
             "StreamingLLM evictions": streaming.evictions, "StreamingLLM": streaming.stopped or "ran",
             "placement": "available" if streaming.place is not None else "absent",
-            "policy": policy.model_dump(exclude_defaults=True), "fact tokens": fact_end - fact_first,
+            "policy": policy.model_dump(exclude_defaults=True), "fact tokens": fact[1] - fact[0],
             "rows per token": sum(layer.num_heads for layer in session.cache.layers),
             "wall s": round(time.perf_counter() - began, 1)}
 

@@ -1155,31 +1155,40 @@ def test_band_quotas_share_the_rows_equally_and_hand_on_what_a_band_cannot_take(
 
 def test_banded_selection_keeps_each_band_its_share_where_a_global_choice_takes_the_new_text():
     """Rows of the newest band score highest: the global choice keeps only them, the banded one
-    keeps every band's share, each band's best rows, over all layers and heads."""
+    keeps every band's share, each band's best rows over all layers and heads, and the
+    attention sinks (scored the largest value) outside the shares."""
     from agentmem.compaction import budgets
 
     g = torch.Generator().manual_seed(0)
     bands = [torch.arange(n).expand(2, n) * 4 // n for n in (40, 24)]  # 4 bands of each layer's slots
     scores = [torch.rand(2, n, generator=g) + band for band, n in zip(bands, (40, 24))]  # newer scores higher
     scores[0][1, :3] = -math.inf  # padding
-    kept = lambda selections: [torch.cat([bands[i][h, rows.index[h, :c]] for i, rows in enumerate(selections)  # noqa: E731
-                                          for h, c in enumerate(rows.counts)]).bincount(minlength=4).tolist()]
-    assert kept(budgets.global_top(scores, 32)) == [[0, 0, 0, 32]]
-    banded = budgets.banded_top(scores, bands, 4, 32)
-    assert kept(banded) == [[8, 8, 8, 8]] and sum(sum(rows.counts) for rows in banded) == 32
+
+    def kept(selections) -> tuple[list[int], list[float]]:
+        """Rows kept per band, and their scores."""
+        picked = [(bands[i][h, rows.index[h, :c]], scores[i][h, rows.index[h, :c]])
+                  for i, rows in enumerate(selections) for h, c in enumerate(rows.counts)]
+        return torch.cat([b for b, _ in picked]).bincount(minlength=4).tolist(), torch.cat([s for _, s in picked])
+
+    assert kept(budgets.global_top(scores, 32))[0] == [0, 0, 0, 32]
+    per_band, chosen = kept(budgets.banded_top(scores, bands, 4, 32))
+    assert per_band == [8, 8, 8, 8]
     flat_scores = torch.cat([s.reshape(-1) for s in scores])
     flat_bands = torch.cat([b.reshape(-1) for b in bands])
     for b in range(4):  # within a band, its best rows
-        chosen = torch.cat([s[h, rows.index[h, :c]] for s, rows in zip(scores, banded) for h, c in enumerate(rows.counts)
-                            if c])
         in_band = flat_scores[(flat_bands == b) & torch.isfinite(flat_scores)]
         assert set(in_band.topk(8).values.tolist()) <= set(chosen.tolist())
+    sinks = torch.finfo(torch.float32).max
+    for layer_scores in scores:
+        layer_scores[:, 4:6] = sinks  # 8 sinks, all in the oldest band: more than its share of 32 - 8
+    per_band, chosen = kept(budgets.banded_top(scores, bands, 4, 32))
+    assert (chosen == sinks).sum() == 8 and per_band == [6 + 8, 6, 6, 6]
 
 
 def test_a_policy_s_history_bands_reach_its_compactor_and_hold_every_band_at_its_share(llama):
     """A cache compacted again and again under a policy's history_bands: the last compaction's
     rows are spread equally over the bands of its span (every band held enough to fill its share),
-    the attention sinks counted in the oldest."""
+    besides the attention sinks."""
     ids = doc_ids(llama, 900)
     policy = BudgetPolicy(max_live_tokens=160, keep_recent=16, method="global-eviction", history_bands=4)
     compactor = policy.compactor()
@@ -1195,6 +1204,18 @@ def test_a_policy_s_history_bands_reach_its_compactor_and_hold_every_band_at_its
         real = positions >= 0
         per_band += (((positions[real] - plan.start) * 4) // (plan.end - plan.start)).bincount(minlength=4)
     assert int(per_band.sum()) == sum(sum(seg.head_rows) for layer in cache.layers for seg in layer.layouts)
+    per_band[0] -= SINKS * sum(layer.num_heads for layer in cache.layers)  # the sinks, kept outside the shares
     assert int(per_band.max() - per_band.min()) <= 1, per_band
-    with pytest.raises(ValueError, match="history_bands"):
-        BudgetPolicy(history_bands=4, method="top-attention")
+    for method in ("top-attention", "am-omp", "window"):
+        with pytest.raises(ValueError, match="history_bands"):
+            BudgetPolicy(history_bands=4, method=method)
+    with pytest.raises(InvalidInput, match="history_bands"):
+        AttentionMatching(selection="omp", history_bands=4)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(InvalidInput, match="history_bands"):
+            GlobalEviction(history_bands=bad)
+    with pytest.raises(InvalidInput, match="head_budgets"):
+        GlobalEviction(history_bands=4, head_budgets="calibrated")
+    assert GlobalEviction(history_bands=1, head_budgets="calibrated").history_bands == 1  # 1: no bands
+    own = GlobalEviction(history_bands=4)  # a session keeps a method's own bands unless the policy sets them
+    assert own.for_session(queries="repeat", reread="new", refresh_tokens=0).history_bands == 4

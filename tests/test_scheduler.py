@@ -657,7 +657,7 @@ def test_reads_and_jobs_racing_forwards_and_idle_exits_are_all_answered(max_batc
         threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(caches))]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # about 2 s unloaded
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
     finally:

@@ -60,7 +60,7 @@ def compact(
     ``compactor`` is the method with its parameters (a :class:`Compactor`), or the name of a
     configuration in :data:`METHODS`. What a method reads and fits is set on it: the reference
     ``queries``, ``reread`` and ``refresh_tokens`` (:class:`ScoringCompactor`), calibrated
-    ``head_budgets`` (:class:`GlobalSelection`), AM's sample and fits (:class:`AttentionMatching`),
+    ``head_budgets`` or ``history_bands`` (:class:`GlobalSelection`), AM's sample and fits (:class:`AttentionMatching`),
     e.g. ``AttentionMatching(reread="new")``. The *span* is what lies between the protected prefix and
     the recent rows: only its rows are replaced. ``ratio`` r keeps ~1/r of the span's rows over
     all layers and heads, not 1/r of the whole cache: the ``keep_recent`` (default 256) most

@@ -60,6 +60,8 @@ class AttentionMatching(GlobalSelection):
             check_count("max_queries", self.max_queries)
             if not self.max_queries:
                 raise InvalidInput("max_queries must be positive (None: every query)")
+        if self.history_bands > 1 and not self.takes_history_bands:
+            raise InvalidInput("history_bands chooses the rows OMP would re-choose: use selection='attention'")
         if self.fit_sinks is not None and not isinstance(self.fit_sinks, bool):
             raise InvalidInput(f"fit_sinks must be True, False or None, got {self.fit_sinks!r}")
         if not (isinstance(self.holdout, (int, float)) and not isinstance(self.holdout, bool)
@@ -71,7 +73,13 @@ class AttentionMatching(GlobalSelection):
         """Whether the attention sinks are fitted (``fit_sinks``, or its default for ``reread``)."""
         return self.reread == "all" if self.fit_sinks is None else self.fit_sinks
 
-    def for_session(self, *, queries: str, reread: str, refresh_tokens: int, history_bands: int = 0) -> AttentionMatching:
+    @property
+    def takes_history_bands(self) -> bool:
+        """OMP re-chooses each layer's rows over the whole span: bands would not decide them."""
+        return self.selection != "omp"
+
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int,
+                    history_bands: int | None = None) -> AttentionMatching:
         return replace(super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens,
                                            history_bands=history_bands), fit_sinks=False)
 

@@ -32,28 +32,34 @@ def global_top(scores: list[torch.Tensor], total: int) -> list[Selection]:
 
 def banded_top(scores: list[torch.Tensor], bands: list[torch.Tensor], count: int, total: int) -> list[Selection]:
     """:func:`global_top` within each of ``count`` bands of the history: band ``b`` (``bands``
-    ``(H, n)`` per layer, each row's band) keeps its ``total / count`` best rows over all layers
-    and heads; what a band cannot fill (it holds fewer rows) goes to the others, the oldest
-    first. So every part of the history is compacted to about the same ratio of rows to tokens,
-    and a part compacted many times is not worn down further than the rest by each new choice.
+    ``(H, n)`` per layer, each row's band) keeps its share (:func:`band_quotas`) of ``total``,
+    its best rows over all layers and heads. So every part of the history is compacted to about
+    the same ratio of rows to tokens, and a part compacted many times is not worn down further
+    than the rest by each new choice.
 
-    One host read for the rows each band holds, one for the rows each head keeps.
+    Rows scored the dtype's largest value (the attention sinks, which every head keeps: see
+    :func:`~agentmem.compaction.scoring.keep_sinks`) are kept first, outside the bands' shares:
+    they would take the oldest band's, and a band's share smaller than its sinks would drop
+    some. One host read for the rows each band holds, one for the rows each head keeps.
     """
     flat = torch.cat([s.reshape(-1) for s in scores])
     band = torch.cat([b.reshape(-1) for b in bands])
-    real = torch.isfinite(flat)
-    quota = band_quotas(torch.bincount(band[real], minlength=count)[:count].tolist(), total)
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    for b, take in enumerate(quota):
+    pinned = flat == torch.finfo(flat.dtype).max
+    free = torch.isfinite(flat) & ~pinned
+    tally = torch.zeros(count + 1, dtype=torch.long, device=flat.device)
+    tally.index_add_(0, band.masked_fill(pinned, count), (free | pinned).long())  # sinks in the last bin
+    *held, sinks = tally.tolist()
+    keep = pinned.clone()
+    for b, take in enumerate(band_quotas(held, max(0, total - sinks))):
         if take:
-            keep[flat.masked_fill(band != b, -math.inf).topk(take).indices] = True
-    keep &= real
+            keep[flat.masked_fill(~free | (band != b), -math.inf).topk(take).indices] = True
     return _per_layer(keep, scores)
 
 
 def band_quotas(held: list[int], total: int) -> list[int]:
-    """Rows each band keeps: equal shares of ``total`` (exactly, the remainder to the oldest),
-    none above what a band ``held``; what a full band cannot take is shared among the others."""
+    """Rows each band keeps: equal shares of ``total`` (exactly: the remainder to the oldest
+    bands), none above what a band ``held``; what a band cannot take is shared equally among
+    the others."""
     quota = [0] * len(held)
     left = min(total, sum(held))
     open_bands = [b for b, rows in enumerate(held) if rows]

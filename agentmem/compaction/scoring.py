@@ -253,9 +253,16 @@ class GlobalSelection(ScoringCompactor):
         if self.history_bands > 1 and self.head_budgets is not None:
             raise InvalidInput("history_bands chooses rows globally within each band: it takes no head_budgets")
 
-    def for_session(self, *, queries: str, reread: str, refresh_tokens: int, history_bands: int = 0) -> GlobalSelection:
-        return replace(super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens),
-                       history_bands=history_bands)
+    @property
+    def takes_history_bands(self) -> bool:
+        """Whether its rows are the ones it selects (so :attr:`history_bands` decides them)."""
+        return True
+
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int,
+                    history_bands: int | None = None) -> GlobalSelection:
+        """As :meth:`ScoringCompactor.for_session`, with the policy's ``history_bands`` (``None``: its own)."""
+        session = super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens)
+        return session if history_bands is None else replace(session, history_bands=history_bands)
 
     def check(self, engine: Engine) -> None:
         self.proportions(engine)
@@ -277,13 +284,13 @@ class GlobalSelection(ScoringCompactor):
         ``proportions`` (:meth:`proportions`)."""
         scores = keep_sinks(job, scores)
         if self.history_bands > 1:
-            return budgets.banded_top(scores, history_bands(job, self.history_bands), self.history_bands, job.total)
+            return budgets.banded_top(scores, row_bands(job, self.history_bands), self.history_bands, job.total)
         if proportions is None:
             return budgets.global_top(scores, job.total)
         return budgets.per_head_top(scores, job.counts, job.total, proportions)
 
 
-def history_bands(job: Job, count: int) -> list[torch.Tensor]:
+def row_bands(job: Job, count: int) -> list[torch.Tensor]:
     """``(H, n)`` per layer: the band of the span's tokens each row stands for, of ``count``
     bands of equal tokens from the span's first to its last (rows of unknown position: the
     oldest band)."""
