@@ -374,7 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         session = manager.session("told")
         never = manager.session("never-told") if args.never_told == "session" else None
         compactions = fits_kept = 0
-        fact = (0, 0)  # the fact's tokens, once the first turn is read
+        fact_tokens = (0, 0)  # where the fact was read, once the first turn has been
         k = 0
         for mark in marks:
             while session.cache.logical_length < mark and not stopped:
@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                     break
                 delta = session.cache.token_ids[before:]
                 if k == 0:
-                    fact = tuple(before + i for i in token_range(engine.tokenizer, delta, FACT))
+                    fact_tokens = tuple(before + i for i in token_range(engine.tokenizer, delta, FACT))
                 t0 = time.perf_counter()
                 streaming.read(delta)
                 seconds["StreamingLLM"] += time.perf_counter() - t0
@@ -453,7 +453,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             never_passage = {key: nll(v) for key, v in scored["in-window"].items() if key.startswith("passage")}
             row.update({"session tokens": read, "session rows": session.cache.physical_length,
                         "session position": position(session.cache), "compactions": compactions,
-                        "fits kept": fits_kept, "fact rows": rows_within(session.cache, *fact)})
+                        "fits kept": fits_kept, "fact rows": rows_within(session.cache, *fact_tokens)})
             entry = {"tokens read": mark, "session tokens": read, "passages counted": [p.turn for p in counted]}
             for name in METHODS:
                 s = scored[name]
@@ -499,7 +499,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             "last summary": "" if summary is None else summary.last_summary,
             "StreamingLLM evictions": streaming.evictions, "StreamingLLM": streaming.stopped or "ran",
             "placement": "available" if streaming.place is not None else "absent",
-            "policy": policy.model_dump(exclude_defaults=True), "fact tokens": fact[1] - fact[0],
+            "policy": policy.model_dump(exclude_defaults=True), "fact tokens": fact_tokens[1] - fact_tokens[0],
             "rows per token": sum(layer.num_heads for layer in session.cache.layers),
             "wall s": round(time.perf_counter() - began, 1)}
 
