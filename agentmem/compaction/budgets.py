@@ -45,9 +45,10 @@ def banded_top(scores: list[torch.Tensor], bands: list[torch.Tensor], count: int
     flat = torch.cat([s.reshape(-1) for s in scores])
     band = torch.cat([b.reshape(-1) for b in bands])
     pinned = flat == torch.finfo(flat.dtype).max
-    free = torch.isfinite(flat) & ~pinned
+    real = torch.isfinite(flat)
+    free = real & ~pinned
     tally = torch.zeros(count + 1, dtype=torch.long, device=flat.device)
-    tally.index_add_(0, band.masked_fill(pinned, count), (free | pinned).long())  # sinks in the last bin
+    tally.index_add_(0, band.masked_fill(pinned, count), real.long())  # sinks in the last bin
     *held, sinks = tally.tolist()
     keep = pinned.clone()
     for b, take in enumerate(band_quotas(held, max(0, total - sinks))):
