@@ -244,7 +244,7 @@ def biased_attention(
     elif mode == "fold":
         out = _raw_attention(*_fold_bias(q, k, v, prefix_bias, scale), scale, masks, flex=False)[..., : q.shape[-1]]
     else:
-        dtype = torch.float32 if mode == "flex" else _mask_dtype(query)
+        dtype = torch.float32 if mode == "flex" else mask_dtype(query)
         rows = (bias_rows if bias_rows is not None else BiasRows()).rows(prefix_bias, k.shape[2], dtype)
         out = _flex_beta(q, k, v, rows, scale, masks) if mode == "flex" else _masked_beta(q, k, v, rows, scale, masks)
     return out[0]
@@ -258,9 +258,9 @@ def _raw_attention(
     if n == total or n == 1:  # the whole sequence (causal from the first slot), or one query that sees all
         return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=n > 1, enable_gqa=True)
     if flex:
-        return _compiled_flex()(q, k, v, block_mask=masks.block_mask(n, total, q.device), scale=scale,
+        return compiled_flex()(q, k, v, block_mask=masks.block_mask(n, total, q.device), scale=scale,
                                 enable_gqa=True)
-    dtype = _mask_dtype(q)
+    dtype = mask_dtype(q)
     step = _slice_rows(total * dtype.itemsize)
     return _in_slices(n, step, lambda first, end: F.scaled_dot_product_attention(
         q[:, :, first:end], k, v, scale=scale, enable_gqa=True,
@@ -308,11 +308,11 @@ def _flex_beta(
         return score + rows[head // group, kv_idx]
 
     block_mask = masks.block_mask(n, total, q.device) if n > 1 else None
-    return _compiled_flex()(q, k, v, score_mod=add_beta, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return compiled_flex()(q, k, v, score_mod=add_beta, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 @functools.cache
-def _compiled_flex() -> Callable[..., torch.Tensor]:
+def compiled_flex() -> Callable[..., torch.Tensor]:
     """FlexAttention compiled once per process (uncompiled it materialises every score)."""
     return torch.compile(flex_attention)
 
@@ -331,7 +331,7 @@ def _slice_rows(row_bytes: int) -> int:
     return max(1, MASK_BYTES // row_bytes)
 
 
-def _mask_dtype(query: torch.Tensor) -> torch.dtype:
+def mask_dtype(query: torch.Tensor) -> torch.dtype:
     """float32 on a CPU, whose flash kernel adds a float32 mask to its float32 logits whatever the
     query's dtype (β keeps its precision); the query's dtype elsewhere, as fused GPU kernels require."""
     return torch.float32 if query.device.type == "cpu" else query.dtype

@@ -120,6 +120,10 @@ class SchedulerStopped(AgentMemError):
     """The engine's scheduler was closed or died: a read or job queued on it did not run."""
 
 
+class PoolExhausted(AgentMemError):
+    """The device pool has fewer free blocks than asked for; none were taken."""
+
+
 class RequestTooLarge(InvalidInput):
     """A request asks for more work than a limit allows: a body, prompt or reply over the server's
     or the tenant's cap. Refused before the work starts; nothing changed."""

@@ -1,0 +1,186 @@
+"""One attention call per layer for every session of a forward, over a :class:`~agentmem.pool.BlockPool`.
+
+Sessions are packed along the forward's one sequence as in :class:`~agentmem.attention.PackedPasses`
+(a decode step is one token, a prompt chunk many). :meth:`PagedForward.attend` writes each
+session's new keys and values into its blocks, then attends every session's queries over its
+own rows in one call, whatever the number of sessions: the aten ops a layer dispatches do not
+grow with the batch (its tests count them), which is what lets a batched
+step be captured whole (a CUDA graph) instead of launching ~3 kernels per session per layer.
+
+What a query sees comes from the pool's per-slot tables, never from a dense mask built per
+session: a row is seen by query token ``t`` when its ``order`` is at most ``t`` (raw rows hold
+their token's index, compacted rows -1, empty slots the largest int32), and its β is added to
+the logit. Queries are padded to the longest session's count; padded queries are computed and
+dropped.
+
+Two ways to run it, as ``BetaMode`` (:func:`~agentmem.attention.default_beta_mode`):
+
+- ``"flex"``: FlexAttention straight over the pool (keys and values never copied): the block
+  mask *is* the block tables (each session's blocks, per query head), ``order`` is its
+  ``mask_mod`` and β its ``score_mod`` in float32. The GPU path.
+- ``"mask"``: every session's rows gathered into one padded ``(sessions, kv_heads, rows,
+  head_dim)`` tensor and one SDPA call with an additive float32 mask (β where seen, -inf
+  elsewhere), GQA query heads folded into the query axis. It copies the rows it reads (at
+  32 sessions of 128k rows, 8B shape, 8 GiB a layer), so it is the CPU path and the exactness
+  reference, not the GPU one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+
+from agentmem.attention import BetaMode, compiled_flex, mask_dtype
+from agentmem.cache import to_device
+from agentmem.errors import InvalidInput
+from agentmem.pool import NULL_BLOCK, BlockPool, PagedRows, slot_of
+
+
+class PagedForward:
+    """Sessions read in one forward over paged rows, packed along its sequence.
+
+    ``rows[b][layer]`` holds session ``b``'s rows in that layer (every session's layers share
+    one pool per layer); its new tokens are ``bounds[b]:bounds[b + 1]`` of the sequence, the
+    first being its token ``first_token[b]`` (the session's count of tokens read before),
+    read at RoPE position ``first_position[b]`` (default: the same). The rows a forward writes
+    are staged: :meth:`commit` makes them the sessions', :meth:`discard` forgets them.
+    """
+
+    def __init__(self, rows: Sequence[Sequence[PagedRows]], bounds: Sequence[int], first_token: Sequence[int], *,
+                 first_position: Sequence[int] | None = None, beta_mode: BetaMode = "mask") -> None:
+        counts = [end - start for start, end in itertools.pairwise(bounds)]
+        first_position = first_token if first_position is None else first_position
+        if (not rows or len(bounds) != len(rows) + 1 or bounds[0] != 0 or any(n < 1 for n in counts)
+                or len(first_token) != len(rows) or len(first_position) != len(rows)):
+            raise InvalidInput(f"{len(rows)} sessions need bounds 0 = b0 < b1 < … ({list(bounds)}) and a first token "
+                               f"and position each ({list(first_token)}, {list(first_position)})")
+        if beta_mode not in ("mask", "flex"):
+            raise InvalidInput(f"paged attention runs as 'mask' or 'flex', not {beta_mode!r}")
+        self.rows = [list(layers) for layers in rows]
+        if any(len(layers) != len(self.rows[0]) for layers in self.rows):
+            raise InvalidInput("every session of a paged forward needs rows in every layer")
+        self.counts = counts
+        self.beta_mode = beta_mode
+        device = self.rows[0][0].pool.device
+        width = max(counts)
+        session = [b for b, n in enumerate(counts) for _ in range(n)]
+        offset = [i for n in counts for i in range(n)]
+        # Per token of the sequence: its session and its index among that session's new tokens;
+        # per (session, padded query): the token it reads (padding repeats the session's first)
+        # and the token index it sees up to. Shared by every layer of the forward.
+        self._session = to_device(session, device)
+        self._offset = to_device(offset, device)
+        self._token = to_device([first_token[s] + i for s, i in zip(session, offset)], device, torch.int32)
+        self._position = to_device([first_position[s] + i for s, i in zip(session, offset)], device, torch.int32)
+        self._padded = to_device([[bounds[b] + min(i, n - 1) for i in range(width)] for b, n in enumerate(counts)],
+                                 device)
+        self._sees_up_to = to_device([[first_token[b] + i for i in range(width)] for b in range(len(counts))],
+                                     device, torch.int32)
+        self._unpadded = to_device([s * width + i for s, i in zip(session, offset)], device)
+        self._staged: dict[int, torch.Tensor] = {}  # layer -> slots its attention wrote
+
+    def commit(self) -> None:
+        """The staged rows of every layer become their sessions' rows."""
+        for layer in self._staged:
+            for layers, n in zip(self.rows, self.counts):
+                layers[layer].commit([n] * layers[layer].kv_heads)
+        self._staged.clear()
+
+    def discard(self) -> None:
+        """Hide the staged rows again (a read-only pass): the sessions are as before the forward."""
+        for layer, slots in self._staged.items():
+            self.rows[0][layer].pool.hide(slots)
+        self._staged.clear()
+
+    def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new ``(kv_heads, tokens, head_dim)`` rows of ``layer`` after each session's rows.
+
+        Returns the layer's block tables ``(sessions, kv_heads, blocks)`` (padded with the null
+        block) and each head's block count ``(sessions, kv_heads)``, on the pool's device.
+        """
+        if layer in self._staged:
+            raise InvalidInput(f"layer {layer} was already read in this forward")
+        rows = [layers[layer] for layers in self.rows]
+        pool = rows[0].pool
+        for paged, n in zip(rows, self.counts):
+            paged.reserve([n] * paged.kv_heads)  # host bookkeeping; all blocks are taken before any row is written
+        width = max(len(blocks) for paged in rows for blocks in paged.blocks)
+        device = pool.device
+        tables = to_device([paged.table(width) for paged in rows], device)
+        lengths = to_device([paged.lengths for paged in rows], device)
+        blocks = to_device([[len(b) for b in paged.blocks] for paged in rows], device, torch.int32)
+        heads = keys.shape[0]
+        row = lengths[self._session].T + self._offset  # (kv_heads, tokens): each new row's index in its head
+        slots = slot_of(tables[self._session].transpose(0, 1), row, pool.block_size).flatten()
+        pool.keys.index_copy_(0, slots, keys.reshape(-1, keys.shape[-1]).to(pool.keys.dtype))
+        pool.values.index_copy_(0, slots, values.reshape(-1, values.shape[-1]).to(pool.values.dtype))
+        pool.order.index_copy_(0, slots, self._token.repeat(heads))
+        pool.positions.index_copy_(0, slots, self._position.repeat(heads))
+        pool.bias.index_fill_(0, slots, 0.0)
+        self._staged[layer] = slots
+        return tables, blocks
+
+    def attend(self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """``(q_heads, tokens, head_dim)`` attention of the packed queries of ``layer`` (see the module docstring)."""
+        tables, blocks = self.stage(layer, keys, values)
+        pool = self.rows[0][layer].pool
+        width = self._padded.shape[1]
+        queries = query[:, self._padded].transpose(0, 1)  # (sessions, q_heads, width, head_dim)
+        if self.beta_mode == "flex":
+            out = _flex_paged(pool, tables, blocks, queries, self._sees_up_to, scale)
+        else:
+            out = _gathered(pool, tables, queries, self._sees_up_to, scale)
+        packed = out.transpose(0, 1).reshape(query.shape[0], -1, query.shape[-1])  # (q_heads, sessions * width, d)
+        return packed if width == 1 else packed[:, self._unpadded]  # one token each: already in packed order
+
+
+def _gathered(pool: BlockPool, tables: torch.Tensor, queries: torch.Tensor, sees_up_to: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """The ``"mask"`` path: ``(sessions, q_heads, width, d)`` attention over every session's rows, gathered."""
+    sessions, q_heads, width, d = queries.shape
+    kv_heads = tables.shape[1]
+    group = q_heads // kv_heads
+    block = torch.arange(pool.block_size, device=pool.device)
+    slots = (tables[..., None] * pool.block_size + block).flatten(-2)  # (sessions, kv_heads, rows)
+    keys, values = pool.keys[slots], pool.values[slots]
+    seen = pool.order[slots][:, :, None, :] <= sees_up_to[:, None, :, None]  # (sessions, kv_heads, width, rows)
+    mask = torch.where(seen, pool.bias[slots][:, :, None, :], -math.inf).to(mask_dtype(queries))
+    folded = queries.reshape(sessions, kv_heads, group * width, d)  # query head h belongs to KV head h // group
+    if width > 1:
+        mask = mask[:, :, None].expand(sessions, kv_heads, group, width, mask.shape[-1]).reshape(
+            sessions, kv_heads, group * width, mask.shape[-1])
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    return out.view(sessions, q_heads, width, d)
+
+
+def _flex_paged(pool: BlockPool, tables: torch.Tensor, blocks: torch.Tensor, queries: torch.Tensor,
+                sees_up_to: torch.Tensor, scale: float) -> torch.Tensor:
+    """The ``"flex"`` path: FlexAttention over the pool itself, the block tables as its block mask."""
+    sessions, q_heads, width, _ = queries.shape
+    kv_heads = tables.shape[1]
+    query_blocks = -(-width // pool.block_size)
+    kv_head = torch.arange(q_heads, device=pool.device) // (q_heads // kv_heads)
+    if pool.device.type == "cpu":  # the CPU kernel wants a table as wide as the pool; the GPU one takes the longest
+        tables = F.pad(tables, (0, pool.blocks - tables.shape[2]), value=NULL_BLOCK)
+    kv_indices = tables.to(torch.int32)[:, kv_head, None, :].expand(sessions, q_heads, query_blocks, tables.shape[2])
+    kv_count = blocks[:, kv_head, None].expand(sessions, q_heads, query_blocks)
+    order, bias = pool.order, pool.bias
+
+    def seen(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return order[kv_idx] <= sees_up_to[batch, q_idx]
+
+    def add_beta(score: torch.Tensor, batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor,
+                 kv_idx: torch.Tensor) -> torch.Tensor:
+        return score + bias[kv_idx]
+
+    block_mask = BlockMask.from_kv_blocks(kv_count.contiguous(), kv_indices.contiguous(), BLOCK_SIZE=pool.block_size,
+                                          mask_mod=seen, seq_lengths=(width, pool.keys.shape[0]),
+                                          compute_q_blocks=False)
+    return compiled_flex()(queries, pool.keys[None, None], pool.values[None, None], score_mod=add_beta,
+                           block_mask=block_mask, scale=scale, enable_gqa=True)

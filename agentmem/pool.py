@@ -1,0 +1,226 @@
+"""A device pool of fixed-size KV blocks for one decoder layer, and a session's rows in it.
+
+Each session owning growable tensors costs a GPU server on every step: a full copy whenever a
+buffer fills, every KV head padded to the longest one after a compaction, and one attention
+call per session. A pool ends all three. Its slots are fixed at start-up; a *block* is
+``block_size`` consecutive slots holding rows of one KV head of one session; a session's rows
+in a layer are, per KV head, a list of blocks and a row count (:class:`PagedRows`, the
+head's *block table*). Growth takes blocks and never moves a row; heads keep their own row
+counts (a head that kept 6 rows after a compaction holds one block, not the longest head's
+1,519 rows); and the attention of every session in a forward is one call over the pool
+(:mod:`agentmem.paged_attention`). The pool's bytes are fixed, so a budget counts blocks, and
+a session wastes at most the unfilled end of one block per KV head.
+
+Every tensor is flat over slots, so that one indexed read or write serves any set of rows:
+
+- ``keys`` / ``values`` ``(slots, head_dim)`` in the cache's dtype;
+- ``bias`` float32 ``(slots,)``: β of a compacted row, 0 on a raw one, added to its logits;
+- ``order`` int32 ``(slots,)``: which queries see the row. A raw row holds its token's index
+  in the session and is seen by that token and every later one; a compacted row holds
+  :data:`COMPACTED` (seen by all); a slot holding no row holds :data:`HIDDEN` (seen by none);
+- ``positions`` int32 ``(slots,)``: the RoPE position the row's key was rotated for.
+
+Block :data:`NULL_BLOCK` is never handed out: zeros, hidden. A table shorter than another is
+padded with it, so a gather of padded tables reads finite zeros that attention never weighs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from agentmem.cache import UNKNOWN_POSITION, LayerCache, to_device
+from agentmem.errors import InvalidInput, PoolExhausted
+
+HIDDEN = torch.iinfo(torch.int32).max  # the order of a slot holding no row: no query sees it
+COMPACTED = -1  # the order of a compacted row: every query sees it
+NULL_BLOCK = 0
+
+
+class BlockPool:
+    """``blocks`` blocks of ``block_size`` slots for one layer's rows; see the module docstring."""
+
+    def __init__(self, *, blocks: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        if blocks < 2 or block_size < 1 or head_dim < 1:
+            raise InvalidInput(f"a pool needs at least 2 blocks (one is the null block) of at least one slot, "
+                               f"got {blocks} blocks of {block_size} slots, head_dim {head_dim}")
+        slots = blocks * block_size
+        # Zeros rather than empty: a slot attention does not weigh still gets weight 0 times its value,
+        # and 0 * NaN (garbage bits of uninitialised memory) would poison the output. Rows written
+        # later are finite, so a released block's leftovers are harmless too.
+        self.keys = torch.zeros(slots, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.bias = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.order = torch.full((slots,), HIDDEN, dtype=torch.int32, device=device)
+        self.positions = torch.full((slots,), UNKNOWN_POSITION, dtype=torch.int32, device=device)
+        self.block_size = block_size
+        self.blocks = blocks
+        self._free = list(range(blocks - 1, NULL_BLOCK, -1))  # popped from the end: lowest ids first
+        self._used: set[int] = set()
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self._used)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Device bytes of one block: its keys, values, β, order and position."""
+        row = 2 * self.keys.shape[1] * self.keys.element_size() + 4 + 4 + 4
+        return self.block_size * row
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` free blocks, all or none: host bookkeeping only (free blocks are already hidden)."""
+        if count < 0:
+            raise InvalidInput(f"cannot allocate {count} blocks")
+        if count > len(self._free):
+            raise PoolExhausted(f"{count} blocks asked, {len(self._free)} of {self.blocks - 1} free "
+                                f"({self.block_size} slots each)")
+        taken = [self._free.pop() for _ in range(count)]
+        self._used.update(taken)
+        return taken
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Give blocks back, their slots hidden (so a block is hidden whenever it is free, and taking one
+        costs no device work); refuses, changing nothing, any block not held (never handed out, or already back)."""
+        blocks = list(blocks)
+        stray = [b for b in blocks if b not in self._used]
+        if stray or len(set(blocks)) != len(blocks):
+            raise InvalidInput(f"blocks {stray or blocks} are not held (never allocated, released twice, or repeated)")
+        if blocks:
+            self.hide(self.slots_of(blocks))
+        self._used.difference_update(blocks)
+        self._free.extend(sorted(blocks, reverse=True))
+
+    def hide(self, slots: torch.Tensor) -> None:
+        """No query sees ``slots`` any more (rows staged by a forward that is not kept, or released)."""
+        self.order.index_fill_(0, slots, HIDDEN)
+
+    def slots_of(self, blocks: Sequence[int]) -> torch.Tensor:
+        """The slot indices ``(len(blocks) * block_size,)`` of ``blocks``, in order, on the pool's device."""
+        ids = to_device(list(blocks), self.device)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+
+
+class PagedRows:
+    """One session's rows in one layer's pool: per KV head, a block table and a row count.
+
+    Row ``i`` of head ``h`` lies in slot ``blocks[h][i // block_size] * block_size + i % block_size``.
+    Rows past ``lengths[h]`` in the head's last blocks are *staged*: written by a forward but
+    not yet the session's (:meth:`commit` makes them so, as :meth:`agentmem.cache.LayerCache.commit`).
+    """
+
+    def __init__(self, pool: BlockPool, kv_heads: int) -> None:
+        if kv_heads < 1:
+            raise InvalidInput(f"a session needs at least one KV head, got {kv_heads}")
+        self.pool = pool
+        self.blocks: list[list[int]] = [[] for _ in range(kv_heads)]
+        self.lengths: list[int] = [0] * kv_heads
+
+    @classmethod
+    def holding(cls, pool: BlockPool, layer: LayerCache, *, tail_start: int,
+                tail_position: int | None = None) -> PagedRows:
+        """``layer``'s rows (a session's layer buffer) copied into ``pool``, per KV head its segments' rows in
+        order, then its raw tail: the rows attention sees there, with no padding between heads.
+
+        ``tail_start`` is the session's token index of the tail's first row, ``tail_position`` its RoPE
+        position (default the same; a re-placed cache's differs).
+        """
+        rows = cls(pool, layer.num_heads)
+        for j in range(len(layer.layouts)):
+            seg = layer.segment(j)
+            rows.write(seg.head_rows, keys=seg.keys, values=seg.values, bias=seg.beta, positions=seg.positions,
+                       order=torch.full((sum(seg.head_rows),), COMPACTED, device=pool.device))
+            rows.commit(seg.head_rows)
+        n, heads = layer.tail_length, layer.num_heads
+        step = torch.arange(n, device=pool.device)
+        first = tail_start if tail_position is None else tail_position
+        rows.write([n] * heads, keys=layer.tail_keys.reshape(-1, layer.tail_keys.shape[-1]),
+                   values=layer.tail_values.reshape(-1, layer.tail_values.shape[-1]),
+                   order=(tail_start + step).repeat(heads), positions=(first + step).repeat(heads))
+        rows.commit([n] * heads)
+        return rows
+
+    @property
+    def kv_heads(self) -> int:
+        return len(self.blocks)
+
+    def reserve(self, rows: Sequence[int]) -> None:
+        """Make room for ``rows[h]`` more rows after each head's ``lengths[h]``: all the blocks at once, or none."""
+        if len(rows) != self.kv_heads or any(r < 0 for r in rows):
+            raise InvalidInput(f"rows {list(rows)} must be {self.kv_heads} non-negative counts, one per KV head")
+        size = self.pool.block_size
+        missing = [max(0, -(-(length + r) // size) - len(blocks))
+                   for length, r, blocks in zip(self.lengths, rows, self.blocks)]
+        taken = iter(self.pool.allocate(sum(missing)))
+        for blocks, count in zip(self.blocks, missing):
+            blocks.extend(next(taken) for _ in range(count))
+
+    def commit(self, rows: Sequence[int]) -> None:
+        """Staged rows become the session's: ``rows[h]`` more on each head."""
+        if len(rows) != self.kv_heads or any(
+                r < 0 or length + r > len(blocks) * self.pool.block_size
+                for r, length, blocks in zip(rows, self.lengths, self.blocks)):
+            raise InvalidInput(f"cannot commit {list(rows)} rows past what heads {self.lengths} have reserved")
+        self.lengths = [length + r for length, r in zip(self.lengths, rows)]
+
+    def release(self) -> None:
+        """Give every block back to the pool; the session holds no rows afterwards."""
+        self.pool.release(b for blocks in self.blocks for b in blocks)
+        self.blocks = [[] for _ in range(self.kv_heads)]
+        self.lengths = [0] * self.kv_heads
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.blocks)
+
+    def table(self, width: int | None = None) -> list[list[int]]:
+        """Each head's block list padded with :data:`NULL_BLOCK` to ``width`` (default: the longest)."""
+        width = max(map(len, self.blocks)) if width is None else width
+        return [blocks + [NULL_BLOCK] * (width - len(blocks)) for blocks in self.blocks]
+
+    def write(self, head_rows: Sequence[int], *, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor,
+              bias: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+        """Stage rows packed head after head (``head_rows[h]`` of head ``h``) after each head's committed rows.
+
+        ``keys``/``values`` ``(R, head_dim)``, ``order``/``positions`` int ``(R,)``, ``bias`` float ``(R,)``
+        (default 0: raw rows) with ``R = sum(head_rows)``. Reserves the blocks it needs first.
+        """
+        total = sum(head_rows)
+        if keys.shape[0] != total or values.shape != keys.shape or order.shape != (total,):
+            raise InvalidInput(f"rows {tuple(keys.shape)}, {tuple(values.shape)}, order {tuple(order.shape)} "
+                               f"disagree with head_rows {list(head_rows)}")
+        self.reserve(head_rows)
+        slots = self.staged_slots(head_rows)
+        pool = self.pool
+        pool.keys.index_copy_(0, slots, keys.to(pool.keys.dtype))
+        pool.values.index_copy_(0, slots, values.to(pool.values.dtype))
+        pool.order.index_copy_(0, slots, order.to(torch.int32))
+        pool.bias.index_copy_(0, slots, torch.zeros(total, device=pool.device) if bias is None else bias.float())
+        if positions is not None:
+            pool.positions.index_copy_(0, slots, positions.to(torch.int32))
+
+    def staged_slots(self, head_rows: Sequence[int]) -> torch.Tensor:
+        """Slots ``(sum(head_rows),)`` of the next ``head_rows[h]`` rows after each head's committed ones,
+        packed head after head; made on the device from the block table (no device value is read)."""
+        device = self.pool.device
+        total = sum(head_rows)
+        head = torch.repeat_interleave(torch.arange(self.kv_heads, device=device), to_device(list(head_rows), device),
+                                       output_size=total)
+        starts = to_device([sum(head_rows[:h]) for h in range(self.kv_heads)], device)
+        row = to_device(self.lengths, device)[head] + torch.arange(total, device=device) - starts[head]
+        return slot_of(to_device(self.table(), device)[head], row, self.pool.block_size)
+
+
+def slot_of(tables: torch.Tensor, row: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slot of row ``row[i]`` of the head whose block table is ``tables[i]`` (any leading shape)."""
+    return tables.gather(-1, (row // block_size).unsqueeze(-1)).squeeze(-1) * block_size + row % block_size
