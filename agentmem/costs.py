@@ -75,7 +75,7 @@ _ATTENTION_OPS = {
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
 
 
-def _is_view(func) -> bool:
+def is_view_op(func) -> bool:
     return func in _FREE_OPS or func.is_view or torch.Tag.inplace_view in func.tags
 
 
@@ -200,14 +200,14 @@ class CostCounter(TorchDispatchMode):
         if (func in _COPY_OPS and not _HostCalls.reading()  # a .cpu() read is counted as a sync already
                 and not _non_blocking(func, args, kwargs) and self._copies_host_data(func, args, kwargs)):
             self.costs.blocking_copies[f"{self._call_site()} ({func.__name__})"] += 1
-        if _is_view(func):
+        if is_view_op(func):
             self.costs.view_ops += 1
         else:
             self.costs.aten_ops += 1
             self.costs.ops[func.__name__] += 1
         out = func(*args, **kwargs)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if not _is_view(func):
+        if not is_view_op(func):
             self.costs.bytes_moved += sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
         self._count_flops(func, args, kwargs, inputs, outputs)
         if func is aten.lift_fresh.default:

@@ -75,8 +75,10 @@ class PagedForward:
         # and the token index it sees up to. Shared by every layer of the forward.
         self._session = to_device(session, device)
         self._offset = to_device(offset, device)
-        self._token = to_device([first_token[s] + i for s, i in zip(session, offset)], device, torch.int32)
-        self._position = to_device([first_position[s] + i for s, i in zip(session, offset)], device, torch.int32)
+        heads = self.rows[0][0].kv_heads  # the new rows' token indices and positions, head after head
+        self._token = to_device([first_token[s] + i for s, i in zip(session, offset)] * heads, device, torch.int32)
+        self._position = to_device([first_position[s] + i for s, i in zip(session, offset)] * heads, device,
+                                   torch.int32)
         self._padded = to_device([[bounds[b] + min(i, n - 1) for i in range(width)] for b, n in enumerate(counts)],
                                  device)
         self._sees_up_to = to_device([[first_token[b] + i for i in range(width)] for b in range(len(counts))],
@@ -107,6 +109,9 @@ class PagedForward:
             raise InvalidInput(f"layer {layer} was already read in this forward")
         rows = [layers[layer] for layers in self.rows]
         pool = rows[0].pool
+        if keys.shape != values.shape or keys.shape[:2] != (rows[0].kv_heads, self._session.numel()):
+            raise InvalidInput(f"new rows {tuple(keys.shape)} / {tuple(values.shape)} must be (kv_heads="
+                               f"{rows[0].kv_heads}, tokens={self._session.numel()}, head_dim)")
         for paged, n in zip(rows, self.counts):
             paged.reserve([n] * paged.kv_heads)  # host bookkeeping; all blocks are taken before any row is written
         width = max(len(blocks) for paged in rows for blocks in paged.blocks)
@@ -114,13 +119,13 @@ class PagedForward:
         tables = to_device([paged.table(width) for paged in rows], device)
         lengths = to_device([paged.lengths for paged in rows], device)
         blocks = to_device([[len(b) for b in paged.blocks] for paged in rows], device, torch.int32)
-        heads = keys.shape[0]
-        row = lengths[self._session].T + self._offset  # (kv_heads, tokens): each new row's index in its head
-        slots = slot_of(tables[self._session].transpose(0, 1), row, pool.block_size).flatten()
+        head = torch.arange(keys.shape[0], device=device)[:, None]
+        row = lengths[self._session, head] + self._offset  # (kv_heads, tokens): each new row's index in its head
+        slots = slot_of(tables, (self._session, head), row, pool.block_size).flatten()
         pool.keys.index_copy_(0, slots, keys.reshape(-1, keys.shape[-1]).to(pool.keys.dtype))
         pool.values.index_copy_(0, slots, values.reshape(-1, values.shape[-1]).to(pool.values.dtype))
-        pool.order.index_copy_(0, slots, self._token.repeat(heads))
-        pool.positions.index_copy_(0, slots, self._position.repeat(heads))
+        pool.order.index_copy_(0, slots, self._token)
+        pool.positions.index_copy_(0, slots, self._position)
         pool.bias.index_fill_(0, slots, 0.0)
         self._staged[layer] = slots
         return tables, blocks

@@ -218,9 +218,10 @@ class PagedRows:
                                        output_size=total)
         starts = to_device([sum(head_rows[:h]) for h in range(self.kv_heads)], device)
         row = to_device(self.lengths, device)[head] + torch.arange(total, device=device) - starts[head]
-        return slot_of(to_device(self.table(), device)[head], row, self.pool.block_size)
+        return slot_of(to_device(self.table(), device), (head,), row, self.pool.block_size)
 
 
-def slot_of(tables: torch.Tensor, row: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The slot of row ``row[i]`` of the head whose block table is ``tables[i]`` (any leading shape)."""
-    return tables.gather(-1, (row // block_size).unsqueeze(-1)).squeeze(-1) * block_size + row % block_size
+def slot_of(tables: torch.Tensor, heads: tuple[torch.Tensor, ...], row: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slot of row ``row`` of the head that ``heads`` (index tensors, broadcast with ``row``) picks in
+    ``tables`` (block ids, one table per head along its last axis): one read of each row's own block id."""
+    return tables[(*heads, row // block_size)] * block_size + row % block_size

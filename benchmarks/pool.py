@@ -1,0 +1,184 @@
+"""Paged rows against per-session buffers, one layer's attention at the 8B shape, counted at dispatch level.
+
+Issue [pool]: a batched forward's attention loops over sessions (a few aten ops, about one GPU
+kernel launch each, per session per layer) and a session's buffer is copied whole when it
+fills. :class:`agentmem.pool.BlockPool` with :class:`agentmem.paged_attention.PagedForward`
+is the replacement; this compares the two on the same rows, Llama-3.1-8B's attention shape
+(32 query / 8 KV heads, head_dim 128), float32 on the CPU, counted by
+:class:`agentmem.costs.CostCounter` (no timing: these are what a GPU would launch and move).
+
+- **one step's attention, N sessions**: N = 1 … 32 sessions with ragged histories (256 + 32·i
+  raw tokens; every other session also holds a compacted segment whose KV heads keep uneven row
+  counts, one none), each reading one new token (*decode*), or session 0 a 64-token chunk and
+  the others one token (*mixed*). *per-session buffers*: today's ``session_attention`` over a
+  :class:`~agentmem.attention.PackedPasses` (``"mask"`` mode, the CPU path); *paged*: one
+  :meth:`~agentmem.paged_attention.PagedForward.attend` (``"mask"``, the gathered CPU path).
+  Reported: aten ops, attention calls, host syncs, tensors built from host data (a
+  host-to-device copy each on a GPU), and the largest difference between the two outputs.
+- **growth**: one session appending ``--append`` tokens one at a time, the write path alone
+  (``LayerCache.stage`` against ``PagedForward.stage``, bf16 rows): bytes *written* per appended
+  token (mean) and by the largest single step (:class:`WrittenBytes`), against one token's rows
+  with their metadata (8 KV heads × (128 × 2 bytes × keys and values + 4-byte β, order and
+  position) = 4,192 bytes).
+
+Writes ``benchmarks/results/pool.{md,json}``. Run: ``python benchmarks/pool.py`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from common import RESULTS, command_line, machine, markdown_table, write_results
+
+from agentmem.attention import ForwardPass, PackedPasses, session_attention
+from agentmem.cache import CompactedSegment, LayerCache, SessionCache
+from agentmem.costs import count, is_view_op
+from agentmem.paged_attention import PagedForward
+from agentmem.pool import BlockPool, PagedRows
+
+aten = torch.ops.aten
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+SCALE = HEAD_DIM**-0.5
+BLOCK = 16
+
+
+class WrittenBytes(TorchDispatchMode):
+    """Bytes the tensor work inside the block writes: what an in-place indexed write stores (its source
+    rows, not the tensor it writes into), what a copy stores into its target view, and every other
+    working op's outputs. Allocations write nothing. (``CostCounter.bytes_moved`` counts the whole
+    tensor an indexed write goes into, which would charge every paged write the whole pool.)"""
+
+    ALLOCATIONS = (aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+                   aten.empty_strided.default, aten.new_empty_strided.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten.copy_.default:
+            self.written += args[0].nbytes
+        elif func is aten.index_copy_.default:
+            self.written += args[3].nbytes
+        elif func is aten.index_fill_.int_Scalar:
+            self.written += args[2].numel() * args[0][0].nbytes
+        elif func is aten.index_put_.default:
+            self.written += args[2].nbytes
+        elif func not in self.ALLOCATIONS and not func._schema.is_mutable and not is_view_op(func):
+            self.written += sum(t.nbytes for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+
+def written(fn, *args) -> int:
+    with WrittenBytes() as mode:
+        fn(*args)
+    return mode.written
+
+
+class Layer0(torch.nn.Module):
+    """What ``session_attention`` reads of the decoder layer calling it."""
+
+    layer_idx = 0
+
+
+def session_layer(i: int, dtype: torch.dtype) -> LayerCache:
+    """Session ``i``'s rows: 256 + 32·i raw tokens, and for odd ``i`` a compacted segment of uneven heads."""
+    g = torch.Generator().manual_seed(i)
+    segments = []
+    if i % 2:
+        head_rows = torch.randint(1, 300, (KV_HEADS,), generator=g).tolist()
+        head_rows[i % KV_HEADS] = 0
+        rows = sum(head_rows)
+        segments.append(CompactedSegment(
+            keys=torch.randn(rows, HEAD_DIM, generator=g).to(dtype),
+            values=torch.randn(rows, HEAD_DIM, generator=g).to(dtype), beta=torch.rand(rows, generator=g) * 4 - 2, head_rows=tuple(head_rows), span=(0, 1000)))
+    tail = 256 + 32 * i
+    return LayerCache(segments, *(torch.randn(KV_HEADS, tail, HEAD_DIM, generator=g).to(dtype) for _ in range(2)))
+
+
+def step(sessions: int, chunk: int) -> dict[str, object]:
+    """One forward's attention for ``sessions`` sessions (session 0 reads ``chunk`` tokens), both ways."""
+    layers = [session_layer(i, torch.float32) for i in range(sessions)]
+    read = [1000 * bool(layer.layouts) + layer.tail_length for layer in layers]
+    counts = [chunk] + [1] * (sessions - 1)
+    bounds = [0]
+    for n in counts:
+        bounds.append(bounds[-1] + n)
+    g = torch.Generator().manual_seed(sessions)
+    query = torch.randn(1, Q_HEADS, bounds[-1], HEAD_DIM, generator=g)
+    keys, values = (torch.randn(1, KV_HEADS, bounds[-1], HEAD_DIM, generator=g) for _ in range(2))
+
+    caches = [SessionCache([layer], [0] * n, "bench") for layer, n in zip(layers, read)]
+    packed = PackedPasses([ForwardPass(cache) for cache in caches], bounds)
+    (today, _), buffers = count(session_attention, Layer0(), query, keys, values, None, scale=SCALE,
+                                agentmem_batch=packed)
+    pool = BlockPool(blocks=sessions * KV_HEADS * 64 + 1, block_size=BLOCK, head_dim=HEAD_DIM, dtype=torch.float32,
+                     device="cpu")
+    paged_rows = [PagedRows.holding(pool, layer, tail_start=n - layer.tail_length) for layer, n in zip(layers, read)]
+    forward = PagedForward([[rows] for rows in paged_rows], bounds, read)
+    paged, pooled = count(forward.attend, 0, query[0], keys[0], values[0], SCALE)
+    difference = (paged - today[0].transpose(0, 1)).abs().max().item()
+    row = {"step": "decode" if chunk == 1 else f"mixed ({chunk}-token chunk)", "sessions": sessions}
+    for name, costs in (("buffers", buffers), ("paged", pooled)):
+        row[f"aten ops {name}"] = costs.aten_ops
+        row[f"attention calls {name}"] = sum(n for op, n in costs.ops.items() if "scaled_dot_product" in op)
+        row[f"host syncs {name}"] = costs.host_syncs
+        row[f"host-built {name}"] = costs.host_built
+    row["max |paged - buffers|"] = difference
+    return row
+
+
+def growth(tokens: int) -> list[dict[str, object]]:
+    """Bytes moved by the write path while one session appends ``tokens`` tokens one at a time."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    new = [(torch.randn(KV_HEADS, 1, HEAD_DIM, generator=g).to(dtype),) * 2 for _ in range(tokens)]
+    empty = torch.zeros(KV_HEADS, 0, HEAD_DIM, dtype=dtype)
+    layer = LayerCache([], empty, empty)
+    pool = BlockPool(blocks=KV_HEADS * (tokens // BLOCK + 1) + 1, block_size=BLOCK, head_dim=HEAD_DIM, dtype=dtype,
+                     device="cpu")
+    rows = PagedRows(pool, KV_HEADS)
+    writes: dict[str, list[int]] = {"per-session buffer": [], "paged": []}
+    for t, (k, v) in enumerate(new):
+        writes["per-session buffer"].append(written(layer.stage, k, v))
+        layer.commit(1)
+        forward = PagedForward([[rows]], [0, 1], [t])
+        writes["paged"].append(written(forward.stage, 0, k, v))
+        forward.commit()
+    token_bytes = KV_HEADS * (2 * HEAD_DIM * dtype.itemsize + 4 + 4 + 4)
+    return [{"layout": name, "tokens appended": tokens, "bytes written per token (mean)": sum(b) / tokens,
+             "mean / one token's rows": sum(b) / tokens / token_bytes, "largest step, bytes": max(b),
+             "largest step / one token's rows": max(b) / token_bytes} for name, b in writes.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--append", type=int, default=4096, help="tokens appended one at a time in the growth table")
+    args = parser.parse_args()
+    with torch.inference_mode():
+        steps = [step(n, chunk) for chunk in (1, 64) for n in args.sessions]
+        grown = growth(args.append)
+    for row in steps:
+        base = next(r for r in steps if r["step"] == row["step"] and r["sessions"] == args.sessions[0])
+        for name in ("buffers", "paged"):
+            row[f"aten ops {name} / {args.sessions[0]} session"] = row[f"aten ops {name}"] / base[f"aten ops {name}"]
+    extra = {"block size": BLOCK, "machine": machine(), "command": command_line()}
+    md = write_results("pool", "One layer's attention over per-session buffers and over a paged pool "
+                               f"(8B attention shape: {Q_HEADS} query / {KV_HEADS} KV heads, head_dim {HEAD_DIM})",
+                       steps, extra)
+    md += f"\n## Growth: the write path of one session appending {args.append:,} tokens one at a time\n\n"
+    md += markdown_table(grown) + "\n"
+    (RESULTS / "pool.md").write_text(md)
+    (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "growth": grown, **extra}, indent=2, default=str))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""``benchmarks/pool.py`` at small sizes: the two layouts agree, and its byte counter counts what is written."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import pool
+
+
+def test_a_step_compares_both_layouts_on_the_same_rows():
+    row = pool.step(3, chunk=4)
+    assert row["attention calls buffers"] == 3 and row["attention calls paged"] == 1
+    assert row["max |paged - buffers|"] < 1e-5
+    assert row["host syncs paged"] == 0
+
+
+def test_growth_counts_a_buffer_regrowing_and_paged_writes_of_about_one_row():
+    buffer, paged = pool.growth(80)
+    assert buffer["largest step / one token's rows"] > 60  # the regrowth copied every row held
+    assert 1 <= paged["largest step / one token's rows"] < 1.5
+
+
+def test_written_bytes_count_an_indexed_write_by_its_rows_not_its_target():
+    target = torch.zeros(1000, 8)
+    assert pool.written(target.index_copy_, 0, torch.tensor([3, 5]), torch.ones(2, 8)) == 2 * 8 * 4
+    assert pool.written(target.index_fill_, 0, torch.tensor([1, 2, 3]), 0.0) == 3 * 8 * 4
+    assert pool.written(target[:10].copy_, torch.ones(10, 8)) == 10 * 8 * 4
+    assert pool.written(torch.empty, 1000) == 0
