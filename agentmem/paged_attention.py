@@ -65,6 +65,7 @@ class PagedForward:
         if any(len(layers) != len(self.rows[0]) for layers in self.rows):
             raise InvalidInput("every session of a paged forward needs rows in every layer")
         self.counts = counts
+        self.first_token, self.first_position = list(first_token), list(first_position)
         self.beta_mode = beta_mode
         device = self.rows[0][0].pool.device
         width = max(counts)
@@ -89,7 +90,8 @@ class PagedForward:
     def commit(self) -> None:
         """The staged rows of every layer become their sessions' rows."""
         for layer in self._staged:
-            for layers, n in zip(self.rows, self.counts):
+            for layers, n, token, position in zip(self.rows, self.counts, self.first_token, self.first_position):
+                layers[layer].note_raw(token, position, n)
                 layers[layer].commit([n] * layers[layer].kv_heads)
         self._staged.clear()
 

@@ -58,7 +58,7 @@ class BlockPool:
         self.block_size = block_size
         self.blocks = blocks
         self._free = list(range(blocks - 1, NULL_BLOCK, -1))  # popped from the end: lowest ids first
-        self._used: set[int] = set()
+        self._holders: dict[int, int] = {}  # block -> how many hold it (sessions sharing it, a prefix index)
 
     @property
     def device(self) -> torch.device:
@@ -70,7 +70,11 @@ class BlockPool:
 
     @property
     def used_blocks(self) -> int:
-        return len(self._used)
+        return len(self._holders)
+
+    def holders(self, block: int) -> int:
+        """How many hold ``block`` (0: free)."""
+        return self._holders.get(block, 0)
 
     @property
     def block_nbytes(self) -> int:
@@ -86,20 +90,36 @@ class BlockPool:
             raise PoolExhausted(f"{count} blocks asked, {len(self._free)} of {self.blocks - 1} free "
                                 f"({self.block_size} slots each)")
         taken = [self._free.pop() for _ in range(count)]
-        self._used.update(taken)
+        self._holders.update(dict.fromkeys(taken, 1))
         return taken
 
+    def share(self, blocks: Iterable[int]) -> None:
+        """One more holder for each of ``blocks`` (a fork, a prefix index): none is freed until all let go."""
+        blocks = self._held(blocks)
+        for b in blocks:
+            self._holders[b] += 1
+
     def release(self, blocks: Iterable[int]) -> None:
-        """Give blocks back, their slots hidden (so a block is hidden whenever it is free, and taking one
-        costs no device work); refuses, changing nothing, any block not held (never handed out, or already back)."""
+        """One holder fewer for each of ``blocks``; a block nobody holds is free again, its slots hidden (so a
+        free block is always hidden, and taking one costs no device work). Refuses, changing nothing, a block
+        not held (never handed out, or already back) or named twice."""
+        blocks = self._held(blocks)
+        freed = []
+        for b in blocks:
+            self._holders[b] -= 1
+            if not self._holders[b]:
+                del self._holders[b]
+                freed.append(b)
+        if freed:
+            self.hide(self.slots_of(freed))
+            self._free.extend(sorted(freed, reverse=True))
+
+    def _held(self, blocks: Iterable[int]) -> list[int]:
         blocks = list(blocks)
-        stray = [b for b in blocks if b not in self._used]
+        stray = [b for b in blocks if b not in self._holders]
         if stray or len(set(blocks)) != len(blocks):
             raise InvalidInput(f"blocks {stray or blocks} are not held (never allocated, released twice, or repeated)")
-        if blocks:
-            self.hide(self.slots_of(blocks))
-        self._used.difference_update(blocks)
-        self._free.extend(sorted(blocks, reverse=True))
+        return blocks
 
     def hide(self, slots: torch.Tensor) -> None:
         """No query sees ``slots`` any more (rows staged by a forward that is not kept, or released)."""
@@ -117,6 +137,11 @@ class PagedRows:
     Row ``i`` of head ``h`` lies in slot ``blocks[h][i // block_size] * block_size + i % block_size``.
     Rows past ``lengths[h]`` in the head's last blocks are *staged*: written by a forward but
     not yet the session's (:meth:`commit` makes them so, as :meth:`agentmem.cache.LayerCache.commit`).
+
+    Blocks may be shared (:meth:`fork`, :class:`~agentmem.prefixes.PrefixIndex`): a full block is
+    never written again, and a shared block about to take new rows is copied first (one block per
+    KV head at most). ``raw_prefix`` counts the leading rows, on every head, that are raw tokens
+    ``0, 1, …`` at their own positions: what a prefix index may share.
     """
 
     def __init__(self, pool: BlockPool, kv_heads: int) -> None:
@@ -125,6 +150,7 @@ class PagedRows:
         self.pool = pool
         self.blocks: list[list[int]] = [[] for _ in range(kv_heads)]
         self.lengths: list[int] = [0] * kv_heads
+        self.raw_prefix = 0
 
     @classmethod
     def holding(cls, pool: BlockPool, layer: LayerCache, *, tail_start: int,
@@ -147,8 +173,24 @@ class PagedRows:
         rows.write([n] * heads, keys=layer.tail_keys.reshape(-1, layer.tail_keys.shape[-1]),
                    values=layer.tail_values.reshape(-1, layer.tail_values.shape[-1]),
                    order=(tail_start + step).repeat(heads), positions=(first + step).repeat(heads))
+        rows.note_raw(tail_start, first, n)
         rows.commit([n] * heads)
         return rows
+
+    def fork(self) -> PagedRows:
+        """A second session holding the same committed rows, sharing their blocks (copied only when written)."""
+        size = self.pool.block_size
+        kept = [blocks[: -(-length // size)] for blocks, length in zip(self.blocks, self.lengths)]
+        self.pool.share(b for blocks in kept for b in blocks)
+        twin = PagedRows(self.pool, self.kv_heads)
+        twin.blocks, twin.lengths, twin.raw_prefix = [list(b) for b in kept], list(self.lengths), self.raw_prefix
+        return twin
+
+    def note_raw(self, first_token: int, first_position: int, tokens: int) -> None:
+        """Rows about to be committed are raw tokens from ``first_token`` read at ``first_position``: they
+        extend :attr:`raw_prefix` when they continue it on every head."""
+        if first_token == first_position == self.raw_prefix and all(n == self.raw_prefix for n in self.lengths):
+            self.raw_prefix += tokens
 
     @property
     def kv_heads(self) -> int:
@@ -161,9 +203,25 @@ class PagedRows:
         size = self.pool.block_size
         missing = [max(0, -(-(length + r) // size) - len(blocks))
                    for length, r, blocks in zip(self.lengths, rows, self.blocks)]
-        taken = iter(self.pool.allocate(sum(missing)))
+        # A shared block that the new rows go into (the partly filled last one) is copied first.
+        shared = [h for h, (r, length, blocks) in enumerate(zip(rows, self.lengths, self.blocks))
+                  if r and length % size and self.pool.holders(blocks[length // size]) > 1]
+        taken = iter(self.pool.allocate(sum(missing) + len(shared)))
         for blocks, count in zip(self.blocks, missing):
             blocks.extend(next(taken) for _ in range(count))
+        if shared:
+            self._copy_on_write(shared, [next(taken) for _ in shared])
+
+    def _copy_on_write(self, heads: list[int], private: list[int]) -> None:
+        """Heads ``heads`` stop sharing the block their next rows go into: each gets ``private`` copies."""
+        pool, size = self.pool, self.pool.block_size
+        old = [self.blocks[h][self.lengths[h] // size] for h in heads]
+        source, target = pool.slots_of(old), pool.slots_of(private)
+        for part in (pool.keys, pool.values, pool.bias, pool.order, pool.positions):
+            part.index_copy_(0, target, part[source])
+        for h, block in zip(heads, private):
+            self.blocks[h][self.lengths[h] // size] = block
+        pool.release(old)
 
     def commit(self, rows: Sequence[int]) -> None:
         """Staged rows become the session's: ``rows[h]`` more on each head."""
@@ -178,6 +236,7 @@ class PagedRows:
         self.pool.release(b for blocks in self.blocks for b in blocks)
         self.blocks = [[] for _ in range(self.kv_heads)]
         self.lengths = [0] * self.kv_heads
+        self.raw_prefix = 0
 
     @property
     def held_blocks(self) -> int:

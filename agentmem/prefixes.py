@@ -1,0 +1,95 @@
+"""Shared prefixes: a tenant's sessions that start with the same tokens hold those rows once.
+
+Agents of one tenant open with the same system prompt and tool definitions, often thousands of
+tokens: 32 agents with a 2k-token prompt would hold 32 copies (and read it 32 times). The
+index lists the full blocks of raw rows at the start of a session's rows, keyed by the tokens
+they hold; a new session starting with the same tokens takes those blocks (each gains a
+holder, :meth:`~agentmem.pool.BlockPool.share`) and reads only the rest.
+
+A block's key hashes the previous block's key with its own ``block_size`` token ids, so one key
+names the whole prefix up to it (LMCache's chunk hashes and SGLang's radix tree find prefixes
+the same way). Only full blocks are listed: nothing is written into them again, so sharing
+them needs no copy. Entries are per tenant: no tenant ever gets another's blocks. The index
+holds each block it lists, so a prompt outlives the session that read it, until
+:meth:`PrefixIndex.drop` lets go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from agentmem.errors import InvalidInput
+from agentmem.pool import BlockPool, PagedRows
+
+
+class PrefixIndex:
+    """Full blocks of raw prefix rows, per tenant, across every layer's pool (one pool per layer)."""
+
+    def __init__(self, pools: Sequence[BlockPool]) -> None:
+        if not pools or len({pool.block_size for pool in pools}) != 1:
+            raise InvalidInput("a prefix index needs one pool per layer, all with the same block size")
+        self.pools = list(pools)
+        self.block_size = pools[0].block_size
+        # tenant -> block key -> per layer, the block of each KV head holding those tokens
+        self._entries: dict[str, dict[bytes, list[tuple[int, ...]]]] = {}
+
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The chained key of every full block of ``token_ids``."""
+        keys, key = [], b""
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            block = b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids[start : start + self.block_size])
+            key = hashlib.blake2b(key + block, digest_size=16).digest()
+            keys.append(key)
+        return keys
+
+    def publish(self, tenant: str, rows: Sequence[PagedRows], token_ids: Sequence[int]) -> int:
+        """List the full blocks of the raw prefix ``rows`` (a session's, one per layer) hold for ``token_ids``
+        (the session's tokens); returns how many blocks were new to the index."""
+        if len(rows) != len(self.pools) or any(r.pool is not pool for r, pool in zip(rows, self.pools)):
+            raise InvalidInput(f"a session's rows in each of the index's {len(self.pools)} pools are needed")
+        full = min(min(r.raw_prefix for r in rows), len(token_ids)) // self.block_size
+        entries = self._entries.setdefault(tenant, {})
+        new = 0
+        for i, key in enumerate(self.keys(token_ids[: full * self.block_size])):
+            if key in entries:
+                continue
+            blocks = [tuple(head[i] for head in r.blocks) for r in rows]
+            for pool, layer_blocks in zip(self.pools, blocks):
+                pool.share(layer_blocks)
+            entries[key] = blocks
+            new += 1
+        return new
+
+    def adopt(self, tenant: str, token_ids: Sequence[int], kv_heads: int) -> tuple[list[PagedRows], int]:
+        """A new session's rows (one per layer) holding the longest listed prefix of ``token_ids``, and how
+        many tokens that covers. The last token is never covered: reading it gives the session its logits."""
+        if kv_heads < 1:
+            raise InvalidInput(f"a session needs at least one KV head, got {kv_heads}")
+        entries = self._entries.get(tenant, {})
+        found = []
+        for key in self.keys(token_ids[:-1]):
+            if key not in entries:
+                break
+            found.append(entries[key])
+        if found and len(found[0][0]) != kv_heads:
+            raise InvalidInput(f"the tenant's prefixes have {len(found[0][0])} KV heads, not {kv_heads}")
+        covered = len(found) * self.block_size
+        sessions = []
+        for layer, pool in enumerate(self.pools):
+            rows = PagedRows(pool, kv_heads)
+            per_head = [[blocks[layer][h] for blocks in found] for h in range(kv_heads)]
+            pool.share(b for blocks in per_head for b in blocks)
+            rows.blocks, rows.lengths, rows.raw_prefix = per_head, [covered] * kv_heads, covered
+            sessions.append(rows)
+        return sessions, covered
+
+    def drop(self, tenant: str) -> None:
+        """Forget the tenant's prefixes; their blocks are freed once no session holds them."""
+        for blocks in self._entries.pop(tenant, {}).values():
+            for pool, layer_blocks in zip(self.pools, blocks):
+                pool.release(layer_blocks)
+
+    def listed_blocks(self, tenant: str) -> int:
+        """Blocks listed for ``tenant``, over every layer and KV head."""
+        return sum(len(layer) for blocks in self._entries.get(tenant, {}).values() for layer in blocks)

@@ -1,0 +1,141 @@
+"""Forks and a tenant's shared prefixes hold rows once, and attend exactly as sessions that read everything themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentmem.attention import biased_attention
+from agentmem.cache import LayerCache
+from agentmem.errors import InvalidInput
+from agentmem.paged_attention import PagedForward
+from agentmem.pool import BlockPool, PagedRows
+from agentmem.prefixes import PrefixIndex
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 32, 16
+SCALE = HEAD_DIM**-0.5
+VOCAB, CONTEXT = 100, 512
+_g = torch.Generator().manual_seed(0)
+# A stand-in for a layer's projections: a token's key and value depend on the token and its position only.
+TOKEN_K, TOKEN_V, QUERY = (torch.randn(VOCAB, KV_HEADS, HEAD_DIM, generator=_g) for _ in range(3))
+POSITION = torch.randn(CONTEXT, KV_HEADS, HEAD_DIM, generator=_g)
+
+
+def rows_of(tokens, first):
+    """Keys, values ``(kv_heads, n, d)`` and queries ``(q_heads, n, d)`` of ``tokens`` read from position ``first``."""
+    ids, pos = torch.tensor(tokens), torch.arange(first, first + len(tokens))
+    k = (TOKEN_K[ids] + POSITION[pos]).transpose(0, 1)
+    v = (TOKEN_V[ids] - POSITION[pos]).transpose(0, 1)
+    q = (QUERY[ids] * POSITION[pos]).transpose(0, 1).repeat_interleave(Q_HEADS // KV_HEADS, 0)
+    return k, v, q
+
+
+class Reader:
+    """A session read token by token in a pool, beside a LayerCache that read the same tokens itself."""
+
+    def __init__(self, rows: PagedRows, tokens: list[int]):
+        self.rows, self.tokens = rows, list(tokens)
+        empty = torch.zeros(KV_HEADS, 0, HEAD_DIM)
+        self.reference = LayerCache([], empty, empty)
+        if tokens:
+            k, v, _ = rows_of(tokens, 0)
+            self.reference.stage(k, v)
+            self.reference.commit(len(tokens))
+
+    def fork(self) -> Reader:
+        twin = Reader(self.rows.fork(), [])
+        twin.tokens, twin.reference = list(self.tokens), self.reference.clone()
+        return twin
+
+
+def read(readers, new_tokens):
+    """One forward: each reader reads its ``new_tokens``; asserts the output equals each one's own attention."""
+    bounds, parts = [0], []
+    for reader, tokens in zip(readers, new_tokens):
+        parts.append(rows_of(tokens, len(reader.tokens)))
+        bounds.append(bounds[-1] + len(tokens))
+    k, v, q = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
+    forward = PagedForward([[r.rows] for r in readers], bounds, [len(r.tokens) for r in readers])
+    out = forward.attend(0, q, k, v, SCALE)
+    forward.commit()
+    for reader, tokens, (rk, rv, rq), first, end in zip(readers, new_tokens, parts, bounds, bounds[1:]):
+        keys, values = reader.reference.stage(rk, rv)
+        expected = biased_attention(rq, keys, values, None, scale=SCALE, mode="mask")
+        reader.reference.commit(len(tokens))
+        reader.tokens += tokens
+        torch.testing.assert_close(out[:, first:end], expected, atol=1e-5, rtol=1e-5)
+
+
+def new_pool(blocks=512):
+    return BlockPool(blocks=blocks, block_size=BLOCK, head_dim=HEAD_DIM, dtype=torch.float32, device="cpu")
+
+
+def tokens(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_fork_shares_every_block_and_copies_only_the_one_its_next_rows_go_into():
+    pool = new_pool()
+    parent = Reader(PagedRows(pool, KV_HEADS), [])
+    read([parent], [tokens(40, 1)])  # 2 full blocks and 8 rows of a third, per head
+    held = pool.used_blocks
+    child = parent.fork()
+    assert pool.used_blocks == held  # shared, not copied
+    read([parent, child], [tokens(3, 2), tokens(5, 3)])  # both write into the shared third block
+    assert pool.used_blocks == held + KV_HEADS  # one private copy of that block per head for one of them
+    assert [b[:2] for b in parent.rows.blocks] == [b[:2] for b in child.rows.blocks]  # full blocks still shared
+    for _ in range(30):  # across block boundaries, each its own way
+        read([parent, child], [tokens(1, 4), tokens(1, 5)])
+    child.rows.release()
+    read([parent], [tokens(2, 6)])
+
+
+def test_a_tenants_sessions_hold_a_shared_system_prompt_once_and_read_only_the_rest():
+    pool = new_pool()
+    index = PrefixIndex([pool])
+    prompt = tokens(100, 7)  # 6 full blocks and 4 tokens
+    first = Reader(PagedRows(pool, KV_HEADS), [])
+    read([first], [prompt + tokens(9, 8)])
+    assert index.publish("acme", [first.rows], first.tokens) == 6
+    before = pool.used_blocks
+    agents = []
+    for i in range(8):
+        asked = prompt + tokens(12, 20 + i)
+        [rows], covered = index.adopt("acme", asked, KV_HEADS)
+        assert covered == 96
+        agent = Reader(rows, asked[:covered])
+        read([agent], [asked[covered:]])  # reads only the uncovered tokens, attends over the shared ones
+        agents.append(agent)
+    # each agent holds its own 16 tokens past the shared 96: 1 or 2 blocks per head, never the prompt again
+    assert pool.used_blocks - before <= 8 * 2 * KV_HEADS
+    read([first] + agents, [tokens(1, 40)] * 9)  # all of them at once, the prompt's blocks under every one
+    [other], covered = index.adopt("globex", prompt + [1, 2], KV_HEADS)
+    assert covered == 0 and other.held_blocks == 0  # another tenant gets nothing of acme's
+
+
+def test_dropped_prefixes_are_freed_once_no_session_holds_them():
+    pool = new_pool()
+    index = PrefixIndex([pool])
+    first = Reader(PagedRows(pool, KV_HEADS), [])
+    read([first], [tokens(48, 9)])
+    index.publish("acme", [first.rows], first.tokens)
+    [second], covered = index.adopt("acme", first.tokens + [3], KV_HEADS)
+    assert covered == 48
+    first.rows.release()
+    index.drop("acme")
+    assert pool.used_blocks == 3 * KV_HEADS  # the second session still holds the prompt
+    second.release()
+    assert pool.used_blocks == 0 and pool.free_blocks == pool.blocks - 1
+
+
+def test_a_prefix_is_only_what_was_read_raw_from_the_first_token():
+    pool = new_pool()
+    index = PrefixIndex([pool])
+    rows = PagedRows(pool, KV_HEADS)
+    k, v, _ = rows_of(tokens(32, 10), 0)
+    rows.write([32] * KV_HEADS, keys=k.reshape(-1, HEAD_DIM), values=v.reshape(-1, HEAD_DIM),
+               order=torch.full((32 * KV_HEADS,), -1))  # compacted rows, not tokens 0..31
+    rows.commit([32] * KV_HEADS)
+    assert rows.raw_prefix == 0 and index.publish("acme", [rows], tokens(32, 10)) == 0
+    with pytest.raises(InvalidInput):
+        index.publish("acme", [rows, rows], tokens(32, 10))  # one pool, two layers' rows
