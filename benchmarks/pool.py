@@ -39,6 +39,7 @@ from agentmem.cache import CompactedSegment, LayerCache, SessionCache
 from agentmem.costs import count, is_view_op
 from agentmem.paged_attention import PagedForward
 from agentmem.pool import BlockPool, PagedRows
+from agentmem.prefixes import PrefixIndex
 
 aten = torch.ops.aten
 
@@ -157,14 +158,57 @@ def growth(tokens: int) -> list[dict[str, object]]:
              "largest step / one token's rows": max(b) / token_bytes} for name, b in writes.items()]
 
 
+def shared_prompt(sessions: int, prompt: int, own: int) -> list[dict[str, object]]:
+    """Pool bytes of ``sessions`` sessions of one tenant that open with the same ``prompt`` tokens, then
+    ``own`` tokens each: every session writing its rows, against a :class:`PrefixIndex` sharing the prompt."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(0, 50_000, (prompt,), generator=g).tolist()
+    prompt_rows = [torch.randn(KV_HEADS * prompt, HEAD_DIM, generator=g).to(dtype) for _ in range(2)]
+    table = []
+    for layout in ("every session its own copy", "shared prefix"):
+        pool = BlockPool(blocks=sessions * KV_HEADS * ((prompt + own) // BLOCK + 2) + 1, block_size=BLOCK,
+                         head_dim=HEAD_DIM, dtype=dtype, device="cpu")
+        index = PrefixIndex([pool])
+        for i in range(sessions):
+            own_ids = torch.randint(0, 50_000, (own,), generator=g).tolist()
+            [rows], covered = (index.adopt("tenant", prompt_ids + own_ids, KV_HEADS) if layout == "shared prefix"
+                               else ([PagedRows(pool, KV_HEADS)], 0))
+            if covered < prompt:  # the first session (or none shared): the prompt's rows written here
+                _write_raw(rows, [r.view(KV_HEADS, prompt, HEAD_DIM)[:, covered:].reshape(-1, HEAD_DIM)
+                                  for r in prompt_rows], prompt - covered, first=covered)
+            _write_raw(rows, [torch.randn(KV_HEADS * own, HEAD_DIM, generator=g).to(dtype) for _ in range(2)], own,
+                       first=prompt)
+            if layout == "shared prefix":
+                index.publish("tenant", [rows], prompt_ids + own_ids)
+        own_blocks = sessions * KV_HEADS * -(-own // BLOCK)  # the prompt fills whole blocks (checked in main)
+        table.append({"layout": layout, "sessions": sessions, "prompt tokens": prompt, "own tokens": own,
+                      "pool MiB held": pool.used_blocks * pool.block_nbytes / 2**20,
+                      "prompt copies held": (pool.used_blocks - own_blocks) / (KV_HEADS * (prompt // BLOCK))})
+    return table
+
+
+def _write_raw(rows: PagedRows, keys_values: list[torch.Tensor], tokens: int, first: int) -> None:
+    """Commit ``tokens`` raw rows per head (packed head after head) read from token ``first``."""
+    order = torch.arange(first, first + tokens).repeat(KV_HEADS)
+    rows.write([tokens] * KV_HEADS, keys=keys_values[0], values=keys_values[1], order=order, positions=order)
+    rows.note_raw(first, first, tokens)
+    rows.commit([tokens] * KV_HEADS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--append", type=int, default=4096, help="tokens appended one at a time in the growth table")
+    parser.add_argument("--prompt", type=int, default=2048, help="tokens of the system prompt the sessions share")
+    parser.add_argument("--prompt-sessions", type=int, default=32, help="sessions opening with that prompt")
     args = parser.parse_args()
+    if args.prompt % BLOCK:
+        parser.error(f"--prompt must fill whole {BLOCK}-token blocks")
     with torch.inference_mode():
         steps = [step(n, chunk) for chunk in (1, 64) for n in args.sessions]
         grown = growth(args.append)
+        prompts = shared_prompt(args.prompt_sessions, args.prompt, 128)
     for row in steps:
         base = next(r for r in steps if r["step"] == row["step"] and r["sessions"] == args.sessions[0])
         for name in ("buffers", "paged"):
@@ -175,8 +219,11 @@ def main() -> None:
                        steps, extra)
     md += f"\n## Growth: the write path of one session appending {args.append:,} tokens one at a time\n\n"
     md += markdown_table(grown) + "\n"
+    md += (f"\n## Shared prompt: {args.prompt_sessions} sessions of one tenant opening with the same {args.prompt:,} "
+           "tokens, then 128 of their own (bf16)\n\n" + markdown_table(prompts) + "\n")
     (RESULTS / "pool.md").write_text(md)
-    (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "growth": grown, **extra}, indent=2, default=str))
+    (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "growth": grown, "shared prompt": prompts, **extra},
+                                                  indent=2, default=str))
     print(md)
 
 

@@ -30,3 +30,9 @@ def test_written_bytes_count_an_indexed_write_by_its_rows_not_its_target():
     assert pool.written(target.index_fill_, 0, torch.tensor([1, 2, 3]), 0.0) == 3 * 8 * 4
     assert pool.written(target[:10].copy_, torch.ones(10, 8)) == 10 * 8 * 4
     assert pool.written(torch.empty, 1000) == 0
+
+
+def test_sessions_sharing_a_prompt_hold_one_copy_of_it():
+    own_copies, shared = pool.shared_prompt(4, 2 * pool.BLOCK, 5)
+    assert own_copies["prompt copies held"] == 4 and shared["prompt copies held"] == 1
+    assert shared["pool MiB held"] < own_copies["pool MiB held"]
