@@ -47,8 +47,9 @@ class PagedForward:
     ``rows[b][layer]`` holds session ``b``'s rows in that layer (every session's layers share
     one pool per layer); its new tokens are ``bounds[b]:bounds[b + 1]`` of the sequence, the
     first being its token ``first_token[b]`` (the session's count of tokens read before),
-    read at RoPE position ``first_position[b]`` (default: the same). The rows a forward writes
-    are staged: :meth:`commit` makes them the sessions', :meth:`discard` forgets them.
+    read at RoPE position ``first_position[b]`` (default: the same; only rows read at their own
+    positions may be shared as a prefix, :meth:`~agentmem.pool.PagedRows.note_raw`). The rows a
+    forward writes are staged: :meth:`commit` makes them the sessions', :meth:`discard` forgets them.
     """
 
     def __init__(self, rows: Sequence[Sequence[PagedRows]], bounds: Sequence[int], first_token: Sequence[int], *,
@@ -76,10 +77,8 @@ class PagedForward:
         # and the token index it sees up to. Shared by every layer of the forward.
         self._session = to_device(session, device)
         self._offset = to_device(offset, device)
-        heads = self.rows[0][0].kv_heads  # the new rows' token indices and positions, head after head
+        heads = self.rows[0][0].kv_heads  # the new rows' token indices (their order and position), head after head
         self._token = to_device([first_token[s] + i for s, i in zip(session, offset)] * heads, device, torch.int32)
-        self._position = to_device([first_position[s] + i for s, i in zip(session, offset)] * heads, device,
-                                   torch.int32)
         self._padded = to_device([[bounds[b] + min(i, n - 1) for i in range(width)] for b, n in enumerate(counts)],
                                  device)
         self._sees_up_to = to_device([[first_token[b] + i for i in range(width)] for b in range(len(counts))],
@@ -127,7 +126,7 @@ class PagedForward:
         pool.keys.index_copy_(0, slots, keys.reshape(-1, keys.shape[-1]).to(pool.keys.dtype))
         pool.values.index_copy_(0, slots, values.reshape(-1, values.shape[-1]).to(pool.values.dtype))
         pool.order.index_copy_(0, slots, self._token)
-        pool.positions.index_copy_(0, slots, self._position)
+        pool.positions.index_copy_(0, slots, self._token)
         pool.bias.index_fill_(0, slots, 0.0)
         self._staged[layer] = slots
         return tables, blocks

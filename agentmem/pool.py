@@ -18,7 +18,10 @@ Every tensor is flat over slots, so that one indexed read or write serves any se
 - ``order`` int32 ``(slots,)``: which queries see the row. A raw row holds its token's index
   in the session and is seen by that token and every later one; a compacted row holds
   :data:`COMPACTED` (seen by all); a slot holding no row holds :data:`HIDDEN` (seen by none);
-- ``positions`` int32 ``(slots,)``: the RoPE position the row's key was rotated for.
+- ``positions`` int32 ``(slots,)``: the token position the row stands for (a raw row's token
+  index; a compacted row's as its compaction recorded it; -1 where unknown). Where its key sits
+  in RoPE positions is the session's :class:`~agentmem.placement.Placement` of this position,
+  so a re-placement (:meth:`PagedRows.replace`) re-rotates keys from it and never compounds.
 
 Block :data:`NULL_BLOCK` is never handed out: zeros, hidden. A table shorter than another is
 padded with it, so a gather of padded tables reads finite zeros that attention never weighs.
@@ -158,8 +161,8 @@ class PagedRows:
         """``layer``'s rows (a session's layer buffer) copied into ``pool``, per KV head its segments' rows in
         order, then its raw tail: the rows attention sees there, with no padding between heads.
 
-        ``tail_start`` is the session's token index of the tail's first row, ``tail_position`` its RoPE
-        position (default the same; a re-placed cache's differs).
+        ``tail_start`` is the session's token index of the tail's first row, ``tail_position`` the RoPE
+        position its key was rotated for (default the same; a re-placed cache's differs).
         """
         rows = cls(pool, layer.num_heads)
         for j in range(len(layer.layouts)):
@@ -172,7 +175,7 @@ class PagedRows:
         first = tail_start if tail_position is None else tail_position
         rows.write([n] * heads, keys=layer.tail_keys.reshape(-1, layer.tail_keys.shape[-1]),
                    values=layer.tail_values.reshape(-1, layer.tail_values.shape[-1]),
-                   order=(tail_start + step).repeat(heads), positions=(first + step).repeat(heads))
+                   order=(tail_start + step).repeat(heads), positions=(tail_start + step).repeat(heads))
         rows.note_raw(tail_start, first, n)
         rows.commit([n] * heads)
         return rows

@@ -212,4 +212,4 @@ def test_a_layer_held_in_the_pool_keeps_each_heads_rows_unpadded_in_order_with_p
         assert torch.equal(pool.keys[slots], torch.cat([seg.keys[compacted], layer.tail_keys[h]]))
         assert torch.equal(pool.bias[slots], torch.cat([seg.beta[compacted], torch.zeros(5)]))
         assert pool.order[slots].tolist() == [-1] * seg.head_rows[h] + list(range(200, 205))
-        assert pool.positions[slots].tolist() == seg.positions[compacted].tolist() + list(range(150, 155))
+        assert pool.positions[slots].tolist() == seg.positions[compacted].tolist() + list(range(200, 205))
