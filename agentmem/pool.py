@@ -29,12 +29,14 @@ padded with it, so a gather of padded tables reads finite zeros that attention n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from agentmem.cache import UNKNOWN_POSITION, LayerCache, to_device
 from agentmem.errors import InvalidInput, PoolExhausted
+from agentmem.placement import Placement, rotate_by
 
 HIDDEN = torch.iinfo(torch.int32).max  # the order of a slot holding no row: no query sees it
 COMPACTED = -1  # the order of a compacted row: every query sees it
@@ -213,18 +215,42 @@ class PagedRows:
         for blocks, count in zip(self.blocks, missing):
             blocks.extend(next(taken) for _ in range(count))
         if shared:
-            self._copy_on_write(shared, [next(taken) for _ in shared])
+            self._copy_blocks([(h, self.lengths[h] // size) for h in shared], [next(taken) for _ in shared])
 
-    def _copy_on_write(self, heads: list[int], private: list[int]) -> None:
-        """Heads ``heads`` stop sharing the block their next rows go into: each gets ``private`` copies."""
-        pool, size = self.pool, self.pool.block_size
-        old = [self.blocks[h][self.lengths[h] // size] for h in heads]
+    def _copy_blocks(self, places: list[tuple[int, int]], private: list[int]) -> None:
+        """Stop sharing the blocks at ``places`` (head, index in its table): each is copied into its ``private``
+        block, which takes its place, and the shared one loses this holder."""
+        pool = self.pool
+        old = [self.blocks[h][i] for h, i in places]
         source, target = pool.slots_of(old), pool.slots_of(private)
         for part in (pool.keys, pool.values, pool.bias, pool.order, pool.positions):
             part.index_copy_(0, target, part[source])
-        for h, block in zip(heads, private):
-            self.blocks[h][self.lengths[h] // size] = block
+        for (h, i), block in zip(places, private):
+            self.blocks[h][i] = block
         pool.release(old)
+
+    def replace(self, old: Placement, new: Placement, inv_freq: torch.Tensor, *, chunk_blocks: int = 256) -> None:
+        """Re-rotate every committed row's key from where ``old`` puts its token position to where ``new``
+        puts it (:mod:`agentmem.placement`), in place, ``chunk_blocks`` blocks at a time: no copy of the
+        session, and the only extra memory one chunk's keys in float32.
+
+        Leading blocks of raw tokens before both placements' protected prefix keep their keys (both
+        leave those positions alone) and may stay shared; any other shared block is copied first, so
+        no other holder sees its keys move.
+        """
+        size = self.pool.block_size
+        fixed = min(self.raw_prefix, *(math.inf if p.is_identity else p.protect for p in (old, new))) // size
+        places = [(h, i) for h, length in enumerate(self.lengths) for i in range(fixed, -(-length // size))]
+        shared = [(h, i) for h, i in places if self.pool.holders(self.blocks[h][i]) > 1]
+        if shared:
+            self._copy_blocks(shared, self.pool.allocate(len(shared)))
+        moved = [self.blocks[h][i] for h, i in places]
+        pool = self.pool
+        for start in range(0, len(moved), chunk_blocks):
+            slots = pool.slots_of(moved[start : start + chunk_blocks])
+            logical = pool.positions[slots]
+            shift = torch.where(logical < 0, 0, new.positions(logical) - old.positions(logical))
+            pool.keys.index_copy_(0, slots, rotate_by(pool.keys[slots], shift, inv_freq).to(pool.keys.dtype))
 
     def commit(self, rows: Sequence[int]) -> None:
         """Staged rows become the session's: ``rows[h]`` more on each head."""

@@ -12,6 +12,7 @@ from agentmem.cache import CompactedSegment, LayerCache
 from agentmem.costs import count
 from agentmem.errors import InvalidInput, PoolExhausted
 from agentmem.paged_attention import PagedForward
+from agentmem.placement import Placement, rotate_by
 from agentmem.pool import HIDDEN, NULL_BLOCK, BlockPool, PagedRows
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # the 8B attention shape
@@ -213,3 +214,43 @@ def test_a_layer_held_in_the_pool_keeps_each_heads_rows_unpadded_in_order_with_p
         assert torch.equal(pool.bias[slots], torch.cat([seg.beta[compacted], torch.zeros(5)]))
         assert pool.order[slots].tolist() == [-1] * seg.head_rows[h] + list(range(200, 205))
         assert pool.positions[slots].tolist() == seg.positions[compacted].tolist() + list(range(200, 205))
+
+
+INV_FREQ = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+
+
+def test_a_replacement_re_rotates_every_row_in_place_from_its_token_position():
+    pool = new_pool()
+    seg = segment(uneven(8, most=40), 0, 8)
+    recorded = torch.randint(0, 100, (sum(seg.head_rows),), dtype=torch.int32, generator=torch.Generator().manual_seed(8))
+    recorded[0] = -1  # a row whose position is unknown stays where it is
+    seg = CompactedSegment(**{**seg.__dict__, "positions": recorded})
+    layer = LayerCache([seg], *(torch.randn(KV_HEADS, 30, HEAD_DIM) for _ in range(2)))
+    rows = PagedRows.holding(pool, layer, tail_start=200)
+    blocks_before = [list(b) for b in rows.blocks]
+    old, new = Placement(), Placement(protect=4, boundary=120, room=50)
+    rows.replace(old, new, INV_FREQ, chunk_blocks=3)
+    assert rows.blocks == blocks_before  # in place: no block taken or moved
+    for h in range(KV_HEADS):
+        slots = pool.slots_of(rows.blocks[h])[: rows.lengths[h]]
+        logical = torch.cat([recorded[seg.head_slice(h)], torch.arange(200, 230, dtype=torch.int32)])
+        shift = torch.where(logical < 0, 0, new.positions(logical) - old.positions(logical))
+        expected = rotate_by(torch.cat([seg.keys[seg.head_slice(h)], layer.tail_keys[h]]), shift, INV_FREQ)
+        torch.testing.assert_close(pool.keys[slots], expected, atol=1e-6, rtol=1e-6)
+        assert torch.equal(pool.values[slots], torch.cat([seg.values[seg.head_slice(h)], layer.tail_values[h]]))
+
+
+def test_a_replacement_never_moves_keys_another_session_shares_and_keeps_the_protected_prefix_shared():
+    pool = new_pool()
+    layer = LayerCache([], *(torch.randn(KV_HEADS, 64, HEAD_DIM) for _ in range(2)))
+    parent = PagedRows.holding(pool, layer, tail_start=0)
+    assert parent.raw_prefix == 64
+    child = parent.fork()
+    before = pool.keys.clone()
+    child.replace(Placement(), Placement(protect=32, boundary=60, room=20), INV_FREQ)
+    assert [b[:2] for b in child.blocks] == [b[:2] for b in parent.blocks]  # rows 0-31: protected, still shared
+    assert all(set(c[2:]).isdisjoint(p[2:]) for c, p in zip(child.blocks, parent.blocks))  # copied, then moved
+    parent_slots = torch.cat([pool.slots_of(b) for b in parent.blocks])
+    assert torch.equal(pool.keys[parent_slots], before[parent_slots])
+    moved = torch.cat([pool.slots_of(b[2:]) for b in child.blocks])
+    assert not torch.allclose(pool.keys[moved], before[torch.cat([pool.slots_of(b[2:]) for b in parent.blocks])])
