@@ -38,7 +38,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from agentmem.attention import BetaMode, compiled_flex, mask_dtype
 from agentmem.cache import to_device
 from agentmem.errors import InvalidInput
-from agentmem.pool import NULL_BLOCK, BlockPool, PagedRows, slot_of
+from agentmem.pool import COMPACTED, NULL_BLOCK, BlockPool, PagedRows, slot_of
+
+_SEES_NOTHING = COMPACTED - 1  # what a phantom session's queries see up to: below every row's order
 
 
 class PagedForward:
@@ -53,7 +55,10 @@ class PagedForward:
     """
 
     def __init__(self, rows: Sequence[Sequence[PagedRows]], bounds: Sequence[int], first_token: Sequence[int], *,
-                 first_position: Sequence[int] | None = None, beta_mode: BetaMode = "mask") -> None:
+                 first_position: Sequence[int] | None = None, beta_mode: BetaMode = "mask",
+                 batch_slots: int | None = None) -> None:
+        """``batch_slots`` pads the batch with sessions that read and see nothing, so that a compiled
+        attention sees the same shapes whatever the number of sessions (one shape per bucket)."""
         counts = [end - start for start, end in itertools.pairwise(bounds)]
         first_position = first_token if first_position is None else first_position
         if (not rows or len(bounds) != len(rows) + 1 or bounds[0] != 0 or any(n < 1 for n in counts)
@@ -65,6 +70,9 @@ class PagedForward:
         self.rows = [list(layers) for layers in rows]
         if any(len(layers) != len(self.rows[0]) for layers in self.rows):
             raise InvalidInput("every session of a paged forward needs rows in every layer")
+        self.phantoms = (batch_slots or len(rows)) - len(rows)
+        if self.phantoms < 0:
+            raise InvalidInput(f"{len(rows)} sessions do not fit a batch of {batch_slots}")
         self.counts = counts
         self.first_token, self.first_position = list(first_token), list(first_position)
         self.beta_mode = beta_mode
@@ -79,10 +87,10 @@ class PagedForward:
         self._offset = to_device(offset, device)
         heads = self.rows[0][0].kv_heads  # the new rows' token indices (their order and position), head after head
         self._token = to_device([first_token[s] + i for s, i in zip(session, offset)] * heads, device, torch.int32)
-        self._padded = to_device([[bounds[b] + min(i, n - 1) for i in range(width)] for b, n in enumerate(counts)],
-                                 device)
-        self._sees_up_to = to_device([[first_token[b] + i for i in range(width)] for b in range(len(counts))],
-                                     device, torch.int32)
+        self._padded = to_device([[bounds[b] + min(i, n - 1) for i in range(width)] for b, n in enumerate(counts)]
+                                 + [[0] * width] * self.phantoms, device)
+        self._sees_up_to = to_device([[first_token[b] + i for i in range(width)] for b in range(len(counts))]
+                                     + [[_SEES_NOTHING] * width] * self.phantoms, device, torch.int32)
         self._unpadded = to_device([s * width + i for s, i in zip(session, offset)], device)
         self._staged: dict[int, torch.Tensor] = {}  # layer -> slots its attention wrote
 
@@ -117,9 +125,11 @@ class PagedForward:
             paged.reserve([n] * paged.kv_heads)  # host bookkeeping; all blocks are taken before any row is written
         width = max(len(blocks) for paged in rows for blocks in paged.blocks)
         device = pool.device
-        tables = to_device([paged.table(width) for paged in rows], device)
-        lengths = to_device([paged.lengths for paged in rows], device)
-        blocks = to_device([[len(b) for b in paged.blocks] for paged in rows], device, torch.int32)
+        phantom = [[0] * rows[0].kv_heads] * self.phantoms  # no rows, no blocks
+        tables = to_device([paged.table(width) for paged in rows] + [[[NULL_BLOCK] * width] * rows[0].kv_heads]
+                           * self.phantoms, device)
+        lengths = to_device([paged.lengths for paged in rows] + phantom, device)
+        blocks = to_device([[len(b) for b in paged.blocks] for paged in rows] + phantom, device, torch.int32)
         head = torch.arange(keys.shape[0], device=device)[:, None]
         row = lengths[self._session, head] + self._offset  # (kv_heads, tokens): each new row's index in its head
         slots = slot_of(tables, (self._session, head), row, pool.block_size).flatten()
@@ -143,7 +153,9 @@ class PagedForward:
         else:
             out = _gathered(pool, tables, queries, self._sees_up_to, scale)
         packed = out.transpose(0, 1).reshape(query.shape[0], -1, query.shape[-1])  # (q_heads, sessions * width, d)
-        return packed if width == 1 else packed[:, self._unpadded]  # one token each: already in packed order
+        if width == 1:  # one token each: already in packed order, the phantom sessions last
+            return packed[:, : query.shape[1]]
+        return packed[:, self._unpadded]
 
 
 def _gathered(pool: BlockPool, tables: torch.Tensor, queries: torch.Tensor, sees_up_to: torch.Tensor,
@@ -172,8 +184,11 @@ def _flex_paged(pool: BlockPool, tables: torch.Tensor, blocks: torch.Tensor, que
     kv_heads = tables.shape[1]
     query_blocks = -(-width // pool.block_size)
     kv_head = torch.arange(q_heads, device=pool.device) // (q_heads // kv_heads)
-    if pool.device.type == "cpu":  # the CPU kernel wants a table as wide as the pool; the GPU one takes the longest
-        tables = F.pad(tables, (0, pool.blocks - tables.shape[2]), value=NULL_BLOCK)
+    # The CPU kernel wants a table as wide as the pool; on a GPU a power of two, so that sessions
+    # growing change the compiled shapes only when the longest doubles.
+    table_width = pool.blocks if pool.device.type == "cpu" else min(pool.blocks,
+                                                                     1 << (tables.shape[2] - 1).bit_length())
+    tables = F.pad(tables, (0, table_width - tables.shape[2]), value=NULL_BLOCK)
     kv_indices = tables.to(torch.int32)[:, kv_head, None, :].expand(sessions, q_heads, query_blocks, tables.shape[2])
     kv_count = blocks[:, kv_head, None].expand(sessions, q_heads, query_blocks)
     order, bias = pool.order, pool.bias
@@ -185,8 +200,11 @@ def _flex_paged(pool: BlockPool, tables: torch.Tensor, blocks: torch.Tensor, que
                  kv_idx: torch.Tensor) -> torch.Tensor:
         return score + bias[kv_idx]
 
-    block_mask = BlockMask.from_kv_blocks(kv_count.contiguous(), kv_indices.contiguous(), BLOCK_SIZE=pool.block_size,
-                                          mask_mod=seen, seq_lengths=(width, pool.keys.shape[0]),
-                                          compute_q_blocks=False)
+    # Every block is partial (its mask_mod applied): no "full" ones, given as empty lists (the CPU
+    # kernel's decode path reads them whether or not they are given).
+    kv_indices = kv_indices.contiguous()
+    block_mask = BlockMask.from_kv_blocks(kv_count.contiguous(), kv_indices, torch.zeros_like(kv_count),
+                                          torch.zeros_like(kv_indices), BLOCK_SIZE=pool.block_size, mask_mod=seen,
+                                          seq_lengths=(width, pool.keys.shape[0]), compute_q_blocks=False)
     return compiled_flex()(queries, pool.keys[None, None], pool.values[None, None], score_mod=add_beta,
                            block_mask=block_mask, scale=scale, enable_gqa=True)

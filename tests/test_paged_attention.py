@@ -254,3 +254,44 @@ def test_a_replacement_never_moves_keys_another_session_shares_and_keeps_the_pro
     assert torch.equal(pool.keys[parent_slots], before[parent_slots])
     moved = torch.cat([pool.slots_of(b[2:]) for b in child.blocks])
     assert not torch.allclose(pool.keys[moved], before[torch.cat([pool.slots_of(b[2:]) for b in parent.blocks])])
+
+
+def test_compiled_flex_decode_never_recompiles_as_sessions_join_leave_compact_and_move():
+    """64 decode steps in a batch of 8 slots: the compiled attention keeps one shape throughout."""
+    # Importing a transformers model registers pytree nodes, which dynamo guards on; a server has
+    # imported its model before its first step (here the re-placement's RoPE import would be the first).
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from torch._dynamo.utils import counters
+
+    pool = new_pool()
+    sessions = make_sessions(pool)[:3]
+    graphs = None
+    for step in range(64):
+        if step == 10:
+            sessions.append(Session(pool, [segment(uneven(9), 0, 9)], tail=5, seed=9))  # joins
+        if step == 20:
+            sessions.pop(1).paged.release()  # leaves
+        if step == 30:  # compacts: its rows are replaced by a segment and a short tail
+            old = sessions[0]
+            old.paged.release()
+            sessions[0] = Session(pool, [segment(uneven(10, most=60), 0, 10)], tail=3, seed=10)
+            sessions[0].read = old.read
+            sessions[0].paged = PagedRows.holding(pool, sessions[0].reference, tail_start=old.read - 3)
+        if step == 40:  # moves: keys re-rotated in place
+            sessions[1].paged.replace(Placement(), Placement(protect=4, boundary=30, room=10), INV_FREQ)
+        counts = [1] * len(sessions)
+        q, k, v = new_rows(counts, seed=step)
+        bounds = list(range(len(sessions) + 1))
+        read = [s.read for s in sessions]
+        gathered = PagedForward([[s.paged] for s in sessions], bounds, read, beta_mode="mask")
+        expected = gathered.attend(0, q, k, v, SCALE)
+        gathered.discard()
+        forward = PagedForward([[s.paged] for s in sessions], bounds, read, beta_mode="flex", batch_slots=8)
+        out = forward.attend(0, q, k, v, SCALE)
+        forward.commit()
+        for s in sessions:
+            s.read += 1
+        torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+        if step == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
