@@ -18,7 +18,9 @@ this order (a machine lent by the minute keeps whatever finished):
 Then, once (``--batch-sessions``, at ``--batch-context`` tokens per session): N sessions of
 ragged real-text histories each decode ``--decode-steps`` greedy tokens at once, one thread
 each, through the engine's ``agentmem.scheduler.Scheduler`` (one forward per step for all of them):
-total generated tokens/s and the forwards they took.
+total generated tokens/s and the forwards they took. And (``--paged-sessions``) one layer's
+attention of one decode step for N sessions of ``--batch-context`` tokens: per-session buffers
+against the paged pool's one call (issue [pool]; not yet the engine's path), ms and difference.
 
 The targets section checks, where the rows exist: engine prefill ≥ 0.9× transformers'
 throughput; compaction at 32k ≤ 3× transformers' prefill (default method) and ≤ 1.5×
@@ -294,6 +296,41 @@ def batched_decode(engine: Engine, ids: list[int], sessions: int, steps: int, de
             "forwards": forwards, "rows per forward": rows / forwards}
 
 
+def paged_attention_step(engine: Engine, sessions: int, context: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """One decode step of one layer's attention for ``sessions`` sessions of ``context`` raw tokens
+    (random rows at the model's attention shape, in its dtype): per-session buffers (the engine's β
+    mode) against one paged call (``benchmarks/pool.py``'s ``both_layouts``; FlexAttention over the
+    pool on a GPU): median ms of ``steps`` calls after two warm-ups, and their largest difference."""
+    from pool import both_layouts
+
+    from agentmem.cache import LayerCache
+
+    g = torch.Generator().manual_seed(sessions)
+    rows = [tuple(torch.randn(engine.num_kv_heads, context, engine.head_dim, generator=g).to(device, engine.dtype)
+                  for _ in range(2)) for _ in range(sessions)]
+    layers = [LayerCache([], keys, values) for keys, values in rows]
+    block = 128 if device.type == "cuda" else 16
+    buffers, paged = both_layouts(layers, [context] * sessions, list(range(sessions + 1)), beta_mode=engine.beta_mode,
+                                  block=block)
+    heads = engine.model.config.num_attention_heads
+    query = torch.randn(1, heads, sessions, engine.head_dim, generator=g).to(device, engine.dtype)
+    keys, values = (torch.randn(1, engine.num_kv_heads, sessions, engine.head_dim, generator=g).to(device, engine.dtype)
+                    for _ in range(2))
+    result: dict[str, Any] = {}
+    for name, fn in (("buffers", buffers), ("paged", paged)):
+        for _ in range(2):
+            out = fn(query, keys, values)
+        times = []
+        for _ in range(steps):
+            seconds, out = timed(device, lambda fn=fn: fn(query, keys, values))
+            times.append(seconds)
+        result[f"{name} ms"] = 1000 * sorted(times)[len(times) // 2]
+        result[f"{name} out"] = out
+    difference = (result.pop("paged out").float() - result.pop("buffers out").float()).abs().max().item()
+    return result | {"paged / buffers": result["paged ms"] / result["buffers ms"], "max |paged - buffers|": difference,
+                     "pool block": block}
+
+
 # ------------------------------------------------------------------------------- the run
 
 
@@ -348,6 +385,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="concurrent sessions of the batched-decode rows (default 1 2 4 8 16 32; CPU 1 2 4)")
     parser.add_argument("--batch-context", type=int, default=None,
                         help="tokens of each batched session's history (default 2048; CPU 512)")
+    parser.add_argument("--paged-sessions", type=int, nargs="+", default=None,
+                        help="sessions of the paged-attention rows (default 1 8 32 64; CPU 1 4)")
     parser.add_argument("--repeats", type=int, default=2, help="prefill runs per length; the best counts")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--deadline", type=float, default=None,
@@ -364,6 +403,7 @@ def with_defaults(args: argparse.Namespace, on_gpu: bool) -> argparse.Namespace:
     args.lengths = args.lengths or ([8192, 32768, 131072] if on_gpu else [8192, 16384])
     args.batch_sessions = args.batch_sessions or ([1, 2, 4, 8, 16, 32] if on_gpu else [1, 2, 4])
     args.batch_context = args.batch_context or (2048 if on_gpu else 512)
+    args.paged_sessions = args.paged_sessions or ([1, 8, 32, 64] if on_gpu else [1, 4])
     return args
 
 
@@ -385,7 +425,7 @@ def main() -> None:
         methods = ["am", "global-eviction"]
         print(f"compaction unavailable ({type(exc).__name__}: {exc}); trying {methods}", flush=True)
     limit_ms, limit_basis = weight_limit_ms(engine.model)
-    run = {"rows": [], "compaction": [], "batched": [], "build s": build_s, "weight limit ms": limit_ms, "limit basis": limit_basis,
+    run = {"rows": [], "compaction": [], "batched": [], "paged": [], "build s": build_s, "weight limit ms": limit_ms, "limit basis": limit_basis,
            "beta mode": engine.beta_mode, "methods": methods}
     for length in args.lengths:
         measure_length(engine, run, length, methods, schedule, args, device, lambda: save(run, args, dtype, on_gpu))
@@ -395,6 +435,13 @@ def main() -> None:
             schedule, "batched decode", "batched decode", sessions, device,
             lambda sessions=sessions: batched_decode(engine, ids, sessions, args.decode_steps, device), ("tokens/s",)))
         print(run["batched"][-1], flush=True)
+        save(run, args, dtype, on_gpu)
+    for sessions in args.paged_sessions:
+        run["paged"].append({"sessions": sessions, "context": args.batch_context} | guarded(
+            schedule, "paged attention", "batched decode", sessions, device,
+            lambda sessions=sessions: paged_attention_step(engine, sessions, args.batch_context, args.decode_steps,
+                                                           device), ("paged ms",)))
+        print(run["paged"][-1], flush=True)
         save(run, args, dtype, on_gpu)
     save(run, args, dtype, on_gpu)
 
@@ -479,12 +526,14 @@ def save(run: dict[str, Any], args: argparse.Namespace, dtype: torch.dtype, on_g
     md = (f"# {title}\n\n## Prefill (time to first token) and decode\n\n{markdown_table(run['rows'])}\n\n"
           f"## Compaction\n\n{markdown_table(run['compaction'])}\n\n"
           f"## Batched decode ({args.batch_context:,} tokens a session, {args.decode_steps} steps)\n\n"
-          f"{markdown_table(run['batched']) if run['batched'] else 'not run'}\n\n## Targets\n\n{markdown_table(targets(run))}\n")
+          f"{markdown_table(run['batched']) if run['batched'] else 'not run'}\n\n"
+          f"## Paged attention: one layer, one decode step ({args.batch_context:,} tokens a session)\n\n"
+          f"{markdown_table(run['paged']) if run['paged'] else 'not run'}\n\n## Targets\n\n{markdown_table(targets(run))}\n")
     md += "".join(f"\n{key}: {value}\n" for key, value in extra.items())
     (args.out / f"{name}.md").write_text(md)
     (args.out / f"{name}.json").write_text(json.dumps(
         {"prefill and decode": run["rows"], "compaction": run["compaction"], "batched decode": run["batched"],
-         "targets": targets(run), **extra},
+         "paged attention": run["paged"], "targets": targets(run), **extra},
         indent=2, default=str))
     plot(args.out / f"{name}.png", run["compaction"], args, title)
 

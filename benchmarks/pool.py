@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,7 +45,6 @@ from agentmem.prefixes import PrefixIndex
 aten = torch.ops.aten
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-SCALE = HEAD_DIM**-0.5
 BLOCK = 16
 
 
@@ -103,6 +103,36 @@ def session_layer(i: int, dtype: torch.dtype) -> LayerCache:
     return LayerCache(segments, *(torch.randn(KV_HEADS, tail, HEAD_DIM, generator=g).to(dtype) for _ in range(2)))
 
 
+def both_layouts(layers: list[LayerCache], read: list[int], bounds: list[int], *, beta_mode: str,
+                 block: int) -> tuple[Callable, Callable]:
+    """One forward's attention over the same rows two ways, each ``f(query, keys, values)`` on
+    ``(1, heads, tokens, head_dim)`` inputs returning ``(q_heads, tokens, head_dim)`` and leaving the
+    rows as they were: through per-session buffers (``session_attention`` over ``PackedPasses``) and
+    through one paged call (the layers' rows copied into a pool on their device, one session per slot
+    of the batch). ``read[b]`` counts the tokens session ``b`` read; its new ones are ``bounds[b]:bounds[b + 1]``."""
+    caches = [SessionCache([layer], [0] * n, "bench") for layer, n in zip(layers, read)]
+    kv_heads, _, head_dim = layers[0].tail_keys.shape
+    new = [end - start for start, end in zip(bounds, bounds[1:])]
+    need = sum(-(-(rows + n) // block) for layer, n in zip(layers, new) for rows in layer.rows_per_head)
+    pool = BlockPool(blocks=need + 1, block_size=block, head_dim=head_dim,
+                     dtype=layers[0].tail_keys.dtype, device=layers[0].tail_keys.device)
+    paged_rows = [PagedRows.holding(pool, layer, tail_start=n - layer.tail_length) for layer, n in zip(layers, read)]
+
+    def through_buffers(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        packed = PackedPasses([ForwardPass(cache, beta_mode=beta_mode) for cache in caches], bounds)
+        out, _ = session_attention(Layer0(), query, keys, values, None, scaling=query.shape[-1] ** -0.5,
+                                   agentmem_batch=packed)
+        return out[0].transpose(0, 1)
+
+    def through_pool(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        forward = PagedForward([[rows] for rows in paged_rows], bounds, read, beta_mode=beta_mode)
+        out = forward.attend(0, query[0], keys[0], values[0], query.shape[-1] ** -0.5)
+        forward.discard()
+        return out
+
+    return through_buffers, through_pool
+
+
 def step(sessions: int, chunk: int) -> dict[str, object]:
     """One forward's attention for ``sessions`` sessions (session 0 reads ``chunk`` tokens), both ways."""
     layers = [session_layer(i, torch.float32) for i in range(sessions)]
@@ -115,16 +145,10 @@ def step(sessions: int, chunk: int) -> dict[str, object]:
     query = torch.randn(1, Q_HEADS, bounds[-1], HEAD_DIM, generator=g)
     keys, values = (torch.randn(1, KV_HEADS, bounds[-1], HEAD_DIM, generator=g) for _ in range(2))
 
-    caches = [SessionCache([layer], [0] * n, "bench") for layer, n in zip(layers, read)]
-    packed = PackedPasses([ForwardPass(cache) for cache in caches], bounds)
-    (today, _), buffers = count(session_attention, Layer0(), query, keys, values, None, scale=SCALE,
-                                agentmem_batch=packed)
-    pool = BlockPool(blocks=sessions * KV_HEADS * 64 + 1, block_size=BLOCK, head_dim=HEAD_DIM, dtype=torch.float32,
-                     device="cpu")
-    paged_rows = [PagedRows.holding(pool, layer, tail_start=n - layer.tail_length) for layer, n in zip(layers, read)]
-    forward = PagedForward([[rows] for rows in paged_rows], bounds, read)
-    paged, pooled = count(forward.attend, 0, query[0], keys[0], values[0], SCALE)
-    difference = (paged - today[0].transpose(0, 1)).abs().max().item()
+    through_buffers, through_pool = both_layouts(layers, read, bounds, beta_mode="mask", block=BLOCK)
+    today, buffers = count(through_buffers, query, keys, values)
+    paged, pooled = count(through_pool, query, keys, values)
+    difference = (paged - today).abs().max().item()
     row = {"step": "decode" if chunk == 1 else f"mixed ({chunk}-token chunk)", "sessions": sessions}
     for name, costs in (("buffers", buffers), ("paged", pooled)):
         row[f"aten ops {name}"] = costs.aten_ops
