@@ -35,11 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from agentmem.attention import BetaMode, compiled_flex, mask_dtype
+from agentmem.attention import BetaMode, compiled_flex, default_beta_mode, mask_dtype
 from agentmem.cache import to_device
 from agentmem.errors import InvalidInput
 from agentmem.pool import COMPACTED, NULL_BLOCK, BlockPool, PagedRows, slot_of
 
+# FlexAttention's CUDA kernel tiles a block mask's blocks by up to 128 queries x 64 keys (bf16,
+# head_dim 128; GQA over per-head tables takes the main kernel, not flex decoding): a sparse
+# block must be a multiple of both.
+FLEX_CUDA_BLOCK = 128
 _SEES_NOTHING = COMPACTED - 1  # what a phantom session's queries see up to: below every row's order
 
 
@@ -55,19 +59,21 @@ class PagedForward:
     """
 
     def __init__(self, rows: Sequence[Sequence[PagedRows]], bounds: Sequence[int], first_token: Sequence[int], *,
-                 first_position: Sequence[int] | None = None, beta_mode: BetaMode = "mask",
+                 first_position: Sequence[int] | None = None, beta_mode: BetaMode | None = None,
                  batch_slots: int | None = None) -> None:
         """``batch_slots`` pads the batch with sessions that read and see nothing, so that a compiled
-        attention sees the same shapes whatever the number of sessions (one shape per bucket)."""
+        attention sees the same shapes whatever the number of sessions (one shape per bucket).
+        ``beta_mode`` defaults to the pool's device's (:func:`~agentmem.attention.default_beta_mode`)."""
         counts = [end - start for start, end in itertools.pairwise(bounds)]
         first_position = first_token if first_position is None else first_position
         if (not rows or len(bounds) != len(rows) + 1 or bounds[0] != 0 or any(n < 1 for n in counts)
                 or len(first_token) != len(rows) or len(first_position) != len(rows)):
             raise InvalidInput(f"{len(rows)} sessions need bounds 0 = b0 < b1 < … ({list(bounds)}) and a first token "
                                f"and position each ({list(first_token)}, {list(first_position)})")
+        self.rows = [list(layers) for layers in rows]
+        beta_mode = beta_mode or default_beta_mode(self.rows[0][0].pool.device)
         if beta_mode not in ("mask", "flex"):
             raise InvalidInput(f"paged attention runs as 'mask' or 'flex', not {beta_mode!r}")
-        self.rows = [list(layers) for layers in rows]
         if any(len(layers) != len(self.rows[0]) for layers in self.rows):
             raise InvalidInput("every session of a paged forward needs rows in every layer")
         self.phantoms = (batch_slots or len(rows)) - len(rows)
@@ -103,9 +109,12 @@ class PagedForward:
         self._staged.clear()
 
     def discard(self) -> None:
-        """Hide the staged rows again (a read-only pass): the sessions are as before the forward."""
+        """Hide the staged rows again and give back the blocks taken for them (a read-only pass): the
+        sessions hold what they held before the forward."""
         for layer, slots in self._staged.items():
             self.rows[0][layer].pool.hide(slots)
+            for layers in self.rows:
+                layers[layer].trim()
         self._staged.clear()
 
     def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +130,13 @@ class PagedForward:
         if keys.shape != values.shape or keys.shape[:2] != (rows[0].kv_heads, self._session.numel()):
             raise InvalidInput(f"new rows {tuple(keys.shape)} / {tuple(values.shape)} must be (kv_heads="
                                f"{rows[0].kv_heads}, tokens={self._session.numel()}, head_dim)")
-        for paged, n in zip(rows, self.counts):
-            paged.reserve([n] * paged.kv_heads)  # host bookkeeping; all blocks are taken before any row is written
+        try:  # host bookkeeping; all blocks are taken before any row is written
+            for paged, n in zip(rows, self.counts):
+                paged.reserve([n] * paged.kv_heads)
+        except BaseException:  # no room for every session: none keeps blocks for this forward
+            for paged in rows:
+                paged.trim()
+            raise
         width = max(len(blocks) for paged in rows for blocks in paged.blocks)
         device = pool.device
         phantom = [[0] * rows[0].kv_heads] * self.phantoms  # no rows, no blocks
@@ -180,6 +194,9 @@ def _gathered(pool: BlockPool, tables: torch.Tensor, queries: torch.Tensor, sees
 def _flex_paged(pool: BlockPool, tables: torch.Tensor, blocks: torch.Tensor, queries: torch.Tensor,
                 sees_up_to: torch.Tensor, scale: float) -> torch.Tensor:
     """The ``"flex"`` path: FlexAttention over the pool itself, the block tables as its block mask."""
+    if pool.device.type == "cuda" and pool.block_size % FLEX_CUDA_BLOCK:
+        raise InvalidInput(f"FlexAttention on CUDA needs blocks of a multiple of {FLEX_CUDA_BLOCK} slots (its "
+                           f"kernel's tiles must divide them), not {pool.block_size}")
     sessions, q_heads, width, _ = queries.shape
     kv_heads = tables.shape[1]
     query_blocks = -(-width // pool.block_size)

@@ -167,19 +167,23 @@ class PagedRows:
         position its key was rotated for (default the same; a re-placed cache's differs).
         """
         rows = cls(pool, layer.num_heads)
-        for j in range(len(layer.layouts)):
-            seg = layer.segment(j)
-            rows.write(seg.head_rows, keys=seg.keys, values=seg.values, bias=seg.beta, positions=seg.positions,
-                       order=torch.full((sum(seg.head_rows),), COMPACTED, device=pool.device))
-            rows.commit(seg.head_rows)
-        n, heads = layer.tail_length, layer.num_heads
-        step = torch.arange(n, device=pool.device)
-        first = tail_start if tail_position is None else tail_position
-        rows.write([n] * heads, keys=layer.tail_keys.reshape(-1, layer.tail_keys.shape[-1]),
-                   values=layer.tail_values.reshape(-1, layer.tail_values.shape[-1]),
-                   order=(tail_start + step).repeat(heads), positions=(tail_start + step).repeat(heads))
-        rows.note_raw(tail_start, first, n)
-        rows.commit([n] * heads)
+        try:
+            for j in range(len(layer.layouts)):
+                seg = layer.segment(j)
+                rows.write(seg.head_rows, keys=seg.keys, values=seg.values, bias=seg.beta, positions=seg.positions,
+                           order=torch.full((sum(seg.head_rows),), COMPACTED, device=pool.device))
+                rows.commit(seg.head_rows)
+            n, heads = layer.tail_length, layer.num_heads
+            step = torch.arange(n, device=pool.device)
+            first = tail_start if tail_position is None else tail_position
+            rows.write([n] * heads, keys=layer.tail_keys.reshape(-1, layer.tail_keys.shape[-1]),
+                       values=layer.tail_values.reshape(-1, layer.tail_values.shape[-1]),
+                       order=(tail_start + step).repeat(heads), positions=(tail_start + step).repeat(heads))
+            rows.note_raw(tail_start, first, n)
+            rows.commit([n] * heads)
+        except BaseException:  # no room (or anything else): the blocks taken so far go back
+            rows.release()
+            raise
         return rows
 
     def fork(self) -> PagedRows:
@@ -232,7 +236,8 @@ class PagedRows:
     def replace(self, old: Placement, new: Placement, inv_freq: torch.Tensor, *, chunk_blocks: int = 256) -> None:
         """Re-rotate every committed row's key from where ``old`` puts its token position to where ``new``
         puts it (:mod:`agentmem.placement`), in place, ``chunk_blocks`` blocks at a time: no copy of the
-        session, and the only extra memory one chunk's keys in float32.
+        session; the extra memory is a chunk's worth of float32 keys, float64 angles and rotation
+        temporaries, a few chunk-sized buffers.
 
         Leading blocks of raw tokens before both placements' protected prefix keep their keys (both
         leave those positions alone) and may stay shared; any other shared block is copied first, so
@@ -251,6 +256,8 @@ class PagedRows:
             logical = pool.positions[slots]
             shift = torch.where(logical < 0, 0, new.positions(logical) - old.positions(logical))
             pool.keys.index_copy_(0, slots, rotate_by(pool.keys[slots], shift, inv_freq).to(pool.keys.dtype))
+        if not new.is_identity:  # rows from the protected prefix on no longer sit at their own positions
+            self.raw_prefix = min(self.raw_prefix, new.protect)
 
     def commit(self, rows: Sequence[int]) -> None:
         """Staged rows become the session's: ``rows[h]`` more on each head."""
@@ -259,6 +266,14 @@ class PagedRows:
                 for r, length, blocks in zip(rows, self.lengths, self.blocks)):
             raise InvalidInput(f"cannot commit {list(rows)} rows past what heads {self.lengths} have reserved")
         self.lengths = [length + r for length, r in zip(self.lengths, rows)]
+
+    def trim(self) -> None:
+        """Give back the blocks past each head's committed rows (reserved for rows never committed)."""
+        size = self.pool.block_size
+        spare = [blocks[-(-length // size):] for blocks, length in zip(self.blocks, self.lengths)]
+        if any(spare):
+            self.pool.release(b for blocks in spare for b in blocks)
+            self.blocks = [blocks[: len(blocks) - len(extra)] for blocks, extra in zip(self.blocks, spare)]
 
     def release(self) -> None:
         """Give every block back to the pool; the session holds no rows afterwards."""
@@ -280,8 +295,9 @@ class PagedRows:
               bias: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
         """Stage rows packed head after head (``head_rows[h]`` of head ``h``) after each head's committed rows.
 
-        ``keys``/``values`` ``(R, head_dim)``, ``order``/``positions`` int ``(R,)``, ``bias`` float ``(R,)``
-        (default 0: raw rows) with ``R = sum(head_rows)``. Reserves the blocks it needs first.
+        ``keys``/``values`` ``(R, head_dim)``, ``order``/``positions`` int ``(R,)`` (positions default
+        to unknown), ``bias`` float ``(R,)`` (default 0: raw rows) with ``R = sum(head_rows)``, on any
+        device. Reserves the blocks it needs first.
         """
         total = sum(head_rows)
         if keys.shape[0] != total or values.shape != keys.shape or order.shape != (total,):
@@ -290,12 +306,17 @@ class PagedRows:
         self.reserve(head_rows)
         slots = self.staged_slots(head_rows)
         pool = self.pool
-        pool.keys.index_copy_(0, slots, keys.to(pool.keys.dtype))
-        pool.values.index_copy_(0, slots, values.to(pool.values.dtype))
-        pool.order.index_copy_(0, slots, order.to(torch.int32))
-        pool.bias.index_copy_(0, slots, torch.zeros(total, device=pool.device) if bias is None else bias.float())
-        if positions is not None:
-            pool.positions.index_copy_(0, slots, positions.to(torch.int32))
+        pool.keys.index_copy_(0, slots, keys.to(pool.device, pool.keys.dtype, non_blocking=True))
+        pool.values.index_copy_(0, slots, values.to(pool.device, pool.values.dtype, non_blocking=True))
+        pool.order.index_copy_(0, slots, order.to(pool.device, torch.int32, non_blocking=True))
+        if bias is None:
+            pool.bias.index_fill_(0, slots, 0.0)
+        else:
+            pool.bias.index_copy_(0, slots, bias.to(pool.device, torch.float32, non_blocking=True))
+        if positions is None:
+            pool.positions.index_fill_(0, slots, UNKNOWN_POSITION)
+        else:
+            pool.positions.index_copy_(0, slots, positions.to(pool.device, torch.int32, non_blocking=True))
 
     def staged_slots(self, head_rows: Sequence[int]) -> torch.Tensor:
         """Slots ``(sum(head_rows),)`` of the next ``head_rows[h]`` rows after each head's committed ones,

@@ -45,7 +45,8 @@ class PrefixIndex:
 
     def publish(self, tenant: str, rows: Sequence[PagedRows], token_ids: Sequence[int]) -> int:
         """List the full blocks of the raw prefix ``rows`` (a session's, one per layer) hold for ``token_ids``
-        (the session's tokens); returns how many blocks were new to the index."""
+        (the session's tokens); returns how many block positions (each a block per layer and KV head)
+        were new to the index."""
         if len(rows) != len(self.pools) or any(r.pool is not pool for r, pool in zip(rows, self.pools)):
             raise InvalidInput(f"a session's rows in each of the index's {len(self.pools)} pools are needed")
         full = min(min(r.raw_prefix for r in rows), len(token_ids)) // self.block_size

@@ -300,7 +300,8 @@ def paged_attention_step(engine: Engine, sessions: int, context: int, steps: int
     """One decode step of one layer's attention for ``sessions`` sessions of ``context`` raw tokens
     (random rows at the model's attention shape, in its dtype): per-session buffers (the engine's β
     mode) against one paged call (``benchmarks/pool.py``'s ``both_layouts``; FlexAttention over the
-    pool on a GPU): median ms of ``steps`` calls after two warm-ups, and their largest difference."""
+    pool on a GPU): median ms of ``steps`` steps after two warm-ups (each step keeps its token, as
+    decoding does), and the largest difference of the last outputs."""
     from pool import both_layouts
 
     from agentmem.cache import LayerCache
@@ -311,7 +312,7 @@ def paged_attention_step(engine: Engine, sessions: int, context: int, steps: int
     layers = [LayerCache([], keys, values) for keys, values in rows]
     block = 128 if device.type == "cuda" else 16
     buffers, paged = both_layouts(layers, [context] * sessions, list(range(sessions + 1)), beta_mode=engine.beta_mode,
-                                  block=block)
+                                  block=block, steps=steps + 2)
     heads = engine.model.config.num_attention_heads
     query = torch.randn(1, heads, sessions, engine.head_dim, generator=g).to(device, engine.dtype)
     keys, values = (torch.randn(1, engine.num_kv_heads, sessions, engine.head_dim, generator=g).to(device, engine.dtype)

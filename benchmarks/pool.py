@@ -103,17 +103,19 @@ def session_layer(i: int, dtype: torch.dtype) -> LayerCache:
     return LayerCache(segments, *(torch.randn(KV_HEADS, tail, HEAD_DIM, generator=g).to(dtype) for _ in range(2)))
 
 
-def both_layouts(layers: list[LayerCache], read: list[int], bounds: list[int], *, beta_mode: str,
-                 block: int) -> tuple[Callable, Callable]:
+def both_layouts(layers: list[LayerCache], read: list[int], bounds: list[int], *, beta_mode: str, block: int,
+                 steps: int = 1) -> tuple[Callable, Callable]:
     """One forward's attention over the same rows two ways, each ``f(query, keys, values)`` on
-    ``(1, heads, tokens, head_dim)`` inputs returning ``(q_heads, tokens, head_dim)`` and leaving the
-    rows as they were: through per-session buffers (``session_attention`` over ``PackedPasses``) and
-    through one paged call (the layers' rows copied into a pool on their device, one session per slot
-    of the batch). ``read[b]`` counts the tokens session ``b`` read; its new ones are ``bounds[b]:bounds[b + 1]``."""
+    ``(1, heads, tokens, head_dim)`` inputs returning ``(q_heads, tokens, head_dim)`` and keeping the
+    new rows (a real step: each call grows every session by its new tokens): through per-session
+    buffers (``session_attention`` over ``PackedPasses``) and through one paged call (the layers' rows
+    copied into a pool on their device). ``read[b]`` counts the tokens session ``b`` read; its new
+    ones are ``bounds[b]:bounds[b + 1]``; the pool has room for ``steps`` such calls."""
     caches = [SessionCache([layer], [0] * n, "bench") for layer, n in zip(layers, read)]
     kv_heads, _, head_dim = layers[0].tail_keys.shape
     new = [end - start for start, end in zip(bounds, bounds[1:])]
-    need = sum(-(-(rows + n) // block) for layer, n in zip(layers, new) for rows in layer.rows_per_head)
+    need = sum(-(-(rows + steps * n) // block) for layer, n in zip(layers, new) for rows in layer.rows_per_head)
+    read = list(read)
     pool = BlockPool(blocks=need + 1, block_size=block, head_dim=head_dim,
                      dtype=layers[0].tail_keys.dtype, device=layers[0].tail_keys.device)
     paged_rows = [PagedRows.holding(pool, layer, tail_start=n - layer.tail_length) for layer, n in zip(layers, read)]
@@ -122,12 +124,15 @@ def both_layouts(layers: list[LayerCache], read: list[int], bounds: list[int], *
         packed = PackedPasses([ForwardPass(cache, beta_mode=beta_mode) for cache in caches], bounds)
         out, _ = session_attention(Layer0(), query, keys, values, None, scaling=query.shape[-1] ** -0.5,
                                    agentmem_batch=packed)
+        for cache, n in zip(caches, new):
+            cache.layers[0].commit(n)
         return out[0].transpose(0, 1)
 
     def through_pool(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         forward = PagedForward([[rows] for rows in paged_rows], bounds, read, beta_mode=beta_mode)
         out = forward.attend(0, query[0], keys[0], values[0], query.shape[-1] ** -0.5)
-        forward.discard()
+        forward.commit()
+        read[:] = [r + n for r, n in zip(read, new)]
         return out
 
     return through_buffers, through_pool

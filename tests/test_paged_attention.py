@@ -254,6 +254,7 @@ def test_a_replacement_never_moves_keys_another_session_shares_and_keeps_the_pro
     assert torch.equal(pool.keys[parent_slots], before[parent_slots])
     moved = torch.cat([pool.slots_of(b[2:]) for b in child.blocks])
     assert not torch.allclose(pool.keys[moved], before[torch.cat([pool.slots_of(b[2:]) for b in parent.blocks])])
+    assert (parent.raw_prefix, child.raw_prefix) == (64, 32)  # past its protected prefix, no longer shareable
 
 
 def test_compiled_flex_decode_never_recompiles_as_sessions_join_leave_compact_and_move():
@@ -295,3 +296,52 @@ def test_compiled_flex_decode_never_recompiles_as_sessions_join_leave_compact_an
         if step == 0:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_rows_written_without_positions_are_unknown_and_stay_put_however_the_block_was_used():
+    pool = new_pool(blocks=2)  # one block to hand out: the second owner gets the first one's
+    first = PagedRows.holding(pool, LayerCache([], *(torch.randn(1, 4, HEAD_DIM) for _ in range(2))), tail_start=100)
+    first.release()
+    second = PagedRows(pool, 1)
+    keys = torch.randn(4, HEAD_DIM)
+    second.write([4], keys=keys, values=keys, order=torch.full((4,), -1))
+    second.commit([4])
+    second.replace(Placement(), Placement(protect=4, boundary=200, room=10), INV_FREQ)
+    slots = pool.slots_of(second.blocks[0])[:4]
+    assert pool.positions[slots].tolist() == [-1] * 4
+    assert torch.equal(pool.keys[slots], keys)
+
+
+def test_no_room_gives_back_every_block_a_copy_or_a_forward_took():
+    pool = new_pool(blocks=6)
+    seg = segment([3] * KV_HEADS, 0, 1)
+    with pytest.raises(PoolExhausted):  # the segment fits in 5 blocks, its tail does not
+        PagedRows.holding(pool, LayerCache([seg], *(torch.randn(KV_HEADS, 20, HEAD_DIM) for _ in range(2))),
+                          tail_start=100)
+    assert pool.free_blocks == 5
+    small = new_pool(blocks=2 * KV_HEADS + 3)
+    a = PagedRows.holding(small, LayerCache([], *(torch.randn(KV_HEADS, 15, HEAD_DIM) for _ in range(2))),
+                          tail_start=0)
+    held = [list(x) for x in a.blocks]
+    b = PagedRows(small, KV_HEADS)
+    q, k, v = new_rows([2, 1], seed=0)
+    with pytest.raises(PoolExhausted):  # a's next rows take a block per head, then b finds too few
+        PagedForward([[a], [b]], [0, 2, 3], [15, 0]).attend(0, q, k, v, SCALE)
+    assert a.blocks == held and b.held_blocks == 0 and small.free_blocks == KV_HEADS + 2
+
+
+def test_a_discarded_forward_gives_back_the_blocks_it_took():
+    pool = new_pool()
+    sessions = make_sessions(pool)
+    held = [s.paged.held_blocks for s in sessions]
+    _, _, forward = paged_step(sessions, [40, 40, 40, 40], seed=0)
+    forward.discard()
+    assert [s.paged.held_blocks for s in sessions] == held
+
+
+def test_rows_from_the_host_are_moved_to_the_pools_device():
+    pool = BlockPool(blocks=64, block_size=BLOCK, head_dim=HEAD_DIM, dtype=torch.bfloat16, device="meta")
+    seg = segment(uneven(1), 0, 1)
+    rows = PagedRows.holding(pool, LayerCache([seg], *(torch.randn(KV_HEADS, 5, HEAD_DIM) for _ in range(2))),
+                             tail_start=100)
+    assert rows.lengths == [r + 5 for r in seg.head_rows]
