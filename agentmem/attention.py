@@ -258,7 +258,7 @@ def _raw_attention(
     if n == total or n == 1:  # the whole sequence (causal from the first slot), or one query that sees all
         return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=n > 1, enable_gqa=True)
     if flex:
-        return compiled_flex()(q, k, v, block_mask=masks.block_mask(n, total, q.device), scale=scale,
+        return _compiled_flex()(q, k, v, block_mask=masks.block_mask(n, total, q.device), scale=scale,
                                 enable_gqa=True)
     dtype = mask_dtype(q)
     step = _slice_rows(total * dtype.itemsize)
@@ -308,11 +308,11 @@ def _flex_beta(
         return score + rows[head // group, kv_idx]
 
     block_mask = masks.block_mask(n, total, q.device) if n > 1 else None
-    return compiled_flex()(q, k, v, score_mod=add_beta, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return _compiled_flex()(q, k, v, score_mod=add_beta, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 @functools.cache
-def compiled_flex() -> Callable[..., torch.Tensor]:
+def _compiled_flex() -> Callable[..., torch.Tensor]:
     """FlexAttention compiled once per process (uncompiled it materialises every score)."""
     return torch.compile(flex_attention)
 

@@ -27,15 +27,16 @@ Two ways to run it, as ``BetaMode`` (:func:`~agentmem.attention.default_beta_mod
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from agentmem.attention import BetaMode, compiled_flex, default_beta_mode, mask_dtype
+from agentmem.attention import BetaMode, default_beta_mode, mask_dtype
 from agentmem.cache import to_device
 from agentmem.errors import InvalidInput
 from agentmem.pool import COMPACTED, NULL_BLOCK, BlockPool, PagedRows, slot_of
@@ -223,5 +224,19 @@ def _flex_paged(pool: BlockPool, tables: torch.Tensor, blocks: torch.Tensor, que
     block_mask = BlockMask.from_kv_blocks(kv_count.contiguous(), kv_indices, torch.zeros_like(kv_count),
                                           torch.zeros_like(kv_indices), BLOCK_SIZE=pool.block_size, mask_mod=seen,
                                           seq_lengths=(width, pool.keys.shape[0]), compute_q_blocks=False)
-    return compiled_flex()(queries, pool.keys[None, None], pool.values[None, None], score_mod=add_beta,
-                           block_mask=block_mask, scale=scale, enable_gqa=True)
+    return _compiled_paged_flex()(queries, pool.keys[None, None], pool.values[None, None], add_beta, block_mask, scale)
+
+
+def _flex_over_pool(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, score_mod: Callable,
+                    block_mask: BlockMask, scale: float) -> torch.Tensor:
+    return flex_attention(queries, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                          enable_gqa=True)
+
+
+@functools.cache
+def _compiled_paged_flex() -> Callable[..., torch.Tensor]:
+    """The paged call compiled once per shape (a batch bucket and the pool's size: shapes that stay put
+    step after step), in a function of its own: dynamo keeps compiled frames per function, so this and
+    the engine's FlexAttention (``agentmem.attention``, dynamic shapes) never share
+    one (on CPU, a frame made dynamic by the other's shapes hits an inductor bug)."""
+    return torch.compile(_flex_over_pool, dynamic=False)
