@@ -118,11 +118,12 @@ class PagedForward:
                 layers[layer].trim()
         self._staged.clear()
 
-    def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
         """Write the new ``(kv_heads, tokens, head_dim)`` rows of ``layer`` after each session's rows.
 
-        Returns the layer's block tables ``(sessions, kv_heads, blocks)`` (padded with the null
-        block) and each head's block count ``(sessions, kv_heads)``, on the pool's device.
+        Returns what gathers the layer's block tables ``(sessions, kv_heads, blocks)`` (padded with
+        the null block) and each head's block count ``(sessions, kv_heads)``, on the pool's device,
+        for attention to call: the write itself reads only each new row's own block id.
         """
         if layer in self._staged:
             raise InvalidInput(f"layer {layer} was already read in this forward")
@@ -140,26 +141,30 @@ class PagedForward:
             raise
         width = max(len(blocks) for paged in rows for blocks in paged.blocks)
         device = pool.device
-        phantom = [[0] * rows[0].kv_heads] * self.phantoms  # no rows, no blocks
-        tables = to_device([paged.table(width) for paged in rows] + [[[NULL_BLOCK] * width] * rows[0].kv_heads]
-                           * self.phantoms, device)
+        phantom = [[0] * rows[0].kv_heads] * self.phantoms  # no rows, no blocks (the tables' empty slot 0)
+        every_table = pool.tables(rows[0].kv_heads).current(width)
+        table_of = to_device([paged.slot for paged in rows] + [0] * self.phantoms, device)  # each session's row
         lengths = to_device([paged.lengths for paged in rows] + phantom, device)
-        blocks = to_device([[len(b) for b in paged.blocks] for paged in rows] + phantom, device, torch.int32)
         head = torch.arange(keys.shape[0], device=device)[:, None]
         row = lengths[self._session, head] + self._offset  # (kv_heads, tokens): each new row's index in its head
-        slots = slot_of(tables, (self._session, head), row, pool.block_size).flatten()
+        slots = slot_of(every_table, (table_of[self._session], head), row, pool.block_size).flatten()
         pool.keys.index_copy_(0, slots, keys.reshape(-1, keys.shape[-1]).to(pool.keys.dtype))
         pool.values.index_copy_(0, slots, values.reshape(-1, values.shape[-1]).to(pool.values.dtype))
         pool.order.index_copy_(0, slots, self._token)
         pool.positions.index_copy_(0, slots, self._token)
         pool.bias.index_fill_(0, slots, 0.0)
         self._staged[layer] = slots
-        return tables, blocks
+
+        def tables() -> tuple[torch.Tensor, torch.Tensor]:
+            counts = to_device([[len(b) for b in paged.blocks] for paged in rows] + phantom, device, torch.int32)
+            return every_table[table_of, :, :width], counts
+
+        return tables
 
     def attend(self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                scale: float) -> torch.Tensor:
         """``(q_heads, tokens, head_dim)`` attention of the packed queries of ``layer`` (see the module docstring)."""
-        tables, blocks = self.stage(layer, keys, values)
+        tables, blocks = self.stage(layer, keys, values)()
         pool = self.rows[0][layer].pool
         width = self._padded.shape[1]
         queries = query[:, self._padded].transpose(0, 1)  # (sessions, q_heads, width, head_dim)

@@ -30,6 +30,7 @@ padded with it, so a gather of padded tables reads finite zeros that attention n
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -64,6 +65,15 @@ class BlockPool:
         self.blocks = blocks
         self._free = list(range(blocks - 1, NULL_BLOCK, -1))  # popped from the end: lowest ids first
         self._holders: dict[int, int] = {}  # block -> how many hold it (sessions sharing it, a prefix index)
+        self._tables: BlockTables | None = None  # made for the first session's KV heads
+
+    def tables(self, kv_heads: int) -> BlockTables:
+        """The block tables of the pool's sessions on its device (every session has ``kv_heads``)."""
+        if self._tables is None:
+            self._tables = BlockTables(kv_heads, self.device)
+        if self._tables.kv_heads != kv_heads:
+            raise InvalidInput(f"the pool's sessions have {self._tables.kv_heads} KV heads, not {kv_heads}")
+        return self._tables
 
     @property
     def device(self) -> torch.device:
@@ -136,6 +146,70 @@ class BlockPool:
         return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
 
 
+class BlockTables:
+    """Every session's block tables of one pool, kept on its device: ``(sessions, kv_heads, width)``
+    block ids, :data:`NULL_BLOCK` past a head's blocks. A forward reads its sessions' rows of it
+    (one gather by session slot) instead of sending every table from the host (at 32 sessions of
+    128k tokens in 128-slot blocks, 262,144 ids a layer, tens of ms of host work a step); what
+    changed since the last forward (a block taken now and then, a copy, a release) is sent then, in
+    one write. Slot 0 stays empty: the row of a session that reads nothing (padding a batch).
+    """
+
+    def __init__(self, kv_heads: int, device: torch.device) -> None:
+        self.kv_heads = kv_heads
+        self.tensor = torch.full((1, kv_heads, 1), NULL_BLOCK, dtype=torch.int32, device=device)
+        self._next_slot = 1
+        self._free_slots: list[int] = []
+        self._pending: dict[tuple[int, int, int], int] = {}  # (slot, head, index) -> block, newest wins
+        self._emptied: set[int] = set()  # slots given back, their rows not yet emptied
+
+    def attach(self) -> int:
+        """A slot for a new session, its row empty."""
+        return self._free_slots.pop() if self._free_slots else self._take_slot()
+
+    def _take_slot(self) -> int:
+        self._next_slot += 1
+        return self._next_slot - 1
+
+    def detach(self, slot: int) -> None:
+        """The session of ``slot`` is gone: its row is emptied at the next write, before any change of the
+        session that takes the slot next."""
+        self._pending = {key: block for key, block in self._pending.items() if key[0] != slot}
+        self._emptied.add(slot)
+        self._free_slots.append(slot)
+
+    def set(self, slot: int, head: int, index: int, block: int) -> None:
+        self._pending[slot, head, index] = block
+
+    def current(self, width: int) -> torch.Tensor:
+        """Every session's tables, at least ``width`` blocks wide, with the changes since the last call written."""
+        self._write_pending(width)
+        return self.tensor
+
+    def rows(self, slots: Sequence[int], width: int) -> torch.Tensor:
+        """The tables ``(len(slots), kv_heads, width)`` of the sessions in ``slots``."""
+        return self.current(width)[to_device(list(slots), self.tensor.device), :, :width]
+
+    def _write_pending(self, width: int) -> None:
+        need_slots = self._next_slot
+        need_width = max([width, *(index + 1 for _, _, index in self._pending)])
+        sessions, _, have = self.tensor.shape
+        if need_slots > sessions or need_width > have:  # grow what is short by doubling: rare, one copy each time
+            grown = torch.full((max(need_slots, 2 * sessions) if need_slots > sessions else sessions, self.kv_heads,
+                                max(need_width, 2 * have) if need_width > have else have), NULL_BLOCK,
+                               dtype=torch.int32, device=self.tensor.device)
+            grown[:sessions, :, :have] = self.tensor
+            self.tensor = grown
+        if self._emptied:
+            self.tensor[to_device(sorted(self._emptied), self.tensor.device)] = NULL_BLOCK
+            self._emptied.clear()
+        if self._pending:
+            where, blocks = zip(*self._pending.items())
+            index = to_device(list(zip(*where)), self.tensor.device)
+            self.tensor[index[0], index[1], index[2]] = to_device(list(blocks), self.tensor.device, torch.int32)
+            self._pending.clear()
+
+
 class PagedRows:
     """One session's rows in one layer's pool: per KV head, a block table and a row count.
 
@@ -153,9 +227,40 @@ class PagedRows:
         if kv_heads < 1:
             raise InvalidInput(f"a session needs at least one KV head, got {kv_heads}")
         self.pool = pool
-        self.blocks: list[list[int]] = [[] for _ in range(kv_heads)]
+        self.blocks: list[list[int]] = [[] for _ in range(kv_heads)]  # read only: changed through _set
         self.lengths: list[int] = [0] * kv_heads
         self.raw_prefix = 0
+        self._tables = pool.tables(kv_heads)
+        self.slot = self._tables.attach()  # this session's row of the device tables
+        weakref.finalize(self, self._tables.detach, self.slot)
+
+    def _set(self, head: int, index: int, block: int) -> None:
+        """Head ``head``'s ``index``-th block is now ``block`` (appended when ``index`` is its count), here
+        and, at the next forward, in the device tables."""
+        blocks = self.blocks[head]
+        if index == len(blocks):
+            blocks.append(block)
+        else:
+            blocks[index] = block
+        self._tables.set(self.slot, head, index, block)
+
+    def _drop_from(self, ends: Sequence[int]) -> None:
+        """Head ``h`` keeps its first ``ends[h]`` blocks; the table entries past them are emptied."""
+        for head, end in enumerate(ends):
+            for index in range(end, len(self.blocks[head])):
+                self._tables.set(self.slot, head, index, NULL_BLOCK)
+            del self.blocks[head][end:]
+
+    def take_shared(self, per_head: Sequence[Sequence[int]], rows: int) -> None:
+        """Hold ``per_head[h]`` (blocks held by another too) as an empty session's first ``rows`` rows of
+        raw tokens ``0 …`` on every head (a fork, an adopted prefix)."""
+        if self.held_blocks or len(per_head) != self.kv_heads:
+            raise InvalidInput("shared blocks go to an empty session, a list for each of its KV heads")
+        self.pool.share(b for blocks in per_head for b in blocks)
+        for head, blocks in enumerate(per_head):
+            for index, block in enumerate(blocks):
+                self._set(head, index, block)
+        self.lengths = [rows] * self.kv_heads
 
     @classmethod
     def holding(cls, pool: BlockPool, layer: LayerCache, *, tail_start: int,
@@ -189,10 +294,9 @@ class PagedRows:
     def fork(self) -> PagedRows:
         """A second session holding the same committed rows, sharing their blocks (copied only when written)."""
         size = self.pool.block_size
-        kept = [blocks[: -(-length // size)] for blocks, length in zip(self.blocks, self.lengths)]
-        self.pool.share(b for blocks in kept for b in blocks)
         twin = PagedRows(self.pool, self.kv_heads)
-        twin.blocks, twin.lengths, twin.raw_prefix = [list(b) for b in kept], list(self.lengths), self.raw_prefix
+        twin.take_shared([blocks[: -(-length // size)] for blocks, length in zip(self.blocks, self.lengths)], 0)
+        twin.lengths, twin.raw_prefix = list(self.lengths), self.raw_prefix
         return twin
 
     def note_raw(self, first_token: int, first_position: int, tokens: int) -> None:
@@ -216,8 +320,9 @@ class PagedRows:
         shared = [h for h, (r, length, blocks) in enumerate(zip(rows, self.lengths, self.blocks))
                   if r and length % size and self.pool.holders(blocks[length // size]) > 1]
         taken = iter(self.pool.allocate(sum(missing) + len(shared)))
-        for blocks, count in zip(self.blocks, missing):
-            blocks.extend(next(taken) for _ in range(count))
+        for head, count in enumerate(missing):
+            for _ in range(count):
+                self._set(head, len(self.blocks[head]), next(taken))
         if shared:
             self._copy_blocks([(h, self.lengths[h] // size) for h in shared], [next(taken) for _ in shared])
 
@@ -230,7 +335,7 @@ class PagedRows:
         for part in (pool.keys, pool.values, pool.bias, pool.order, pool.positions):
             part.index_copy_(0, target, part[source])
         for (h, i), block in zip(places, private):
-            self.blocks[h][i] = block
+            self._set(h, i, block)
         pool.release(old)
 
     def replace(self, old: Placement, new: Placement, inv_freq: torch.Tensor, *, chunk_blocks: int = 256) -> None:
@@ -270,15 +375,16 @@ class PagedRows:
     def trim(self) -> None:
         """Give back the blocks past each head's committed rows (reserved for rows never committed)."""
         size = self.pool.block_size
-        spare = [blocks[-(-length // size):] for blocks, length in zip(self.blocks, self.lengths)]
-        if any(spare):
-            self.pool.release(b for blocks in spare for b in blocks)
-            self.blocks = [blocks[: len(blocks) - len(extra)] for blocks, extra in zip(self.blocks, spare)]
+        ends = [-(-length // size) for length in self.lengths]
+        spare = [b for blocks, end in zip(self.blocks, ends) for b in blocks[end:]]
+        if spare:
+            self.pool.release(spare)
+            self._drop_from(ends)
 
     def release(self) -> None:
         """Give every block back to the pool; the session holds no rows afterwards."""
         self.pool.release(b for blocks in self.blocks for b in blocks)
-        self.blocks = [[] for _ in range(self.kv_heads)]
+        self._drop_from([0] * self.kv_heads)
         self.lengths = [0] * self.kv_heads
         self.raw_prefix = 0
 
@@ -286,10 +392,10 @@ class PagedRows:
     def held_blocks(self) -> int:
         return sum(len(blocks) for blocks in self.blocks)
 
-    def table(self, width: int | None = None) -> list[list[int]]:
-        """Each head's block list padded with :data:`NULL_BLOCK` to ``width`` (default: the longest)."""
-        width = max(map(len, self.blocks)) if width is None else width
-        return [blocks + [NULL_BLOCK] * (width - len(blocks)) for blocks in self.blocks]
+    @property
+    def width(self) -> int:
+        """Blocks of the longest head's table."""
+        return max(map(len, self.blocks))
 
     def write(self, head_rows: Sequence[int], *, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor,
               bias: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
@@ -327,7 +433,7 @@ class PagedRows:
                                        output_size=total)
         starts = to_device([sum(head_rows[:h]) for h in range(self.kv_heads)], device)
         row = to_device(self.lengths, device)[head] + torch.arange(total, device=device) - starts[head]
-        return slot_of(to_device(self.table(), device), (head,), row, self.pool.block_size)
+        return slot_of(self._tables.rows([self.slot], self.width)[0], (head,), row, self.pool.block_size)
 
 
 def slot_of(tables: torch.Tensor, heads: tuple[torch.Tensor, ...], row: torch.Tensor, block_size: int) -> torch.Tensor:

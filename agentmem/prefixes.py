@@ -79,9 +79,8 @@ class PrefixIndex:
         sessions = []
         for layer, pool in enumerate(self.pools):
             rows = PagedRows(pool, kv_heads)
-            per_head = [[blocks[layer][h] for blocks in found] for h in range(kv_heads)]
-            pool.share(b for blocks in per_head for b in blocks)
-            rows.blocks, rows.lengths, rows.raw_prefix = per_head, [covered] * kv_heads, covered
+            rows.take_shared([[blocks[layer][h] for blocks in found] for h in range(kv_heads)], covered)
+            rows.raw_prefix = covered
             sessions.append(rows)
         return sessions, covered
 

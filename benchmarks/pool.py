@@ -13,8 +13,11 @@ is the replacement; this compares the two on the same rows, Llama-3.1-8B's atten
   the others one token (*mixed*). *per-session buffers*: today's ``session_attention`` over a
   :class:`~agentmem.attention.PackedPasses` (``"mask"`` mode, the CPU path); *paged*: one
   :meth:`~agentmem.paged_attention.PagedForward.attend` (``"mask"``, the gathered CPU path).
-  Reported: aten ops, attention calls, host syncs, tensors built from host data (a
-  host-to-device copy each on a GPU), and the largest difference between the two outputs.
+  Reported, for the second such step (the first also sends the block tables the sessions
+  were loaded with, once): aten ops, attention calls, host syncs, tensors built from host data
+  (a host-to-device copy each on a GPU), and the largest difference between the two outputs.
+- **host work**: the host milliseconds of a step's set-up and one layer's writes for 32 sessions
+  of 128k tokens (128-slot blocks) on the meta device, where tensors hold no data.
 - **growth**: one session appending ``--append`` tokens one at a time, the write path alone
   (``LayerCache.stage`` against ``PagedForward.stage``, bf16 rows): bytes *written* per appended
   token (mean) and by the largest single step (:class:`WrittenBytes`), against one token's rows
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Callable
 
 import torch
@@ -150,7 +154,9 @@ def step(sessions: int, chunk: int) -> dict[str, object]:
     query = torch.randn(1, Q_HEADS, bounds[-1], HEAD_DIM, generator=g)
     keys, values = (torch.randn(1, KV_HEADS, bounds[-1], HEAD_DIM, generator=g) for _ in range(2))
 
-    through_buffers, through_pool = both_layouts(layers, read, bounds, beta_mode="mask", block=BLOCK)
+    through_buffers, through_pool = both_layouts(layers, read, bounds, beta_mode="mask", block=BLOCK, steps=2)
+    through_buffers(query, keys, values)  # a first step each: the pool's first also sends the tables it was loaded
+    through_pool(query, keys, values)  # with, once; what follows is a step like any other
     today, buffers = count(through_buffers, query, keys, values)
     paged, pooled = count(through_pool, query, keys, values)
     difference = (paged - today).abs().max().item()
@@ -225,6 +231,30 @@ def _write_raw(rows: PagedRows, keys_values: list[torch.Tensor], tokens: int, fi
     rows.commit([tokens] * KV_HEADS)
 
 
+def host_work(sessions: int, tokens: int, block: int, repeats: int = 5) -> dict[str, object]:
+    """Host milliseconds of one decode step's set-up and one layer's ``stage`` for ``sessions`` sessions of
+    ``tokens`` rows per KV head, on the meta device (no data: what is left is host work): the first
+    step (it sends the block tables the sessions were loaded with) and the median of the next ones."""
+    pool = BlockPool(blocks=sessions * KV_HEADS * (tokens // block + 1) + 1, block_size=block, head_dim=HEAD_DIM,
+                     dtype=torch.bfloat16, device="meta")
+    rows = []
+    for _ in range(sessions):
+        paged = PagedRows(pool, KV_HEADS)
+        paged.reserve([tokens] * KV_HEADS)
+        paged.commit([tokens] * KV_HEADS)
+        rows.append(paged)
+    new = torch.empty(KV_HEADS, sessions, HEAD_DIM, device="meta")
+    took = []
+    for step in range(repeats + 1):
+        began = time.perf_counter()
+        forward = PagedForward([[paged] for paged in rows], list(range(sessions + 1)), [tokens + step] * sessions)
+        forward.stage(0, new, new)
+        took.append(1000 * (time.perf_counter() - began))
+        forward.commit()
+    return {"sessions": sessions, "tokens a session": tokens, "block": block, "first step ms": took[0],
+            "step ms (median)": sorted(took[1:])[len(took[1:]) // 2]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -238,6 +268,7 @@ def main() -> None:
         steps = [step(n, chunk) for chunk in (1, 64) for n in args.sessions]
         grown = growth(args.append)
         prompts = shared_prompt(args.prompt_sessions, args.prompt, 128)
+        host = [host_work(32, 131072, 128)]
     for row in steps:
         base = next(r for r in steps if r["step"] == row["step"] and r["sessions"] == args.sessions[0])
         for name in ("buffers", "paged"):
@@ -250,9 +281,11 @@ def main() -> None:
     md += markdown_table(grown) + "\n"
     md += (f"\n## Shared prompt: {args.prompt_sessions} sessions of one tenant opening with the same {args.prompt:,} "
            "tokens, then 128 of their own (bf16)\n\n" + markdown_table(prompts) + "\n")
+    md += ("\n## Host work of a step: one layer's block tables and writes, 32 sessions of 128k tokens "
+           "(meta device)\n\n" + markdown_table(host) + "\n")
     (RESULTS / "pool.md").write_text(md)
-    (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "growth": grown, "shared prompt": prompts, **extra},
-                                                  indent=2, default=str))
+    (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "growth": grown, "shared prompt": prompts,
+                                                   "host work": host, **extra}, indent=2, default=str))
     print(md)
 
 

@@ -21,7 +21,8 @@ def test_a_step_compares_both_layouts_on_the_same_rows():
 def test_growth_counts_a_buffer_regrowing_and_paged_writes_of_about_one_row():
     buffer, paged = pool.growth(80)
     assert buffer["largest step / one token's rows"] > 60  # the regrowth copied every row held
-    assert 1 <= paged["largest step / one token's rows"] < 1.5
+    assert 1 <= paged["mean / one token's rows"] < 1.5
+    assert paged["largest step / one token's rows"] < 3  # a block table doubling, not the rows
 
 
 def test_written_bytes_count_an_indexed_write_by_its_rows_not_its_target():

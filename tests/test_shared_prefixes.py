@@ -139,3 +139,42 @@ def test_a_prefix_is_only_what_was_read_raw_from_the_first_token():
     assert rows.raw_prefix == 0 and index.publish("acme", [rows], tokens(32, 10)) == 0
     with pytest.raises(InvalidInput):
         index.publish("acme", [rows, rows], tokens(32, 10))  # one pool, two layers' rows
+
+
+def test_device_tables_follow_every_change_of_the_blocks_sessions_hold(monkeypatch):
+    """Takes, copies, trims, releases, forks and dropped sessions (slots reused): the device tables equal the
+    host's block lists after each forward's write, NULL past each head's blocks."""
+    import gc
+    import random
+
+    copies = []
+    copy_blocks = PagedRows._copy_blocks
+    monkeypatch.setattr(PagedRows, "_copy_blocks", lambda self, *a: copies.append(1) or copy_blocks(self, *a))
+    pool = new_pool()
+    chance = random.Random(0)
+    sessions = [PagedRows(pool, KV_HEADS) for _ in range(4)]
+    sessions[0].reserve([20] * KV_HEADS)
+    sessions[0].commit([20] * KV_HEADS)
+    sessions += [sessions[0].fork(), sessions[0].fork()]  # sharing a part-filled block
+    for step in range(120):
+        rows = chance.choice(sessions)
+        action = chance.random()
+        if action < 0.5:
+            rows.reserve([chance.randrange(0, 40) for _ in range(KV_HEADS)])  # may copy a shared block
+            rows.commit([chance.randrange(0, len(b) * BLOCK - n + 1) for b, n in zip(rows.blocks, rows.lengths)])
+        elif action < 0.6:
+            rows.trim()
+        elif action < 0.7:
+            rows.release()
+        elif action < 0.85 and len(sessions) < 8:
+            sessions.append(rows.fork())
+        elif len(sessions) > 2:
+            sessions.remove(rows)
+            rows.release()
+            del rows
+            gc.collect()  # its slot goes back, to be emptied before the next session takes it
+            sessions.append(PagedRows(pool, KV_HEADS))
+        width = max(max(s.width for s in sessions), 1)
+        tables = pool.tables(KV_HEADS).rows([s.slot for s in sessions], width)
+        assert tables.tolist() == [[b + [0] * (width - len(b)) for b in s.blocks] for s in sessions], step
+    assert copies  # copy-on-write happened along the way
