@@ -162,21 +162,33 @@ class BlockTables:
         self._free_slots: list[int] = []
         self._pending: dict[tuple[int, int, int], int] = {}  # (slot, head, index) -> block, newest wins
         self._emptied: set[int] = set()  # slots given back, their rows not yet emptied
+        # Slots of sessions garbage-collected: appended by their finalizers, which may run at any
+        # allocation (inside this class's own methods too) or on another thread, so they do nothing
+        # else; the slots are taken in (their pending changes dropped) before slots are handed out
+        # or the tables written.
+        self._dropped: list[int] = []
 
     def attach(self) -> int:
         """A slot for a new session, its row empty."""
-        return self._free_slots.pop() if self._free_slots else self._take_slot()
-
-    def _take_slot(self) -> int:
+        self._take_in_dropped()
+        if self._free_slots:
+            return self._free_slots.pop()
         self._next_slot += 1
         return self._next_slot - 1
 
     def detach(self, slot: int) -> None:
-        """The session of ``slot`` is gone: its row is emptied at the next write, before any change of the
-        session that takes the slot next."""
-        self._pending = {key: block for key, block in self._pending.items() if key[0] != slot}
-        self._emptied.add(slot)
-        self._free_slots.append(slot)
+        """The session of ``slot`` is gone (a finalizer's call: one atomic append, see ``_dropped``)."""
+        self._dropped.append(slot)
+
+    def _take_in_dropped(self) -> None:
+        """Dropped slots become free, their pending changes forgotten and their rows to be emptied
+        before any change of the session that takes one next."""
+        dropped, self._dropped = self._dropped, []  # a finalizer appending now goes to the new list
+        if dropped:
+            gone = set(dropped)
+            self._pending = {key: block for key, block in self._pending.items() if key[0] not in gone}
+            self._emptied |= gone
+            self._free_slots += dropped
 
     def set(self, slot: int, head: int, index: int, block: int) -> None:
         self._pending[slot, head, index] = block
@@ -191,8 +203,11 @@ class BlockTables:
         return self.current(width)[to_device(list(slots), self.tensor.device), :, :width]
 
     def _write_pending(self, width: int) -> None:
+        self._take_in_dropped()
+        pending, self._pending = self._pending, {}
+        emptied, self._emptied = self._emptied, set()
         need_slots = self._next_slot
-        need_width = max([width, *(index + 1 for _, _, index in self._pending)])
+        need_width = max([width, *(index + 1 for _, _, index in pending)])
         sessions, _, have = self.tensor.shape
         if need_slots > sessions or need_width > have:  # grow what is short by doubling: rare, one copy each time
             grown = torch.full((max(need_slots, 2 * sessions) if need_slots > sessions else sessions, self.kv_heads,
@@ -200,14 +215,11 @@ class BlockTables:
                                dtype=torch.int32, device=self.tensor.device)
             grown[:sessions, :, :have] = self.tensor
             self.tensor = grown
-        if self._emptied:
-            self.tensor[to_device(sorted(self._emptied), self.tensor.device)] = NULL_BLOCK
-            self._emptied.clear()
-        if self._pending:
-            where, blocks = zip(*self._pending.items())
-            index = to_device(list(zip(*where)), self.tensor.device)
-            self.tensor[index[0], index[1], index[2]] = to_device(list(blocks), self.tensor.device, torch.int32)
-            self._pending.clear()
+        if emptied:
+            self.tensor[to_device(sorted(emptied), self.tensor.device)] = NULL_BLOCK
+        if pending:  # one copy to the device: (slot, head, index, block) of every change
+            change = to_device([[*key, block] for key, block in pending.items()], self.tensor.device).T
+            self.tensor[change[0], change[1], change[2]] = change[3].to(torch.int32)
 
 
 class PagedRows:

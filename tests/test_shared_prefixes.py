@@ -178,3 +178,34 @@ def test_device_tables_follow_every_change_of_the_blocks_sessions_hold(monkeypat
         tables = pool.tables(KV_HEADS).rows([s.slot for s in sessions], width)
         assert tables.tolist() == [[b + [0] * (width - len(b)) for b in s.blocks] for s in sessions], step
     assert copies  # copy-on-write happened along the way
+
+
+def test_a_session_dropped_at_any_moment_leaves_nothing_in_the_slot_its_successor_takes(monkeypatch):
+    """A finalizer may run inside the tables' own methods (a garbage collection at an allocation): the
+    dropped session's pending entries never reach the device row of whoever takes its slot next."""
+    import agentmem.pool as pool_module
+
+    pool = new_pool()
+    tables = pool.tables(KV_HEADS)
+    parent = PagedRows(pool, KV_HEADS)
+    parent.reserve([40] * KV_HEADS)
+    parent.commit([40] * KV_HEADS)
+    doomed, other = parent.fork(), PagedRows(pool, KV_HEADS)  # the fork's row: the parent's blocks
+    tables.current(1)
+    tables.detach(other.slot)  # a slot whose row the next write empties
+    to_device, fired = pool_module.to_device, []
+
+    def collecting(*args, **kwargs):  # the dropped fork's finalizer fires in the middle of a write
+        if not fired:
+            fired.append(doomed.slot)
+            tables.detach(doomed.slot)
+        return to_device(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module, "to_device", collecting)
+    tables.current(1)
+    monkeypatch.undo()
+    successor = PagedRows(pool, KV_HEADS)
+    assert successor.slot == doomed.slot
+    successor.reserve([1] * KV_HEADS)
+    row = tables.rows([successor.slot], tables.tensor.shape[2])[0]
+    assert row.tolist() == [b + [0] * (row.shape[1] - 1) for b in successor.blocks]
