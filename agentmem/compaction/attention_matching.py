@@ -47,8 +47,7 @@ class AttentionMatching(GlobalSelection):
     ``docs/benchmarks/fidelity.md``.
 
     ``refit_history``: whether rows of earlier compactions in the span are fitted again;
-    ``None``: only when the compaction reads their text again (not :meth:`incremental`: with
-    ``reread="all"``, or rows that kept no reference queries). A row is fitted when its
+    ``None``: only with ``reread="all"``, which reads their text again. A row is fitted when its
     text is compacted, against the whole reference of that text. A ``reread="new"`` compaction
     sees that text only through the bounded sample of queries its rows kept, and fitting them
     again to that sample, compaction after compaction, wears away what the first fit kept:
@@ -86,9 +85,10 @@ class AttentionMatching(GlobalSelection):
         """Whether the attention sinks are fitted (``fit_sinks``, or its default for ``reread``)."""
         return self.reread == "all" if self.fit_sinks is None else self.fit_sinks
 
-    def history_refitted(self, job: Job) -> bool:
-        """Whether ``job`` fits earlier compactions' rows again (``refit_history``, or its default)."""
-        return not self.incremental(job) if self.refit_history is None else self.refit_history
+    @property
+    def history_refitted(self) -> bool:
+        """Whether earlier compactions' rows are fitted again (``refit_history``, or its default for ``reread``)."""
+        return self.reread == "all" if self.refit_history is None else self.refit_history
 
     @property
     def takes_history_bands(self) -> bool:
@@ -117,9 +117,9 @@ class AttentionMatching(GlobalSelection):
 
     def fixed_slots(self, job: Job, span: LayerSpan) -> torch.Tensor | None:
         """``(H, n)``: the span slots whose rows keep their β and values (sinks, unless
-        :attr:`sinks_fitted`; earlier compactions' rows, unless :meth:`history_refitted`), or ``None``."""
+        :attr:`sinks_fitted`; earlier compactions' rows, unless :attr:`history_refitted`), or ``None``."""
         sinks = None if self.sinks_fitted else sink_slots(job, span)
-        if not span.compacted_slots or self.history_refitted(job):
+        if self.history_refitted or not span.compacted_slots:
             return sinks
         return span.compacted if sinks is None else sinks | span.compacted
 
@@ -149,21 +149,20 @@ class AttentionMatching(GlobalSelection):
             rows = solvers.omp_select(train, rows.counts)
         if not train.count:
             return span.unfitted(rows)
-        choice = solvers.choose_fits(span, train, held, rows, fixed=self.fixed_slots(job, span))
-        if choice.fits is not None:  # some kept row was free to fit
-            job.stats.fitted_layers += 1
-            job.stats.count_fits(choice.fits)
+        job.stats.fitted_layers += 1
+        fixed = self.fixed_slots(job, span)
+        choice = solvers.choose_fits(span, train, held, rows, fixed=fixed)
+        job.stats.count_fits(choice.fits)
         return choice
 
 
 def validation_text(job: Job) -> list[int]:
     """The text the end-to-end check samples: the whole span's.
 
-    In an incremental compaction that includes text not re-read: the new rows' fits (and the
-    old rows', when :meth:`AttentionMatching.history_refitted`) change what the old text reads
-    as, so the check must see whether it survives them (judged on the new text alone, fits that
-    served it would be chosen while the old text's recall fell). It reads only the sample, a
-    bounded cost.
+    In an incremental compaction that includes text not re-read: every row is re-fitted, old
+    ones too, so the check must see whether the old text survives the new fits (judged on the
+    new text alone, fits that served it would be chosen while the old text's recall fell). It
+    reads only the sample, a bounded cost.
     """
     return job.cache.token_ids[job.plan.start : job.plan.end]
 

@@ -181,8 +181,7 @@ class ScoringCompactor(Compactor):
         old row scores the largest of its recorded score (unless :meth:`refresh_range` re-read
         its text just now: then that stale score is dropped), what the new queries give it and
         what the kept queries give it, and the kept queries join the sample the fits are
-        solved on, so the new rows are fitted for the old text too (and the old rows with
-        them, where AM's ``refit_history`` says so). The recorded scores stay in
+        solved on, so old rows are re-fitted with the new ones. The recorded scores stay in
         the max because a few hundred kept queries are a thin sample of the thousands that
         read the text once: scored by the kept queries alone, old rows would lose to new ones
         on the sample's luck. Returns the kept queries with the tokens each segment stands for.

@@ -360,7 +360,7 @@ def choose_fits(
     groups of similar width (:func:`head_groups`). Rows on ``fixed`` span slots ``(H, n)`` keep
     their β and values in every candidate; the fits of the others account for them, and their
     systems span the free rows alone (one host read of each head's free rows). The choice's
-    ``fits`` say which of :data:`FIT_KINDS` each head chose (``None``: no kept row was free).
+    ``fits`` say which of :data:`FIT_KINDS` each head chose.
     """
     unfitted = span.unfitted(rows)
     heads = len(rows.counts)
@@ -369,8 +369,6 @@ def choose_fits(
         return replace(unfitted, fits=kinds)
     free = rows.valid if fixed is None else rows.valid & ~fixed.gather(1, rows.index)
     free_counts = rows.counts if fixed is None else tuple(free.sum(-1).tolist())
-    if not any(free_counts):
-        return unfitted
     beta, values = unfitted.beta.float().clone(), unfitted.values.float().clone()
     groups = head_groups(free_counts)
     for group in groups:
