@@ -155,7 +155,6 @@ def test_a_session_s_compactor_is_its_policy_s_method_with_its_reading_settings(
     (lambda: AttentionMatching(max_queries=0), "max_queries must be positive"),
     (lambda: AttentionMatching(max_queries=2.5), "max_queries must be a non-negative integer"),
     (lambda: AttentionMatching(holdout=1.0), "holdout must be a share between 0 and 1"),
-    (lambda: AttentionMatching(refit_history="no"), "refit_history must be True, False or None"),
     (lambda: GlobalEviction(queries="telepathy"), "telepathy"),
     (lambda: GlobalEviction(score="mean"), "score must be one of rms, max, got 'mean'"),
     (lambda: TopAttention(refresh_tokens=-1), "refresh_tokens must be a non-negative integer"),
@@ -185,41 +184,3 @@ def test_head_budgets_are_kept_as_a_table_and_checked_against_the_model(llama, t
         compact(llama, cache, AttentionMatching(head_budgets="calibrated"), ratio=4, keep_recent=CACHED)
     with pytest.raises(InvalidInput, match="cannot read head budgets"):
         compact(llama, cache, GlobalEviction(head_budgets=tmp_path / "missing.json"), ratio=4, keep_recent=16)
-
-
-def surviving_rows(before, after) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer, ``(β, values)`` before and after of the rows of ``before``'s compacted segment
-    that ``after``'s compacted segment kept, matched by KV head and token position."""
-    pairs = []
-    for old_layer, new_layer in zip(before.layers, after.layers):
-        old, new = old_layer.segments[-1], new_layer.segments[-1]
-        old_at, new_at = (torch.cat([torch.full((n,), h) for h, n in enumerate(seg.head_rows)]) * 1_000_000
-                          + seg.positions for seg in (old, new))
-        common, old_i, new_i = (torch.tensor(x) for x in zip(*[
-            (key, i, new_at.tolist().index(key)) for i, key in enumerate(old_at.tolist()) if key in set(new_at.tolist())]))
-        pairs.append((old.beta[old_i], new.beta[new_i], old.values[old_i], new.values[new_i]))
-    return pairs
-
-
-def test_refit_history_false_keeps_earlier_compactions_rows_as_they_were_fitted(llama, text, monkeypatch):
-    """A second compaction keeps the β and values of the first one's rows it keeps, bit for bit,
-    and fits only the new rows; refitting them changes some. (The fits are always kept here: on
-    random weights the end-to-end check would often keep the unfitted rows, and test nothing.)"""
-    from agentmem.compaction import attention_matching
-
-    monkeypatch.setattr(attention_matching, "end_to_end_choice", lambda job, candidates: candidates[0])
-    first = compact(llama, llama.prefill(text[: CACHED // 2]), AttentionMatching(reread="new", fit_sinks=False),
-                    ratio=3, keep_recent=KEEP_RECENT)
-    assert first.compaction_stats.fitted_layers
-    llama.prefill(text[CACHED // 2 : CACHED], first)
-    changed = []
-    for refit in (False, True):
-        second = compact(llama, first, AttentionMatching(reread="new", fit_sinks=False, refit_history=refit),
-                         ratio=3, keep_recent=KEEP_RECENT)
-        assert second.compaction_stats.fitted_layers and second.compaction_stats.fits_kept
-        pairs = surviving_rows(first, second)
-        assert sum(len(beta) for beta, *_ in pairs) > 0
-        changed.append(sum(not (torch.equal(b0, b1) and torch.equal(v0, v1)) for b0, b1, v0, v1 in pairs))
-    assert changed[0] == 0 and changed[1] > 0
-    # By default a compaction refits them only when it reads their text again.
-    assert not AttentionMatching(reread="new").history_refitted and AttentionMatching(reread="all").history_refitted

@@ -45,22 +45,12 @@ class AttentionMatching(GlobalSelection):
     they are (:meth:`for_session`), while one compaction of a whole text gains from fitting
     them at high ratios. The measurements: ``docs/benchmarks/online.md`` and
     ``docs/benchmarks/fidelity.md``.
-
-    ``refit_history``: whether rows of earlier compactions in the span are fitted again;
-    ``None``: only with ``reread="all"``, which reads their text again. A row is fitted when its
-    text is compacted, against the whole reference of that text. A ``reread="new"`` compaction
-    sees that text only through the bounded sample of queries its rows kept, and fitting them
-    again to that sample, compaction after compaction, wears away what the first fit kept:
-    over a session's compactions a mid-history passage kept a quarter of what eviction alone
-    keeps (``docs/benchmarks/long.md``). Not refitted, they keep their β and values (they may
-    still be evicted), and the new rows' fits account for them.
     """
 
     selection: Literal["attention", "omp"] = "attention"
     max_queries: int | None = None
     fit_sinks: bool | None = None
     holdout: float = 0.2
-    refit_history: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -74,8 +64,6 @@ class AttentionMatching(GlobalSelection):
             raise InvalidInput("history_bands chooses the rows OMP would re-choose: use selection='attention'")
         if self.fit_sinks is not None and not isinstance(self.fit_sinks, bool):
             raise InvalidInput(f"fit_sinks must be True, False or None, got {self.fit_sinks!r}")
-        if self.refit_history is not None and not isinstance(self.refit_history, bool):
-            raise InvalidInput(f"refit_history must be True, False or None, got {self.refit_history!r}")
         if not (isinstance(self.holdout, (int, float)) and not isinstance(self.holdout, bool)
                 and 0 < self.holdout < 1):
             raise InvalidInput(f"holdout must be a share between 0 and 1, got {self.holdout!r}")
@@ -84,11 +72,6 @@ class AttentionMatching(GlobalSelection):
     def sinks_fitted(self) -> bool:
         """Whether the attention sinks are fitted (``fit_sinks``, or its default for ``reread``)."""
         return self.reread == "all" if self.fit_sinks is None else self.fit_sinks
-
-    @property
-    def history_refitted(self) -> bool:
-        """Whether earlier compactions' rows are fitted again (``refit_history``, or its default for ``reread``)."""
-        return self.reread == "all" if self.refit_history is None else self.refit_history
 
     @property
     def takes_history_bands(self) -> bool:
@@ -114,14 +97,6 @@ class AttentionMatching(GlobalSelection):
         held = max(1, round(self.holdout * HOLDOUT_RUNS))
         pick = lambda chosen: torch.cat([runs[r] for r in sorted(chosen)])  # noqa: E731
         return pick(order[held:]), pick(order[:held])
-
-    def fixed_slots(self, job: Job, span: LayerSpan) -> torch.Tensor | None:
-        """``(H, n)``: the span slots whose rows keep their β and values (sinks, unless
-        :attr:`sinks_fitted`; earlier compactions' rows, unless :attr:`history_refitted`), or ``None``."""
-        sinks = None if self.sinks_fitted else sink_slots(job, span)
-        if self.history_refitted or not span.compacted_slots:
-            return sinks
-        return span.compacted if sinks is None else sinks | span.compacted
 
     def choose(self, job: Job) -> Chosen:
         reference = self.reference(job, self.max_queries, held_out=held_out(job))
@@ -150,7 +125,7 @@ class AttentionMatching(GlobalSelection):
         if not train.count:
             return span.unfitted(rows)
         job.stats.fitted_layers += 1
-        fixed = self.fixed_slots(job, span)
+        fixed = None if self.sinks_fitted else sink_slots(job, span)
         choice = solvers.choose_fits(span, train, held, rows, fixed=fixed)
         job.stats.count_fits(choice.fits)
         return choice

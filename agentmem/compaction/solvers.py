@@ -117,53 +117,32 @@ def kept_logits(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) ->
     return att.logits_of(index).masked_fill(~valid[:, None, :], _NEG)
 
 
-def free_columns(free: torch.Tensor, width: int | None) -> torch.Tensor | None:
-    """``(H, width)``: each head's ``free`` entries first, in order, then its others (padding the
-    narrower heads), for a fit's systems to span the free rows alone; ``None`` (``width`` None):
-    every entry, free or not.
-
-    A session's compaction keeps its earlier rows as they were fitted (``refit_history``): most
-    of the kept rows are then fixed, and systems over every kept row would cost the square of
-    the history for a fit of the new rows alone.
-    """
-    return None if width is None else torch.argsort(~free, dim=1, stable=True)[:, :width]
-
-
-def _columns(x: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
-    """``x`` ``(H, N, t)`` at the entries ``columns`` ``(H, f)`` (all of them when ``None``)."""
-    return x if columns is None else x.gather(2, columns[:, None, :].expand(-1, x.shape[1], -1))
-
-
 def _mass_design(
-    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor, columns: torch.Tensor | None
+    att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each free kept row's share of each query's span mass ``(H, N, f)`` at the entries
-    ``columns`` (0 on rows not free), and the share ``(H, N)`` the free rows must make up: 1 minus
-    the other valid rows' share."""
+    """Each free kept row's share of each query's span mass ``(H, N, t)`` (0 on other rows), and
+    the share ``(H, N)`` the free rows must make up: 1 minus the other valid rows' share."""
     design = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()  # (H, N, t), 0 on padding
     target = 1.0 - (design * (valid & ~free)[:, None, :]).sum(-1)
-    return _columns(design * free[:, None, :], columns), target
+    return design * free[:, None, :], target
 
 
 def fit_mass(
     att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, free: torch.Tensor | None = None,
-    free_width: int | None = None, iterations: int = 25,
+    iterations: int = 25,
 ) -> torch.Tensor:
     """Weights ``w ∈ [e^-3, e^3]`` (``(H, t)``) matching each query's span mass; bounded NNLS.
 
     Only ``free`` rows (default: every valid one) are weighted; the others keep ``w = 1`` and
     their mass counts toward the target. Solved by projected gradient from the clamped ridge
-    solution, step ``1/λ_max``; the normal equations are summed over query chunks, and span the
-    free rows alone when ``free_width`` (the most free rows of a head) is given
-    (:func:`free_columns`).
+    solution, step ``1/λ_max``; the normal equations are summed over query chunks.
     """
     free = valid if free is None else free
-    columns = free_columns(free, free_width)
-    heads, width = index.shape[0], index.shape[1] if columns is None else columns.shape[1]
+    heads, width = index.shape
     gram = torch.zeros(heads, width, width, device=index.device)
     rhs = torch.zeros(heads, width, device=index.device)
-    for part in att.chunks(index.shape[1]):
-        design, target = _mass_design(part, index, valid, free, columns)
+    for part in att.chunks(width):
+        design, target = _mass_design(part, index, valid, free)
         weighted = design * part.share[..., None]
         gram += torch.bmm(design.transpose(1, 2), weighted)  # (H, t, t)
         rhs += (weighted * target[..., None]).sum(1)  # (H, t)
@@ -174,8 +153,6 @@ def fit_mass(
     step = 1.0 / _largest_eigenvalue(gram).clamp(min=1e-12)
     for _ in range(iterations):
         w = (w - step[:, None] * (torch.bmm(gram, w[..., None])[..., 0] - rhs)).clamp(lo, hi)
-    if columns is not None:  # back to every entry: each entry is one head's column once
-        w = torch.ones_like(free, dtype=w.dtype).scatter(1, columns, w)
     return w.masked_fill(~free, 1.0)
 
 
@@ -192,7 +169,7 @@ def fit_scalar_mass(
     numerator = torch.zeros(index.shape[0], device=index.device)
     denominator = torch.zeros_like(numerator)
     for part in att.chunks(index.shape[1]):
-        design, target = _mass_design(part, index, valid, free, None)
+        design, target = _mass_design(part, index, valid, free)
         scaled = design.sum(-1)  # (H, N)
         numerator += (part.share * scaled * target).sum(-1)
         denominator += (part.share * scaled * scaled).sum(-1)
@@ -202,7 +179,7 @@ def fit_scalar_mass(
 
 def fit_values(
     att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, kept_values: torch.Tensor,
-    strengths: tuple[float, ...], *, free: torch.Tensor | None = None, free_width: int | None = None,
+    strengths: tuple[float, ...], *, free: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Values ``(S, H, t, d)`` fitted toward the kept rows' own, one per ridge strength ``s``
     (``λ = s · mean diag(PᵀP)``, module doc); the system is built once for all of them. Only
@@ -211,44 +188,38 @@ def fit_values(
     With ``A = √a·P`` (free columns) and ``B = √a·(Y − P·V_S)``, the change is
     ``Δ = (AᵀA + λI)⁻¹AᵀB``: a ``t × t`` system summed over query chunks. A head keeping more rows
     than there are queries solves the same change as ``Δ = Aᵀ(AAᵀ + λI)⁻¹B`` instead, an ``N × N``
-    system: the cost of a fit grows with the smaller of rows and queries. With ``free_width``
-    the systems span the free rows alone (:func:`free_columns`).
+    system: the cost of a fit grows with the smaller of rows and queries.
     """
     free = valid if free is None else free
-    columns = free_columns(free, free_width)
-    width = index.shape[1] if columns is None else columns.shape[1]
+    width = index.shape[1]
     if att.count < width:
-        design, residual = _value_design(att, index, valid, beta, kept_values, free, columns)
+        design, residual = _value_design(att, index, valid, beta, kept_values, free)
         kernel = torch.bmm(design, design.transpose(1, 2))  # (H, N, N)
         scale = _mean_diagonal(kernel.diagonal(dim1=1, dim2=2).sum(-1), free)  # trace(AAᵀ) = trace(AᵀA)
         delta = torch.matmul(design.transpose(1, 2), _solve(_ridged(kernel, scale, strengths),
                                                             residual.expand(len(strengths), *residual.shape),
                                                             fallback=0.0))
-    else:
-        gram = torch.zeros(index.shape[0], width, width, device=index.device)
-        rhs = torch.zeros(index.shape[0], width, kept_values.shape[-1], device=index.device)
-        for part in att.chunks(index.shape[1]):
-            design, residual = _value_design(part, index, valid, beta, kept_values, free, columns)
-            gram += torch.bmm(design.transpose(1, 2), design)
-            rhs += torch.bmm(design.transpose(1, 2), residual)
-        scale = _mean_diagonal(gram.diagonal(dim1=1, dim2=2).sum(-1), free)
-        delta = _solve(_ridged(gram, scale, strengths), rhs.expand(len(strengths), *rhs.shape), fallback=0.0)
-    if columns is not None:  # (S, H, f, d) back to every entry; entries not free change by 0
-        delta = torch.zeros(len(strengths), *kept_values.shape, device=delta.device).scatter(
-            2, columns[None, ..., None].expand(len(strengths), -1, -1, delta.shape[-1]), delta)
-    return kept_values + delta
+        return kept_values + delta
+    gram = torch.zeros(index.shape[0], width, width, device=index.device)
+    rhs = torch.zeros_like(kept_values)
+    for part in att.chunks(width):
+        design, residual = _value_design(part, index, valid, beta, kept_values, free)
+        gram += torch.bmm(design.transpose(1, 2), design)
+        rhs += torch.bmm(design.transpose(1, 2), residual)
+    scale = _mean_diagonal(gram.diagonal(dim1=1, dim2=2).sum(-1), free)
+    return kept_values + _solve(_ridged(gram, scale, strengths), rhs.expand(len(strengths), *rhs.shape), fallback=0.0)
 
 
 def _value_design(
     att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, beta: torch.Tensor, kept_values: torch.Tensor,
-    free: torch.Tensor, columns: torch.Tensor | None,
+    free: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``A`` ``(H, N, f)`` and ``B`` ``(H, N, d)`` of :func:`fit_values`: each query's attention over
-    the kept rows at the entries ``columns`` (0 on rows not free, so their change is 0) and the
-    output it misses, both weighted by the square root of its share of attention on the span."""
+    """``A`` ``(H, N, t)`` and ``B`` ``(H, N, d)`` of :func:`fit_values`: each query's attention over
+    the kept rows (0 on rows not free, so their change is 0) and the output it misses, both
+    weighted by the square root of its share of attention on the span."""
     probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)  # 0 on padding
     root = att.share.sqrt()[..., None]
-    return _columns(probs * free[:, None, :] * root, columns), (att.output - torch.bmm(probs, kept_values)) * root
+    return probs * free[:, None, :] * root, (att.output - torch.bmm(probs, kept_values)) * root
 
 
 def _mean_diagonal(trace: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
@@ -358,52 +329,49 @@ def choose_fits(
     tests) fitted values usually help, and a per-row β often hurts unless values are refitted
     with it — hence the validation. Every head is fitted, whatever its number of rows, in
     groups of similar width (:func:`head_groups`). Rows on ``fixed`` span slots ``(H, n)`` keep
-    their β and values in every candidate; the fits of the others account for them, and their
-    systems span the free rows alone (one host read of each head's free rows). The choice's
-    ``fits`` say which of :data:`FIT_KINDS` each head chose.
+    their β and values in every candidate; the fits of the others account for them. The
+    choice's ``fits`` say which of :data:`FIT_KINDS` each head chose.
     """
     unfitted = span.unfitted(rows)
     heads = len(rows.counts)
     kinds = torch.zeros(heads, dtype=torch.long, device=rows.index.device)
     if not train.count or not max(rows.counts, default=0):
         return replace(unfitted, fits=kinds)
-    free = rows.valid if fixed is None else rows.valid & ~fixed.gather(1, rows.index)
-    free_counts = rows.counts if fixed is None else tuple(free.sum(-1).tolist())
     beta, values = unfitted.beta.float().clone(), unfitted.values.float().clone()
-    groups = head_groups(free_counts)
+    groups = head_groups(rows.counts)
     for group in groups:
-        width, free_width = max(rows.counts[h] for h in group), free_counts[group[0]]
-        if not free_width:
+        width = rows.counts[group[0]]
+        if not width:
             continue
         if len(groups) == 1:
-            select, part_train, part_held, part_rows, part_free = slice(None), train, held, rows, free
+            select, part_train, part_held = slice(None), train, held
+            part_rows = rows
+            part_fixed = fixed
         else:
             select = to_device(group, rows.index.device)
             part_train, part_held = train.heads(select), held.heads(select)
             part_rows = Selection(rows.index[select, :width], rows.valid[select, :width],
                                   tuple(rows.counts[h] for h in group))
-            part_free = free[select, :width]
-        group_beta, group_values, group_kinds = _fit_group(
-            part_train, part_held, part_rows, strengths, part_free, None if fixed is None else free_width)
+            part_fixed = None if fixed is None else fixed.index_select(0, select)
+        group_beta, group_values, group_kinds = _fit_group(part_train, part_held, part_rows, strengths, part_fixed)
         beta[select, :width], values[select, :width], kinds[select] = group_beta, group_values, group_kinds
     return LayerChoice(rows, beta, values, kinds)
 
 
 def _fit_group(
-    train: SpanAttention, held: SpanAttention, rows: Selection, strengths: tuple[float, ...], free: torch.Tensor,
-    free_width: int | None,
+    train: SpanAttention, held: SpanAttention, rows: Selection, strengths: tuple[float, ...], fixed: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """β ``(H, t)``, values ``(H, t, d)`` and :data:`FIT_KINDS` index ``(H,)`` each head of one group
-    chooses; only ``free`` entries change (systems of ``free_width`` columns, or every entry)."""
+    """β ``(H, t)``, values ``(H, t, d)`` and :data:`FIT_KINDS` index ``(H,)`` each head of one group chooses."""
     span, index, valid = train.span, rows.index, rows.valid
+    free = valid if fixed is None else valid & ~fixed.gather(1, index)
     kept_values = span.values.gather(1, index[..., None].expand(-1, -1, span.values.shape[-1])).float()
     prior = span.prior.gather(1, index).masked_fill(~valid, 0.0)  # padding may gather a -inf slot: NaN below
     log_ws, values = [], []  # each β with the kept values, then with the values fitted to it at each strength
     for log_w in (torch.zeros_like(prior), fit_scalar_mass(train, index, valid, free=free).log(),
-                  fit_mass(train, index, valid, free=free, free_width=free_width).log()):
+                  fit_mass(train, index, valid, free=free).log()):
         log_ws.append(log_w)
         values.append(torch.cat([kept_values[None], fit_values(train, index, valid, log_w, kept_values, strengths,
-                                                               free=free, free_width=free_width)]))
+                                                               free=free)]))
     errors = candidate_errors(held, index, valid, list(zip(log_ws, values)))
     best = errors.nan_to_num(float("inf")).argmin(0)  # (H,): each head's choice, made on the device, never read
     heads = torch.arange(index.shape[0], device=best.device)

@@ -41,8 +41,6 @@ class LayerSpan:
     position (-1 on padding and unknowns). ``replaced`` lists, per compacted segment in
     the span, the reference queries it kept (``None``: none) and the tokens it stands for.
     ``counts`` are the real rows of each head, from the layer's layout (on the host).
-    ``compacted_slots``: the span's first slots, which hold rows of earlier compactions (its
-    compacted segments come before its raw rows).
     """
 
     keys: torch.Tensor
@@ -54,7 +52,6 @@ class LayerSpan:
     slot_start: int  # the span's first slot in the layer buffer
     replaced: list[tuple[SegmentQueries | None, int]]
     counts: tuple[int, ...]
-    compacted_slots: int = 0
 
     @classmethod
     def of(cls, layer: LayerCache, start: int, end: int, kept: list[CompactedSegment], tail_start: int) -> LayerSpan:
@@ -63,7 +60,7 @@ class LayerSpan:
         replaced = [(stored, seg.span[1] - seg.span[0])
                     for seg, stored in zip(layer.layouts[len(kept):], layer.queries[len(kept):])]
         return cls(keys, values, prior, layer.recorded_scores(start, end), layer.slot_positions(start, end, tail_start),
-                   kept, start, replaced, layer.slot_counts(start, end), max(0, min(end, layer.prefix_length) - start))
+                   kept, start, replaced, layer.slot_counts(start, end))
 
     @property
     def valid(self) -> torch.Tensor:
@@ -73,12 +70,6 @@ class LayerSpan:
     @property
     def rows(self) -> int:
         return sum(self.counts)
-
-    @property
-    def compacted(self) -> torch.Tensor:
-        """``(H, n)``: which slots hold real rows of earlier compactions."""
-        slots = torch.arange(self.prior.shape[1], device=self.prior.device)
-        return self.valid & (slots < self.compacted_slots)
 
     def unfitted(self, selection: Selection) -> LayerChoice:
         """Every head keeps its selected slots unfitted: their prior as β, their own values."""
