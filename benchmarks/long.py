@@ -62,6 +62,7 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -349,7 +350,10 @@ def retention(scored: dict[str, object], never: dict[str, float], passages: list
     return sum(never[key] - nll(scored[key]) for key in keys) / full if full > 0 else None
 
 
-def run(args: argparse.Namespace) -> dict[str, object]:
+def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] = lambda result: None
+        ) -> dict[str, object]:
+    """Read the session to ``args.window_multiple`` windows, measuring at every mark; ``on_mark``
+    gets the result so far after each mark (a run stopped early still leaves its measurements)."""
     engine = Engine.load(EMBEDDED, device="cpu")
     window = engine.max_context
     total = round(args.window_multiple * window)
@@ -375,6 +379,19 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         never = manager.session("never-told") if args.never_told == "session" else None
         compactions = fits_kept = 0
         fact_tokens = (0, 0)  # where the fact was read, once the first turn has been
+
+        def result_so_far(progress: str) -> dict[str, object]:
+            return {"rows": rows, "detail": detail, "window": window, "total": total, "seconds": seconds,
+                    "passages": [{"turn": p.turn, "kind": p.kind, "ends at token": p.end, "fresh nll": p.fresh,
+                                  "text": engine.tokenizer.decode(p.ids)} for p in passages],
+                    "summaries": 0 if summary is None else summary.summaries,
+                    "last summary": "" if summary is None else summary.last_summary,
+                    "StreamingLLM evictions": streaming.evictions, "StreamingLLM": streaming.stopped or "ran",
+                    "placement": "available" if streaming.place is not None else "absent",
+                    "policy": policy.model_dump(exclude_defaults=True), "fact tokens": fact_tokens[1] - fact_tokens[0],
+                    "rows per token": sum(layer.num_heads for layer in session.cache.layers),
+                    "wall s": round(time.perf_counter() - began, 1), "progress": progress}
+
         k = 0
         for mark in marks:
             while session.cache.logical_length < mark and not stopped:
@@ -492,16 +509,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             rows.append(row)
             detail.append(entry)
             print({**row, "elapsed s": round(time.perf_counter() - began, 1)}, flush=True)
-    return {"rows": rows, "detail": detail, "window": window, "total": total, "seconds": seconds,
-            "passages": [{"turn": p.turn, "kind": p.kind, "ends at token": p.end, "fresh nll": p.fresh,
-                          "text": engine.tokenizer.decode(p.ids)} for p in passages],
-            "summaries": 0 if summary is None else summary.summaries,
-            "last summary": "" if summary is None else summary.last_summary,
-            "StreamingLLM evictions": streaming.evictions, "StreamingLLM": streaming.stopped or "ran",
-            "placement": "available" if streaming.place is not None else "absent",
-            "policy": policy.model_dump(exclude_defaults=True), "fact tokens": fact_tokens[1] - fact_tokens[0],
-            "rows per token": sum(layer.num_heads for layer in session.cache.layers),
-            "wall s": round(time.perf_counter() - began, 1)}
+            if mark != marks[-1]:
+                on_mark(result_so_far(f"{len(rows)} of {len(marks)} marks measured; the run goes on"))
+
+    return result_so_far("complete")
 
 
 def fmt_ratio(log_ratio: float) -> str:
@@ -603,6 +614,7 @@ def save(result: dict[str, object], args: argparse.Namespace) -> None:
         "fact rows": f"rows of the session's cache standing for the fact's {result['fact tokens']} tokens, over "
                      f"{result['rows per token']} layers x KV heads (read raw: {result['fact tokens'] * result['rows per token']:,})",
         "seconds": {k: round(v, 1) for k, v in result["seconds"].items()}, "wall s": result["wall s"],
+        "progress": result["progress"],
         "machine": machine(), "command": command_line(),
     }
     md = write_results(args.name, title, result["rows"], extra)
@@ -619,7 +631,8 @@ def save(result: dict[str, object], args: argparse.Namespace) -> None:
              **{k: result[k] for k in ("detail", "passages", "window", "total", "last summary")}}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(saved, indent=2, default=str))
     plot(saved, title, args.name)
-    print(md, flush=True)
+    if result["progress"] == "complete":
+        print(md, flush=True)
 
 
 def plot(saved: dict[str, object], title: str, name: str) -> None:
@@ -680,7 +693,7 @@ def main() -> None:
     if args.plot_only:
         saved = json.loads((RESULTS / f"{args.name}.json").read_text())
         return plot(saved, (RESULTS / f"{args.name}.md").read_text().splitlines()[0].removeprefix("# "), args.name)
-    save(run(args), args)
+    save(run(args, on_mark=lambda result: save(result, args)), args)
 
 
 if __name__ == "__main__":
