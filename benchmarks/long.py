@@ -510,7 +510,8 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
             detail.append(entry)
             print({**row, "elapsed s": round(time.perf_counter() - began, 1)}, flush=True)
             if mark != marks[-1]:
-                on_mark(result_so_far(f"{len(rows)} of {len(marks)} marks measured; the run goes on"))
+                on_mark(result_so_far(f"{len(rows)} of {len(marks)} marks measured (written after each mark; "
+                                       "a run stopped early ends here)"))
 
     return result_so_far("complete")
 
@@ -647,12 +648,12 @@ def plot(saved: dict[str, object], title: str, name: str) -> None:
               ("retention", "passage retention", ("session", "StreamingLLM", "summary")),
               ("fact log ratio", "fact: log10 x likelier than never told", ("session", "StreamingLLM", "summary"))]
     for axis, (key, ylabel, names) in zip(axes, panels):
-        for name in names:
-            points = [(e["tokens read"] / window, e[name][key]) for e in detail if e[name][key] is not None]
+        for method in names:
+            points = [(e["tokens read"] / window, e[method][key]) for e in detail if e[method][key] is not None]
             if key == "fact log ratio":
                 points = [(x, y / math.log(10)) for x, y in points]
             if points:
-                axis.plot(*zip(*points), styles[name], label=labels[name])
+                axis.plot(*zip(*points), styles[method], label=labels[method])
         if key == "retention":
             axis.set_ylim(top=1.05)
             axis.axhline(0, color="k", linewidth=0.8)
