@@ -599,7 +599,8 @@ def placement_rows(detail: list[dict[str, object]]) -> list[dict[str, object]]:
     return rows
 
 
-def save(result: dict[str, object], args: argparse.Namespace) -> None:
+def save(result: dict[str, object], args: argparse.Namespace) -> str:
+    """Write NAME.{md,json,png} from ``result`` (complete or so far); returns the markdown."""
     title = (f"Reading {args.window_multiple:g}x the window ({result['total']:,} tokens of prose and code in "
              f"{args.turn_tokens}-token turns), budget {args.budget:,} rows: {model_label(EMBEDDED)}")
     extra = {
@@ -632,8 +633,7 @@ def save(result: dict[str, object], args: argparse.Namespace) -> None:
              **{k: result[k] for k in ("detail", "passages", "window", "total", "last summary")}}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(saved, indent=2, default=str))
     plot(saved, title, args.name)
-    if result["progress"] == "complete":
-        print(md, flush=True)
+    return md
 
 
 def plot(saved: dict[str, object], title: str, name: str) -> None:
@@ -694,7 +694,7 @@ def main() -> None:
     if args.plot_only:
         saved = json.loads((RESULTS / f"{args.name}.json").read_text())
         return plot(saved, (RESULTS / f"{args.name}.md").read_text().splitlines()[0].removeprefix("# "), args.name)
-    save(run(args, on_mark=lambda result: save(result, args)), args)
+    print(save(run(args, on_mark=lambda result: save(result, args)), args), flush=True)
 
 
 if __name__ == "__main__":
