@@ -6,6 +6,11 @@
 
 Each server runs in its own folder with AOF on (``appendfsync always``), so a stop/start keeps
 every acknowledged write — the configuration ``docs/operations.md`` asks of production too.
+
+A free port is only free when it is looked at: between :func:`free_port` and the server's bind,
+another process (or an outgoing connection's ephemeral port) may take it. A first start on a
+port chosen here therefore moves to a fresh port when the server exits before answering, and a
+cluster that fails to form is built again on fresh ports; every failure quotes the server's log.
 """
 
 from __future__ import annotations
@@ -41,10 +46,13 @@ class LocalRedis:
     ``extra_args`` are appended to the server's command line (the cluster uses it).
     """
 
+    ATTEMPTS = 3
+
     def __init__(self, directory: Path, *, port: int | None = None, extra_args: Sequence[str] = ()) -> None:
         self.binary, self.directory, self.port = _binary("redis-server"), Path(directory), port or free_port()
         self.extra_args = list(extra_args)
         self.process: subprocess.Popen | None = None
+        self._may_move = port is None  # until the first start: a restart keeps its port (and its clients' URL)
 
     @property
     def url(self) -> str:
@@ -54,26 +62,51 @@ class LocalRedis:
         """A plain client of this one server (for a cluster node: its own keys only)."""
         return redis.Redis(port=self.port)
 
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "redis.log"
+
+    def log_tail(self, chars: int = 1500) -> str:
+        """The end of the server's log (why it exited, for an error message)."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:].strip()
+        except OSError:
+            return "(no log)"
+
     def start(self, timeout: float = 10.0) -> LocalRedis:
+        """Start the server and wait for its PING; on a first start, a lost port is replaced."""
+        for _ in range(self.ATTEMPTS - 1 if self._may_move else 0):
+            try:
+                return self._start_once(timeout)
+            except StoreUnavailable:
+                self.port = free_port()
+        return self._start_once(timeout)
+
+    def _start_once(self, timeout: float) -> LocalRedis:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--save", "", "--appendonly", "yes", "--appendfsync", "always", *self.extra_args],
+             "--logfile", str(self.log_path), "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+             *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        client = self.client()
+        # Bounded reads: if another process listens on the port, a PING must not wait on it forever.
+        client = redis.Redis(port=self.port, socket_connect_timeout=1, socket_timeout=1)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError as exc:
+        try:
+            while True:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise StoreUnavailable(f"redis-server did not start on port {self.port}") from exc
-                time.sleep(0.05)
-            finally:
-                client.close()
+                    raise StoreUnavailable(f"redis-server did not start on port {self.port}; its log "
+                                           f"ends:\n{self.log_tail()}")
+                try:
+                    client.ping()
+                    self._may_move = False
+                    return self
+                except (redis.ConnectionError, redis.TimeoutError):
+                    time.sleep(0.05)
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self.process is not None:
@@ -96,12 +129,17 @@ class LocalRedisCluster:
     """
 
     NODES = 3
+    ATTEMPTS = 3
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.cli = _binary("redis-cli")
-        self.nodes = [
-            LocalRedis(self.directory / f"node{i}", extra_args=[
+        self.nodes = self._new_nodes(attempt=1)
+
+    def _new_nodes(self, attempt: int) -> list[LocalRedis]:
+        """Nodes on fresh ports, in folders of their own (a failed attempt's nodes.conf stays out)."""
+        return [
+            LocalRedis(self.directory / f"try{attempt}" / f"node{i}", extra_args=[
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-port", str(free_port()), "--cluster-node-timeout", "5000",
             ])
@@ -114,6 +152,19 @@ class LocalRedisCluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
 
     def start(self, timeout: float = 30.0) -> LocalRedisCluster:
+        """Start the nodes and form the cluster; a cluster that fails to form is built again on fresh ports."""
+        for attempt in range(2, self.ATTEMPTS + 1):
+            try:
+                return self._start_once(timeout)
+            except StoreUnavailable:
+                self.nodes = self._new_nodes(attempt)
+        try:
+            return self._start_once(timeout)
+        except StoreUnavailable as exc:
+            logs = "\n".join(f"node {node.port}: {node.log_tail(500)}" for node in self.nodes)
+            raise StoreUnavailable(f"{exc}\n{logs}") from exc
+
+    def _start_once(self, timeout: float) -> LocalRedisCluster:
         try:
             for node in self.nodes:
                 node.start()
