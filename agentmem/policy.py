@@ -52,6 +52,11 @@ class BudgetPolicy(BaseModel):
     refresh_tokens: int | None = Field(
         None, ge=0, description="with reread=new, older text each compaction re-reads as well, in turn, so old rows are "
                                 "re-scored against the cache as it is now (unset: half of max_live_tokens; 0: never)")
+    score: Literal["max", "rms"] = Field(
+        "max", description="how a compaction scores rows by the reference queries' attention: max (the largest share "
+                           "any query gave a row; a session's rows are scored by different compactions' queries, "
+                           "and the largest share means the same over any number of them) or rms (their root mean "
+                           "square, the one-shot compactor's default; why max here: docs/benchmarks/long.md)")
     history_bands: int = Field(
         0, ge=0, description="cut a compaction's history into this many bands of equal tokens, each keeping an equal "
                              "share of the rows, so text compacted many times is not worn down below the rest "
@@ -146,14 +151,14 @@ class BudgetPolicy(BaseModel):
 
     def compactor(self) -> Compactor:
         """The compactor this policy's sessions use: its ``method`` with its ``queries``, ``reread``,
-        :attr:`refresh` and ``history_bands``, as a session runs it (:meth:`~agentmem.compaction.Compactor.for_session`:
+        :attr:`refresh`, ``score`` and ``history_bands``, as a session runs it (:meth:`~agentmem.compaction.Compactor.for_session`:
         a session compacts again and again, so AM never fits its attention sinks); sessions run it
         through :func:`agentmem.session.compact_under`, with :meth:`compaction_target`."""
         from agentmem.compaction.methods import named
 
         bands = {"history_bands": self.history_bands} if self.history_bands > 1 else {}  # only methods that take them
         return named(self.method).for_session(queries=self.queries, reread=self.reread, refresh_tokens=self.refresh,
-                                              **bands)
+                                              score=self.score, **bands)
 
     @property
     def turn_room(self) -> int:

@@ -1218,4 +1218,24 @@ def test_a_policy_s_history_bands_reach_its_compactor_and_hold_every_band_at_its
         GlobalEviction(history_bands=4, head_budgets="calibrated")
     assert GlobalEviction(history_bands=1, head_budgets="calibrated").history_bands == 1  # 1: no bands
     own = GlobalEviction(history_bands=4)  # a session keeps a method's own bands unless the policy sets them
-    assert own.for_session(queries="repeat", reread="new", refresh_tokens=0).history_bands == 4
+    assert own.for_session(queries="repeat", reread="new", refresh_tokens=0, score="max").history_bands == 4
+
+
+def test_a_policy_s_score_rule_reaches_its_compactor_and_decides_the_rows(llama):
+    """Sessions score rows by the largest share unless the policy says rms; one compaction of a
+    whole text keeps rms (the methods' own default); the rule is what chooses the rows."""
+    assert AttentionMatching().score == "rms" and BudgetPolicy().compactor().score == "max"
+    assert BudgetPolicy(score="rms").compactor().score == "rms"
+    assert BudgetPolicy(method="summary+am").compactor().am.score == AttentionMatching().score  # its own rule
+    with pytest.raises(InvalidInput, match="score"):
+        BudgetPolicy.create(score="mean")
+    ids = doc_ids(llama, 600)
+    kept = {}
+    for rule in ("max", "rms"):
+        policy = BudgetPolicy(max_live_tokens=160, keep_recent=16, method="global-eviction", score=rule)
+        cache = llama.new_cache()
+        llama.prefill(ids, cache)
+        compacted = compact(llama, cache, policy.compactor(), target_tokens=policy.compaction_target(600),
+                            keep_recent=16)
+        kept[rule] = [layer.slot_positions(0, layer.prefix_length, compacted.tail_start) for layer in compacted.layers]
+    assert any(not torch.equal(a, b) for a, b in zip(kept["max"], kept["rms"]))

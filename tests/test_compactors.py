@@ -139,9 +139,9 @@ def test_a_name_is_its_registered_configuration(llama, text):
 def test_a_session_s_compactor_is_its_policy_s_method_with_its_reading_settings():
     policy = BudgetPolicy(max_live_tokens=640, keep_recent=64, queries="repeat", reread="new")
     assert policy.compactor() == AttentionMatching(max_queries=1536, queries="repeat", reread="new",
-                                                   refresh_tokens=320, fit_sinks=False)
-    assert BudgetPolicy(refresh_tokens=0, method="global-eviction", reread="all").compactor() == GlobalEviction(
-        reread="all", refresh_tokens=0)
+                                                   refresh_tokens=320, fit_sinks=False, score="max")
+    assert BudgetPolicy(refresh_tokens=0, method="global-eviction", reread="all", score="rms").compactor() == (
+        GlobalEviction(reread="all", refresh_tokens=0, score="rms"))
     assert BudgetPolicy(method="window", queries="context").compactor() == Window()  # it reads no queries
     # The AM of summary+am compacts the summary it has just written: only the queries reach it.
     assert BudgetPolicy(method="summary+am", queries="context").compactor() == SummaryThenAM(

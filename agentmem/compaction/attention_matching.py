@@ -15,6 +15,7 @@ import torch
 from agentmem.chat import encode
 from agentmem.compaction import solvers
 from agentmem.compaction.base import Job, check_count
+from agentmem.compaction.blockwise import ScoreRule
 from agentmem.compaction.queries import REPEAT_PROMPT, LayerQueries, sample_positions
 from agentmem.compaction.scoring import Chosen, GlobalSelection, sink_slots
 from agentmem.compaction.solvers import SpanAttention
@@ -78,9 +79,9 @@ class AttentionMatching(GlobalSelection):
         """OMP re-chooses each layer's rows over the whole span: bands would not decide them."""
         return self.selection != "omp"
 
-    def for_session(self, *, queries: str, reread: str, refresh_tokens: int,
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int, score: ScoreRule,
                     history_bands: int | None = None) -> AttentionMatching:
-        return replace(super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens,
+        return replace(super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens, score=score,
                                            history_bands=history_bands), fit_sinks=False)
 
     def split(self, job: Job, count: int) -> tuple[torch.Tensor, torch.Tensor]:

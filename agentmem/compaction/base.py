@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentmem.cache import SessionCache
+from agentmem.compaction.blockwise import ScoreRule
 from agentmem.compaction.solvers import FIT_KINDS
 from agentmem.compaction.span import SpanPlan, plan_span
 from agentmem.errors import InvalidInput
@@ -133,11 +134,11 @@ class Compactor(ABC):
         """Raise :class:`InvalidInput` if this configuration cannot run on ``engine``'s model
         (before any work: a parameter that depends on the model cannot be checked on construction)."""
 
-    def for_session(self, *, queries: str, reread: str, refresh_tokens: int) -> Compactor:
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int, score: ScoreRule) -> Compactor:
         """This configuration as a session runs it, compacting again and again as it reads
         (:meth:`~agentmem.policy.BudgetPolicy.compactor`): with the policy's reference ``queries``,
-        ``reread`` and ``refresh_tokens`` where the method reads reference queries. A method that
-        reads none is returned as it is."""
+        ``reread``, ``refresh_tokens`` and ``score`` rule where the method reads reference queries.
+        A method that reads none is returned as it is."""
         return self
 
 

@@ -97,8 +97,9 @@ class ScoringCompactor(Compactor):
     def choose(self, job: Job) -> Chosen:
         """What each layer keeps of the span, and the reference that judged it."""
 
-    def for_session(self, *, queries: str, reread: str, refresh_tokens: int) -> ScoringCompactor:
-        return replace(self, queries=queries, reread=reread, refresh_tokens=refresh_tokens)
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int, score: ScoreRule) -> ScoringCompactor:
+        check_score(score)
+        return replace(self, queries=queries, reread=reread, refresh_tokens=refresh_tokens, score=score)
 
     def read_start(self, job: Job) -> int:
         """The first position whose text the reference queries re-read.
@@ -258,10 +259,10 @@ class GlobalSelection(ScoringCompactor):
         """Whether its rows are the ones it selects (so :attr:`history_bands` decides them)."""
         return True
 
-    def for_session(self, *, queries: str, reread: str, refresh_tokens: int,
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int, score: ScoreRule,
                     history_bands: int | None = None) -> GlobalSelection:
         """As :meth:`ScoringCompactor.for_session`, with the policy's ``history_bands`` (``None``: its own)."""
-        session = super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens)
+        session = super().for_session(queries=queries, reread=reread, refresh_tokens=refresh_tokens, score=score)
         return session if history_bands is None else replace(session, history_bands=history_bands)
 
     def check(self, engine: Engine) -> None:

@@ -10,6 +10,7 @@ import torch
 from agentmem.cache import SessionCache
 from agentmem.compaction.attention_matching import AttentionMatching
 from agentmem.compaction.base import Compactor, Job, check_count
+from agentmem.compaction.blockwise import ScoreRule
 from agentmem.compaction.span import Selection, SpanPlan, assemble, place_read_rows, prefix_cache, span_of_rows
 from agentmem.errors import InvalidInput
 
@@ -83,7 +84,8 @@ class SummaryThenAM(Compactor):
             job.stats = compacted.compaction_stats
         return compacted
 
-    def for_session(self, *, queries: str, reread: str, refresh_tokens: int) -> SummaryThenAM:
-        """Its AM compacts the summary just written, rows no earlier compaction judged: of a
-        session's settings only the reference ``queries`` are passed on to it."""
+    def for_session(self, *, queries: str, reread: str, refresh_tokens: int, score: ScoreRule) -> SummaryThenAM:
+        """Its AM compacts the summary just written, rows no earlier compaction judged (one
+        compaction of rows scored together, its own ``score`` rule's case): of a session's
+        settings only the reference ``queries`` are passed on to it."""
         return replace(self, am=replace(self.am, queries=queries))
