@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from agentmem.errors import StoreUnavailable
-from servers.local_redis import free_port
+from servers.local_redis import free_port, start_moving_port
 
 SYSTEM_USER = "postgres"
 
@@ -45,6 +45,7 @@ class LocalPostgres:
     def __init__(self, *, port: int | None = None) -> None:
         self.initdb, self.pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
         self.port = port or free_port()
+        self._may_move = port is None  # a port chosen here may be taken before the server binds it
         self.directory: Path | None = None
 
     @property
@@ -65,6 +66,12 @@ class LocalPostgres:
         return self.database_url(name)
 
     def start(self, timeout: float = 60.0) -> LocalPostgres:
+        """initdb and start a server; a port chosen here that is lost meanwhile is replaced."""
+        if not self._may_move:
+            return self._start_once(timeout)
+        return start_moving_port(lambda: self._start_once(timeout), lambda: setattr(self, "port", free_port()))
+
+    def _start_once(self, timeout: float) -> LocalPostgres:
         self.directory = Path(tempfile.mkdtemp(prefix="agentmem-postgres-"))
         if os.geteuid() == 0:
             shutil.chown(self.directory, SYSTEM_USER, SYSTEM_USER)
@@ -78,6 +85,7 @@ class LocalPostgres:
         except StoreUnavailable:
             self.stop()
             raise
+        self._may_move = False  # clients hold its URL now: a restart keeps the port
         return self
 
     def stop(self) -> None:

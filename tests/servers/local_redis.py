@@ -19,18 +19,32 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 
 from agentmem.errors import StoreUnavailable
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_moving_port(start_once: Callable[[], T], move: Callable[[], None], *, attempts: int = 3) -> T:
+    """``start_once()``, and after each :class:`StoreUnavailable` ``move()`` (to a fresh port) and
+    again, ``attempts`` times in all: the last failure is raised."""
+    for _ in range(attempts - 1):
+        try:
+            return start_once()
+        except StoreUnavailable:
+            move()
+    return start_once()
 
 
 def _binary(name: str) -> str:
@@ -45,8 +59,6 @@ class LocalRedis:
 
     ``extra_args`` are appended to the server's command line (the cluster uses it).
     """
-
-    ATTEMPTS = 3
 
     def __init__(self, directory: Path, *, port: int | None = None, extra_args: Sequence[str] = ()) -> None:
         self.binary, self.directory, self.port = _binary("redis-server"), Path(directory), port or free_port()
@@ -75,12 +87,9 @@ class LocalRedis:
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
         """Start the server and wait for its PING; on a first start, a lost port is replaced."""
-        for _ in range(self.ATTEMPTS - 1 if self._may_move else 0):
-            try:
-                return self._start_once(timeout)
-            except StoreUnavailable:
-                self.port = free_port()
-        return self._start_once(timeout)
+        if not self._may_move:
+            return self._start_once(timeout)
+        return start_moving_port(lambda: self._start_once(timeout), lambda: setattr(self, "port", free_port()))
 
     def _start_once(self, timeout: float) -> LocalRedis:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -129,17 +138,17 @@ class LocalRedisCluster:
     """
 
     NODES = 3
-    ATTEMPTS = 3
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.cli = _binary("redis-cli")
-        self.nodes = self._new_nodes(attempt=1)
+        self.attempt = 1
+        self.nodes = self._new_nodes()
 
-    def _new_nodes(self, attempt: int) -> list[LocalRedis]:
+    def _new_nodes(self) -> list[LocalRedis]:
         """Nodes on fresh ports, in folders of their own (a failed attempt's nodes.conf stays out)."""
         return [
-            LocalRedis(self.directory / f"try{attempt}" / f"node{i}", extra_args=[
+            LocalRedis(self.directory / f"try{self.attempt}" / f"node{i}", extra_args=[
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-port", str(free_port()), "--cluster-node-timeout", "5000",
             ])
@@ -153,16 +162,15 @@ class LocalRedisCluster:
 
     def start(self, timeout: float = 30.0) -> LocalRedisCluster:
         """Start the nodes and form the cluster; a cluster that fails to form is built again on fresh ports."""
-        for attempt in range(2, self.ATTEMPTS + 1):
-            try:
-                return self._start_once(timeout)
-            except StoreUnavailable:
-                self.nodes = self._new_nodes(attempt)
         try:
-            return self._start_once(timeout)
+            return start_moving_port(lambda: self._start_once(timeout), self._move)
         except StoreUnavailable as exc:
             logs = "\n".join(f"node {node.port}: {node.log_tail(500)}" for node in self.nodes)
             raise StoreUnavailable(f"{exc}\n{logs}") from exc
+
+    def _move(self) -> None:
+        self.attempt += 1
+        self.nodes = self._new_nodes()
 
     def _start_once(self, timeout: float) -> LocalRedisCluster:
         try:

@@ -52,3 +52,16 @@ def test_a_cluster_whose_bus_port_is_taken_is_built_again_on_fresh_ports(tmp_pat
             for node in cluster.nodes:
                 with node.client() as client:
                     assert client.cluster("info")["cluster_state"] == "ok"
+
+
+def test_a_postgres_server_moves_off_a_port_taken_since_it_was_chosen():
+    from servers.local_postgres import LocalPostgres
+
+    with _holding() as holder:
+        server = LocalPostgres()
+        taken = holder.getsockname()[1]
+        server.port = taken
+        with server:
+            assert server.port != taken
+            url = server.create_database("moved")
+            assert f":{server.port}/moved" in url
