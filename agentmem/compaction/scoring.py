@@ -98,7 +98,6 @@ class ScoringCompactor(Compactor):
         """What each layer keeps of the span, and the reference that judged it."""
 
     def for_session(self, *, queries: str, reread: str, refresh_tokens: int, score: ScoreRule) -> ScoringCompactor:
-        check_score(score)
         return replace(self, queries=queries, reread=reread, refresh_tokens=refresh_tokens, score=score)
 
     def read_start(self, job: Job) -> int:

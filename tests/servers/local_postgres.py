@@ -67,9 +67,10 @@ class LocalPostgres:
 
     def start(self, timeout: float = 60.0) -> LocalPostgres:
         """initdb and start a server; a port chosen here that is lost meanwhile is replaced."""
-        if not self._may_move:
-            return self._start_once(timeout)
-        return start_moving_port(lambda: self._start_once(timeout), lambda: setattr(self, "port", free_port()))
+        return start_moving_port(lambda: self._start_once(timeout), self._new_port, attempts=3 if self._may_move else 1)
+
+    def _new_port(self) -> None:
+        self.port = free_port()
 
     def _start_once(self, timeout: float) -> LocalPostgres:
         self.directory = Path(tempfile.mkdtemp(prefix="agentmem-postgres-"))

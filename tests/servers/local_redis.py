@@ -87,9 +87,10 @@ class LocalRedis:
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
         """Start the server and wait for its PING; on a first start, a lost port is replaced."""
-        if not self._may_move:
-            return self._start_once(timeout)
-        return start_moving_port(lambda: self._start_once(timeout), lambda: setattr(self, "port", free_port()))
+        return start_moving_port(lambda: self._start_once(timeout), self._new_port, attempts=3 if self._may_move else 1)
+
+    def _new_port(self) -> None:
+        self.port = free_port()
 
     def _start_once(self, timeout: float) -> LocalRedis:
         self.directory.mkdir(parents=True, exist_ok=True)
