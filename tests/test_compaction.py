@@ -1239,3 +1239,16 @@ def test_a_policy_s_score_rule_reaches_its_compactor_and_decides_the_rows(llama)
                             keep_recent=16)
         kept[rule] = [layer.slot_positions(0, layer.prefix_length, compacted.tail_start) for layer in compacted.layers]
     assert any(not torch.equal(a, b) for a, b in zip(kept["max"], kept["rms"]))
+
+
+def test_the_ridged_systems_add_each_strength_times_each_head_s_scale_on_the_diagonal_alone():
+    from agentmem.compaction.solvers import _ridged
+
+    gram = torch.randn(2, 3, 3)
+    before = gram.clone()
+    scale = torch.tensor([2.0, 5.0])[:, None, None]
+    systems = _ridged(gram, scale, (1.0, 0.1))
+    eye = torch.eye(3)
+    for s, strength in enumerate((1.0, 0.1)):
+        torch.testing.assert_close(systems[s], gram + strength * scale * eye, rtol=0, atol=1e-6)
+    assert torch.equal(gram, before)  # the ridge is added to a copy: the caller's Gram matrix is left as it was
