@@ -196,10 +196,9 @@ def fit_values(
         design, residual = _value_design(att, index, valid, beta, kept_values, free)
         kernel = torch.bmm(design, design.transpose(1, 2))  # (H, N, N)
         scale = _mean_diagonal(kernel.diagonal(dim1=1, dim2=2).sum(-1), free)  # trace(AAᵀ) = trace(AᵀA)
-        delta = torch.matmul(design.transpose(1, 2), _solve(_ridged(kernel, scale, strengths),
-                                                            residual.expand(len(strengths), *residual.shape),
-                                                            fallback=0.0))
-        return kept_values + delta
+        solutions = _solve(_ridged(kernel, scale, strengths), residual.expand(len(strengths), *residual.shape),
+                           fallback=0.0)
+        return kept_values + _times_each(design.transpose(1, 2), solutions)
     gram = torch.zeros(index.shape[0], width, width, device=index.device)
     rhs = torch.zeros_like(kept_values)
     for part in att.chunks(width):
@@ -220,6 +219,15 @@ def _value_design(
     probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)  # 0 on padding
     root = att.share.sqrt()[..., None]
     return probs * free[:, None, :] * root, (att.output - torch.bmm(probs, kept_values)) * root
+
+
+def _times_each(matrices: torch.Tensor, stacks: torch.Tensor) -> torch.Tensor:
+    """``matrices @ stacks[v]`` for each ``v``, ``(V, H, a, c)`` from ``(H, a, b)`` and ``(V, H, b, c)``.
+
+    ``torch.matmul`` broadcasts ``matrices`` by copying them ``V`` times before its batched product
+    (a copy of a whole design, rows × queries × ``V``); one product per stack reads them in place.
+    """
+    return torch.stack([torch.bmm(matrices, stack) for stack in stacks])
 
 
 def _mean_diagonal(trace: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
@@ -253,7 +261,8 @@ def output_error(
     logits = (kept_logits(att, index, valid) if logits is None else logits) + beta[:, None, :]
     lse_c = logits.logsumexp(-1)
     share_c = (lse_c - att.queries.lse).exp()[..., None]
-    out_c = torch.matmul((logits - lse_c[..., None]).exp().nan_to_num(0.0), values)
+    probs = (logits - lse_c[..., None]).exp().nan_to_num(0.0)
+    out_c = _times_each(probs, values) if values.dim() == 4 else torch.bmm(probs, values)
     full = att.queries.out
     mixed = (share_c * out_c + full - att.share[..., None] * att.output) / (share_c + 1.0 - att.share[..., None])
     return (mixed - full).pow(2).sum(-1).mean(-1)
