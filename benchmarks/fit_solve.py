@@ -6,9 +6,11 @@ that many rows, or the fit runs in kernel form on that many queries), and a sess
 solves ~9 of them per layer. What :func:`~agentmem.compaction.solvers._solve` and
 :func:`~agentmem.compaction.solvers._ridged` do is timed beside the plain path they replaced:
 the ridged systems stacked from one copy per strength, a Cholesky factor with every failed one
-swapped for the identity, ``torch.cholesky_solve``. Both run on the same systems (a weighted
-Gram matrix of random designs, one head's system made singular so the fallback is exercised);
-the table gives the median time of each, their ratio and the largest difference of the answers.
+swapped for the identity, ``torch.cholesky_solve``. Both are timed on the same systems (a
+weighted Gram matrix of random designs, ridged: every factorisation succeeds); the table gives
+the median time of each, their ratio and the largest difference of the answers, and that
+difference again with one head's system left singular (no ridge at the first strength), so
+that both take the fallback there.
 
 Writes ``benchmarks/results/fit_solve.{md,json}``. Run: ``python benchmarks/fit_solve.py``.
 """

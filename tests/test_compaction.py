@@ -1242,13 +1242,24 @@ def test_a_policy_s_score_rule_reaches_its_compactor_and_decides_the_rows(llama)
 
 
 def test_the_ridged_systems_add_each_strength_times_each_head_s_scale_on_the_diagonal_alone():
+    """Bit for bit the plain expression (``gram + s·scale·I`` per strength, stacked), with more
+    strengths than heads so a broadcast that mixed the two would show."""
     from agentmem.compaction.solvers import _ridged
 
     gram = torch.randn(2, 3, 3)
     before = gram.clone()
     scale = torch.tensor([2.0, 5.0])[:, None, None]
-    systems = _ridged(gram, scale, (1.0, 0.1))
-    eye = torch.eye(3)
-    for s, strength in enumerate((1.0, 0.1)):
-        torch.testing.assert_close(systems[s], gram + strength * scale * eye, rtol=0, atol=1e-6)
+    strengths = (1.0, 0.1, 0.01)
+    systems = _ridged(gram, scale, strengths)
+    assert torch.equal(systems, torch.stack([gram + s * scale * torch.eye(3) for s in strengths]))
     assert torch.equal(gram, before)  # the ridge is added to a copy: the caller's Gram matrix is left as it was
+
+
+def test_products_with_each_stack_equal_the_broadcast_product():
+    from agentmem.compaction.solvers import _times_each
+
+    matrices, stacks = torch.randn(2, 4, 5), torch.randn(3, 2, 5, 6)
+    assert torch.equal(_times_each(matrices, stacks), torch.matmul(matrices, stacks))
+    design = torch.randn(2, 7, 4)  # the value fits pass a transposed design: not contiguous
+    solutions = torch.randn(3, 2, 7, 6)
+    assert torch.equal(_times_each(design.mT, solutions), torch.matmul(design.mT, solutions))

@@ -227,7 +227,10 @@ def _times_each(matrices: torch.Tensor, stacks: torch.Tensor) -> torch.Tensor:
     ``torch.matmul`` broadcasts ``matrices`` by copying them ``V`` times before its batched product
     (a copy of a whole design, rows × queries × ``V``); one product per stack reads them in place.
     """
-    return torch.stack([torch.bmm(matrices, stack) for stack in stacks])
+    out = matrices.new_empty(stacks.shape[0], matrices.shape[0], matrices.shape[1], stacks.shape[-1])
+    for stack, part in zip(stacks, out):
+        torch.bmm(matrices, stack, out=part)
+    return out
 
 
 def _mean_diagonal(trace: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
@@ -240,8 +243,8 @@ def _ridged(gram: torch.Tensor, scale: torch.Tensor, strengths: tuple[float, ...
     """``gram + s·scale·I`` ``(S, H, n, n)`` for each ridge strength ``s``: one copy of the
     systems, the ridge added on their diagonals in place."""
     systems = gram.expand(len(strengths), *gram.shape).clone()
-    ridge = torch.tensor(strengths, device=gram.device)[:, None, None] * scale[:, 0]  # (S, H, 1)
-    systems.diagonal(dim1=-2, dim2=-1).add_(ridge)
+    for strength, system in zip(strengths, systems):  # host scalars: no copy of the strengths to the device
+        system.diagonal(dim1=-2, dim2=-1).add_(strength * scale[:, 0])
     return systems
 
 
@@ -410,8 +413,8 @@ def _solve(systems: torch.Tensor, rhs: torch.Tensor, *, fallback: float) -> torc
     ``am-fast`` compaction of Python's docs failed). A failed factorisation's solution is
     replaced after the solve; nothing is read on the host.
 
-    Two triangular solves, not ``cholesky_solve``: the same answer (bit for bit on CPU in the
-    tests) in half the time there, and neither checks the factor, so a failed one only yields a
+    Two triangular solves, not ``cholesky_solve``: the same answer (bit for bit on CPU in
+    ``benchmarks/fit_solve.py``) in less time there, and neither checks the factor, so a failed one only yields a
     solution that is then replaced. (Swapping the failed factors for the identity first cost a
     full pass over every system: ``benchmarks/fit_solve.py``.)
     """
