@@ -50,20 +50,26 @@ window; passage retention ≥ StreamingLLM's + 0.2 at every position.
 Writes ``benchmarks/results/long.{md,json,png}``. Run: ``python benchmarks/long.py`` (defaults:
 4x the window, budget 2,048, turns of 1,024 tokens: about 25 minutes on 2 CPU cores, most of it
 the session's compactions); ``--window-multiple 0.75`` stays inside the window (quick);
-``--plot-only`` redraws the plot from the saved JSON.
+``--plot-only`` redraws the plot from the saved JSON. ``--state DIR`` keeps the sessions and the
+run's state in ``DIR``, saved after every turn: the same command run again goes on from where a
+stopped run left off, so a run longer than a sitting (8x the window takes hours on a CPU) is
+finished in several.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import json
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from common import (
@@ -79,6 +85,7 @@ from common import (
 )
 
 from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.cache import SessionCache
 from agentmem.compaction import compact
 from agentmem.errors import AgentMemError
 from agentmem.models import EMBEDDED
@@ -350,6 +357,66 @@ def retention(scored: dict[str, object], never: dict[str, float], passages: list
     return sum(never[key] - nll(scored[key]) for key in keys) / full if full > 0 else None
 
 
+# ------------------------------------------------------------------------------------ resuming
+
+STATE_FILE = "state.json"
+# Arguments that do not change what a run measures: a run may go on under other values of these.
+UNMEASURED_ARGS = ("name", "plot_only", "state")
+
+
+def measured_args(args: argparse.Namespace) -> dict[str, object]:
+    return {key: value for key, value in sorted(vars(args).items()) if key not in UNMEASURED_ARGS}
+
+
+def save_cache(path: Path, cache: SessionCache) -> None:
+    """A baseline's cache as safetensors, its layout in the file's metadata (no pickle)."""
+    from safetensors.torch import save_file
+
+    tensors, meta = cache.to_tensors()
+    save_file(tensors, str(path), metadata={"layout": json.dumps(meta)})
+
+
+def load_cache(path: Path, engine: Engine) -> SessionCache:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as stored:
+        tensors = {name: stored.get_tensor(name) for name in stored.keys()}
+        meta = json.loads(stored.metadata()["layout"])
+    return SessionCache.from_tensors(tensors, meta, device=engine.device)
+
+
+def save_state(folder: Path, turn: int, progress: dict[str, object], caches: dict[str, SessionCache | None]) -> None:
+    """Where the run stands after ``turn`` turns: ``progress`` (JSON) and the baselines' caches.
+
+    The session itself is in the run's session store, durable after every turn it answered. The
+    caches are written under names of their turn, and ``state.json`` (which names them) is
+    replaced last, atomically: a run killed at any point leaves the previous state whole.
+    """
+    files = {}
+    for name, cache in caches.items():
+        if cache is not None:
+            files[name] = f"{name}-{turn}.safetensors"
+            save_cache(folder / files[name], cache)
+    written = folder / f"{STATE_FILE}.tmp"
+    written.write_text(json.dumps({**progress, "turn": turn, "caches": files}, default=str))
+    os.replace(written, folder / STATE_FILE)
+    for stale in folder.glob("*.safetensors"):
+        if stale.name not in files.values():
+            stale.unlink()
+
+
+def load_state(folder: Path, args: argparse.Namespace, engine: Engine) -> tuple[dict[str, object], dict[str, SessionCache]] | None:
+    """The state :func:`save_state` left in ``folder`` (``None``: a new run), refused when the run
+    measured other arguments."""
+    path = folder / STATE_FILE
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    if state["args"] != measured_args(args):
+        raise SystemExit(f"{folder} holds a run of other arguments ({state['args']}); use another --state folder")
+    return state, {name: load_cache(folder / file, engine) for name, file in state["caches"].items()}
+
+
 def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] = lambda result: None
         ) -> dict[str, object]:
     """Read the session to ``args.window_multiple`` windows, measuring at every mark; ``on_mark``
@@ -373,12 +440,51 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
     seconds = dict.fromkeys(("session", "session compactions", "never told", "StreamingLLM", "summary", "probes"), 0.0)
     stopped = None
     began = time.perf_counter()
-    with tempfile.TemporaryDirectory() as home, \
-            SessionManager(engine, f"sqlite:///{home}/s.db", default_policy=policy) as manager:
+    with contextlib.ExitStack() as stack:
+        home = Path(args.state) if args.state else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        home.mkdir(parents=True, exist_ok=True)
+        manager = stack.enter_context(SessionManager(engine, f"sqlite:///{home}/s.db", default_policy=policy))
         session = manager.session("told")
         never = manager.session("never-told") if args.never_told == "session" else None
-        compactions = fits_kept = 0
+        compactions = fits_kept = k = 0
         fact_tokens = (0, 0)  # where the fact was read, once the first turn has been
+        resumed = load_state(home, args, engine) if args.state else None
+        if resumed is not None:
+            state, caches = resumed
+            for name, live in (("session", session), ("never told", never)):
+                if live is not None and live.cache.logical_length != state[f"{name} tokens"]:
+                    raise SystemExit(f"the {name} session in {home} holds {live.cache.logical_length:,} tokens, its "
+                                     f"saved state {state[f'{name} tokens']:,}: start again in another --state folder")
+            rows, detail, seconds, stopped = state["rows"], state["detail"], state["seconds"], state["stopped"]
+            passages = [Passage(**p) for p in state["passages"]]
+            points = {float(f): turn for f, turn in state["points"].items()}
+            compactions, fits_kept, k, fact_tokens = (state["compactions"], state["fits kept"], state["turn"],
+                                                      tuple(state["fact tokens"]))
+            streaming.cache, streaming.evictions, streaming.stopped = (caches["StreamingLLM"],
+                                                                       state["StreamingLLM evictions"],
+                                                                       state["StreamingLLM stopped"])
+            if summary is not None:
+                summary.cache, summary.summaries, summary.seconds, summary.last_summary = (
+                    caches["summary"], state["summaries"], state["summary seconds"], state["last summary"])
+            began -= state["wall s"]
+            print(f"resumed from {home} after turn {k - 1}, {len(rows)} of {len(marks)} marks measured", flush=True)
+
+        def keep_state() -> None:
+            """Save where the run stands (with ``--state``): it goes on from here if stopped."""
+            if not args.state:
+                return
+            progress = {"args": measured_args(args), "rows": rows, "detail": detail, "seconds": seconds,
+                        "stopped": stopped, "passages": [asdict(p) for p in passages], "points": points,
+                        "compactions": compactions, "fits kept": fits_kept, "fact tokens": fact_tokens,
+                        "StreamingLLM evictions": streaming.evictions, "StreamingLLM stopped": streaming.stopped,
+                        "summaries": 0 if summary is None else summary.summaries,
+                        "summary seconds": 0.0 if summary is None else summary.seconds,
+                        "last summary": "" if summary is None else summary.last_summary,
+                        "session tokens": session.cache.logical_length,
+                        "never told tokens": None if never is None else never.cache.logical_length,
+                        "wall s": time.perf_counter() - began}
+            save_state(home, k, progress, {"StreamingLLM": streaming.cache,
+                                           "summary": None if summary is None else summary.cache})
 
         def result_so_far(progress: str) -> dict[str, object]:
             return {"rows": rows, "detail": detail, "window": window, "total": total, "seconds": seconds,
@@ -392,8 +498,7 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
                     "rows per token": sum(layer.num_heads for layer in session.cache.layers),
                     "wall s": round(time.perf_counter() - began, 1), "progress": progress}
 
-        k = 0
-        for mark in marks:
+        for mark in marks[len(rows):]:
             while session.cache.logical_length < mark and not stopped:
                 _, text = turns[k]
                 held, messages = session.cache.token_ids, session.messages
@@ -441,9 +546,11 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
                       f"{session.cache.physical_length:,} rows, {compactions} compactions; "
                       + ", ".join(f"{key} {v:.1f} s" for key, v in seconds.items()), flush=True)
                 k += 1
+                keep_state()
             row = {"tokens read": mark, "x window": round(mark / window, 3)}
             if stopped:
                 rows.append({**row, "session": stopped})
+                keep_state()
                 continue
             t0 = time.perf_counter()
             read = session.cache.logical_length
@@ -508,6 +615,7 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
             row["loss session / in-window"] = round(ratio, 3) if ratio else NOT_RUN
             rows.append(row)
             detail.append(entry)
+            keep_state()
             print({**row, "elapsed s": round(time.perf_counter() - began, 1)}, flush=True)
             if mark != marks[-1]:
                 on_mark(result_so_far(f"{len(rows)} of {len(marks)} marks measured (written after each mark; "
@@ -690,6 +798,9 @@ def main() -> None:
                         help="BudgetPolicy settings besides max_live_tokens (values as JSON), e.g. reread=all")
     parser.add_argument("--name", default="long", help="results file name: benchmarks/results/NAME.{md,json,png}")
     parser.add_argument("--plot-only", action="store_true", help="redraw NAME.png from NAME.json and exit")
+    parser.add_argument("--state", default=None, metavar="DIR",
+                        help="keep the run's sessions and state in DIR, saved after every turn: the same command "
+                             "goes on from where a stopped run left off (a long run can span several sittings)")
     args = parser.parse_args()
     if args.plot_only:
         saved = json.loads((RESULTS / f"{args.name}.json").read_text())
