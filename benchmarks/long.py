@@ -369,11 +369,14 @@ def measured_args(args: argparse.Namespace) -> dict[str, object]:
 
 
 def save_cache(path: Path, cache: SessionCache) -> None:
-    """A baseline's cache as safetensors, its layout in the file's metadata (no pickle)."""
+    """A baseline's cache as safetensors, its layout in the file's metadata (no pickle); the file
+    appears whole or not at all (written beside it, then renamed)."""
     from safetensors.torch import save_file
 
     tensors, meta = cache.to_tensors()
-    save_file(tensors, str(path), metadata={"layout": json.dumps(meta)})
+    written = path.with_name(f"partial-{path.name}")
+    save_file(tensors, str(written), metadata={"layout": json.dumps(meta)})
+    os.replace(written, path)
 
 
 def load_cache(path: Path, engine: Engine) -> SessionCache:
@@ -390,13 +393,16 @@ def save_state(folder: Path, turn: int, progress: dict[str, object], caches: dic
 
     The session itself is in the run's session store, durable after every turn it answered. The
     caches are written under names of their turn, and ``state.json`` (which names them) is
-    replaced last, atomically: a run killed at any point leaves the previous state whole.
+    replaced last, atomically: a run killed at any point leaves the previous state whole. A
+    cache already saved for this turn (a mark measured after it changes no cache) is not
+    written again.
     """
     files = {}
     for name, cache in caches.items():
         if cache is not None:
             files[name] = f"{name}-{turn}.safetensors"
-            save_cache(folder / files[name], cache)
+            if not (folder / files[name]).exists():
+                save_cache(folder / files[name], cache)
     written = folder / f"{STATE_FILE}.tmp"
     written.write_text(json.dumps({**progress, "turn": turn, "caches": files}, default=str))
     os.replace(written, folder / STATE_FILE)

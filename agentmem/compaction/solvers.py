@@ -413,10 +413,10 @@ def _solve(systems: torch.Tensor, rhs: torch.Tensor, *, fallback: float) -> torc
     ``am-fast`` compaction of Python's docs failed). A failed factorisation's solution is
     replaced after the solve; nothing is read on the host.
 
-    Two triangular solves, not ``cholesky_solve``: the same answer (bit for bit on CPU in
-    ``benchmarks/fit_solve.py``) in less time there, and neither checks the factor, so a failed one only yields a
-    solution that is then replaced. (Swapping the failed factors for the identity first cost a
-    full pass over every system: ``benchmarks/fit_solve.py``.)
+    Two triangular solves, not ``cholesky_solve``: the same answer in less time on a CPU, and
+    neither checks the factor, so a failed one only yields a solution that is then replaced
+    (swapping the failed factors for the identity first cost a full pass over every system;
+    both measured in ``benchmarks/fit_solve.py``).
     """
     factor, info = torch.linalg.cholesky_ex(systems)
     halfway = torch.linalg.solve_triangular(factor, rhs, upper=False)
