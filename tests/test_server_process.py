@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -112,7 +113,10 @@ def test_deletes_of_a_busy_session_answer_409_at_once_while_the_control_plane_an
     assert max(seconds for *_, seconds in results) < 2
     assert {(path, status) for path, status, _ in probes} == {
         ("/health", 200), ("/metrics", 200), ("/v1/models", 200), ("/v1/sessions/other", 404)}
-    assert max(seconds for *_, seconds in probes) < 1
+    # Answered beside the turn, not behind it (a stalled loop or control pool would hold every probe
+    # for the whole turn); the bounds leave room for one scheduling hiccup on a shared 2-core machine.
+    assert statistics.median(seconds for *_, seconds in probes) < 0.25
+    assert max(seconds for *_, seconds in probes) < 2
     thread.join(120)
     assert answered[0].status_code == 200
 
@@ -131,22 +135,20 @@ def test_huge_bodies_are_refused_at_once_and_leave_no_session(server):
 
 
 def test_a_client_that_leaves_cancels_its_turn_streaming_or_not(server):
+    sampled = metric(server, "sampled_tokens_total")
     with pytest.raises(httpx.ReadTimeout):
         server.chat(HELLO, session="leaver", max_tokens=LONG_TURN, timeout=1.0)
-    wait_for(lambda: running_turns(server) == 0, timeout=3)  # long before the 2,000 tokens would end
-    sessions = live_sessions(server)
+    wait_for(lambda: running_turns(server) == 0)
+    assert metric(server, "sampled_tokens_total") - sampled < LONG_TURN / 2  # stopped, not decoded to its end
+    sessions, sampled = metric(server, "live_sessions"), metric(server, "sampled_tokens_total")
     body = {"model": server.model_name, "messages": HELLO, "max_tokens": LONG_TURN, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers(),
                       timeout=30) as response:
         assert next(response.iter_lines()).startswith("data: ")
-    wait_for(lambda: running_turns(server) == 0, timeout=3)  # stateless, streaming: nothing left running
-    assert live_sessions(server) == sessions  # and no session left behind
+    wait_for(lambda: running_turns(server) == 0)  # stateless, streaming: nothing left running
+    assert metric(server, "sampled_tokens_total") - sampled < LONG_TURN / 2
+    assert metric(server, "live_sessions") == sessions  # and no session left behind
     assert "Traceback" not in server.output()  # a client leaving is not a server error
-
-
-def live_sessions(server: ServerProcess) -> float:
-    metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
-    return float(next(line for line in metrics.splitlines() if line.startswith("agentmem_live_sessions ")).split()[1])
 
 
 def test_an_error_after_the_first_chunk_is_the_streams_last_event(server):
