@@ -137,12 +137,12 @@ def test_discard_and_stop_retrying_end_a_retry_wait_at_once(monkeypatch):
     first.tried.exception(5)
     began = time.monotonic()
     checkpoints.discard(one.key, "deleted")
-    assert time.monotonic() - began < 1 and isinstance(first.done.exception(1), StoreUnavailable)
+    assert time.monotonic() - began < 5 and isinstance(first.done.exception(1), StoreUnavailable)  # not the 30 s
     second = checkpoints.submit(two, record(two))
     second.tried.exception(5)
     began = time.monotonic()
     checkpoints.stop_retrying()
-    assert isinstance(second.done.exception(5), StoreUnavailable) and time.monotonic() - began < 1
+    assert isinstance(second.done.exception(5), StoreUnavailable) and time.monotonic() - began < 5
     checkpoints.close()
 
 
