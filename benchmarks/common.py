@@ -59,6 +59,15 @@ def stdlib_text(*, reverse: bool = False) -> str:
     return "\n\n".join(topics[k] for k in sorted(topics, reverse=reverse))
 
 
+def proc_status(field: str) -> int:
+    """Bytes of one memory field of this process on Linux: ``VmRSS`` (resident now) or ``VmHWM``
+    (the resident peak, since the start or since ``5`` was written to ``/proc/self/clear_refs``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):

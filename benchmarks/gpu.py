@@ -68,6 +68,7 @@ from common import (
     machine,
     markdown_table,
     model_label,
+    proc_status,
     pyplot,
     random_shape_engine,
     recorded_args,
@@ -139,7 +140,7 @@ class PeakMemory:
             self._start = torch.cuda.memory_allocated()
         else:
             Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-            self._start = _proc_status("VmRSS")
+            self._start = proc_status("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -147,14 +148,7 @@ class PeakMemory:
             torch.cuda.synchronize()
             self.added = torch.cuda.max_memory_allocated() - self._start
         else:
-            self.added = _proc_status("VmHWM") - self._start
-
-
-def _proc_status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+            self.added = proc_status("VmHWM") - self._start
 
 
 def sync(device: torch.device) -> None:

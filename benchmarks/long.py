@@ -47,6 +47,9 @@ Targets (issue "read past the window"): next-chunk loss ≤ 1.1x the in-window b
 position up to 4x the window; the first-turn fact ≥ 100x likelier than never told at 4x the
 window; passage retention ≥ StreamingLLM's + 0.2 at every position.
 
+Each mark's row also gives the process's resident memory then and its peak so far (GiB, Linux
+``/proc``; every turn's log line too): the session, its baselines and probes, all in one process.
+
 Writes ``benchmarks/results/long.{md,json,png}``. Run: ``python benchmarks/long.py`` (defaults:
 4x the window, budget 2,048, turns of 1,024 tokens: about 25 minutes on 2 CPU cores, most of it
 the session's compactions); ``--window-multiple 0.75`` stays inside the window (quick);
@@ -78,6 +81,7 @@ from common import (
     machine,
     markdown_table,
     model_label,
+    proc_status,
     pyplot,
     save_figure,
     stdlib_text,
@@ -364,6 +368,12 @@ STATE_FILE = "state.json"
 UNMEASURED_ARGS = ("name", "plot_only", "state")
 
 
+def resident() -> dict[str, float]:
+    """The process's resident memory now and its peak so far, GiB: whether a long session's memory
+    stays flat as it reads on (the run's own baselines and probes included)."""
+    return {"resident": round(proc_status("VmRSS") / 2**30, 2), "peak resident": round(proc_status("VmHWM") / 2**30, 2)}
+
+
 def measured_args(args: argparse.Namespace) -> dict[str, object]:
     return {key: value for key, value in sorted(vars(args).items()) if key not in UNMEASURED_ARGS}
 
@@ -550,7 +560,8 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
                     seconds["probes"] += time.perf_counter() - t0
                 print(f"turn {k} ({kinds[k]}): {session.cache.logical_length:,} tokens read, "
                       f"{session.cache.physical_length:,} rows, {compactions} compactions; "
-                      + ", ".join(f"{key} {v:.1f} s" for key, v in seconds.items()), flush=True)
+                      + ", ".join(f"{key} {v:.1f} s" for key, v in seconds.items())
+                      + "; " + ", ".join(f"{key} {v} GiB" for key, v in resident().items()), flush=True)
                 k += 1
                 keep_state()
             row = {"tokens read": mark, "x window": round(mark / window, 3)}
@@ -583,7 +594,8 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
             never_passage = {key: nll(v) for key, v in scored["in-window"].items() if key.startswith("passage")}
             row.update({"session tokens": read, "session rows": session.cache.physical_length,
                         "session position": position(session.cache), "compactions": compactions,
-                        "fits kept": fits_kept, "fact rows": rows_within(session.cache, *fact_tokens)})
+                        "fits kept": fits_kept, "fact rows": rows_within(session.cache, *fact_tokens),
+                        **{f"{key} GiB": v for key, v in resident().items()}})
             entry = {"tokens read": mark, "session tokens": read, "passages counted": [p.turn for p in counted]}
             for name in METHODS:
                 s = scored[name]

@@ -29,6 +29,11 @@ def _stop_after_compacting(result: dict) -> None:
         raise Stop
 
 
+def _measured(rows: list[dict]) -> list[dict]:
+    """The rows without the process's memory, which differs between any two runs."""
+    return [{key: value for key, value in row.items() if not key.endswith(" GiB")} for row in rows]
+
+
 @pytest.mark.slow
 def test_a_run_stopped_at_a_mark_goes_on_from_its_state_to_the_same_measurements(tmp_path):
     straight = long.run(_args(None))
@@ -37,7 +42,8 @@ def test_a_run_stopped_at_a_mark_goes_on_from_its_state_to_the_same_measurements
     assert len(straight["rows"]) > len(long.json.loads((tmp_path / long.STATE_FILE).read_text())["rows"])
     assert list(tmp_path.glob("StreamingLLM-*.safetensors"))
     resumed = long.run(_args(tmp_path))
-    assert resumed["rows"] == straight["rows"]
+    assert _measured(resumed["rows"]) == _measured(straight["rows"])
+    assert all(0 < row["resident GiB"] <= row["peak resident GiB"] for row in resumed["rows"])
     assert resumed["detail"] == straight["detail"]
     assert resumed["passages"] == straight["passages"]
     with pytest.raises(SystemExit, match="other arguments"):
