@@ -364,6 +364,28 @@ def test_value_fits_equal_the_normal_equations_whole_or_chunked_and_from_either_
         assert torch.allclose(fitted.double(), expected, rtol=1e-3, atol=1e-3), (fitted.double() - expected).abs().max()
 
 
+def test_mass_fits_from_the_rows_or_the_queries_side_are_the_same_iterates():
+    """A head keeping more rows than the fits have queries is mass-fitted from the queries' side
+    (an ``N × N`` system and ``A``, not the rows' ``t × t`` Gram matrix): the same ridge start and
+    projected-gradient iterates, so in float64 both sides give the same weights, for a group of a
+    wide head beside a narrow one and with fixed rows."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        span, train, _ = random_attention(torch.randn(2, 1000, 16), torch.randn(2, 1000, 16))
+        selection = rows_of([torch.arange(0, 1000, 1)[:900], torch.arange(0, 1000, 9)])  # 900 and 112 rows, 600 queries
+        index, valid = selection.index, selection.valid
+        fixed = valid & (index < 4)  # the sinks keep w = 1; the rest make up their mass
+        for free in (valid, valid & ~fixed):
+            rows_side = fit_mass(train, index, valid, free=free, side="rows")
+            queries_side = fit_mass(train, index, valid, free=free)  # the default here: rows outnumber queries
+            assert torch.allclose(queries_side, rows_side, rtol=0, atol=1e-6), (queries_side - rows_side).abs().max()
+            assert not torch.equal(rows_side[valid], torch.ones_like(rows_side[valid]))  # a fit, not the fallback
+            assert (queries_side[~free] == 1).all()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def test_heads_fitted_in_groups_or_chunks_choose_what_each_head_alone_chooses(monkeypatch):
     """A head's fit does not depend on the heads solved beside it (their widths pad its
     systems), on the query chunks, or on whether its group solves from the rows' or the
@@ -376,7 +398,7 @@ def test_heads_fitted_in_groups_or_chunks_choose_what_each_head_alone_chooses(mo
     together = choose_fits(span, train, held, selection)
     monkeypatch.setattr(solvers, "GROUP_ELEMENTS", 0)
     monkeypatch.setattr(solvers, "BLOCK_ELEMENTS", 3 * 700 * 64)
-    assert solvers.head_groups(selection.counts) == [[0, 2], [1]]  # 700 rows solved from the queries' side
+    assert solvers.head_groups(selection.counts, train.count) == [[0], [2, 1]]  # 700 rows: from the queries' side
     grouped = choose_fits(span, train, held, selection)
     for h, count in enumerate(selection.counts):
         one = torch.tensor([h])

@@ -24,19 +24,25 @@ Every fitted part is judged by the layer's true attention output on held-out que
 :func:`output_error`) and dropped where it does not beat the unfitted choice, head by head on
 the device: the choice is never read back to the host.
 
-Sizes: every head is fitted, however many rows it keeps. Nothing of size (queries × rows) is
-held whole: the systems are summed over chunks of queries (:meth:`SpanAttention.chunks`, at
-most :data:`~agentmem.compaction.blockwise.BLOCK_ELEMENTS` per tensor), so memory grows with
-the rows' systems ``(heads, t, t)`` alone. Heads whose row counts differ widely are solved in
-groups (:func:`head_groups`), so a head keeping few rows is not padded to the widest head's
-system; a long span compacted hard leaves some heads with thousands of rows and others with tens.
+Sizes: every head is fitted, however many rows it keeps, and no system is wider than the
+smaller of its rows and the fits' queries. A head keeping fewer rows than there are queries is
+solved from its rows' side: ``(heads, t, t)`` systems summed over chunks of queries
+(:meth:`SpanAttention.chunks`, at most :data:`~agentmem.compaction.blockwise.BLOCK_ELEMENTS`
+per tensor), nothing of size (queries × rows) held whole. A head keeping more is solved from the
+queries' side: its design (queries × rows) is held once and its systems are ``(N, N)``, so
+memory and time grow linearly with its rows. That is the case a long session makes: the
+selection is global, and heads whose attention spreads over the history keep many times more
+rows than the fits have queries (their ``t × t`` systems grew with every compaction). Heads whose
+row counts differ widely are solved in groups (:func:`head_groups`), so a head keeping few rows
+is not padded to the widest head's system.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -129,15 +135,34 @@ def _mass_design(
 
 def fit_mass(
     att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, *, free: torch.Tensor | None = None,
-    iterations: int = 25,
+    iterations: int = 25, side: Literal["rows", "queries"] | None = None,
 ) -> torch.Tensor:
     """Weights ``w ∈ [e^-3, e^3]`` (``(H, t)``) matching each query's span mass; bounded NNLS.
 
     Only ``free`` rows (default: every valid one) are weighted; the others keep ``w = 1`` and
     their mass counts toward the target. Solved by projected gradient from the clamped ridge
-    solution, step ``1/λ_max``; the normal equations are summed over query chunks.
+    solution, step ``1/λ_max``. ``side`` says which normal equations are formed
+    (:func:`_mass_from_rows`, :func:`_mass_from_queries`); by default the smaller: the same
+    iterates either way, up to rounding.
     """
     free = valid if free is None else free
+    side = side or ("queries" if att.count < index.shape[1] else "rows")
+    times_gram, rhs, start = (_mass_from_rows if side == "rows" else _mass_from_queries)(att, index, valid, free)
+    lo, hi = math.exp(-BETA_BOUND), math.exp(BETA_BOUND)
+    w = start.nan_to_num(1.0).clamp(lo, hi)
+    step = 1.0 / _largest_eigenvalue(times_gram, rhs).clamp(min=1e-12)
+    for _ in range(iterations):
+        w = (w - step[:, None] * (times_gram(w) - rhs)).clamp(lo, hi)
+    return w.masked_fill(~free, 1.0)
+
+
+MassSystem = tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor]
+
+
+def _mass_from_rows(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor) -> MassSystem:
+    """The mass fit's ``w ↦ AᵀA·w``, ``Aᵀb`` and ridge solution from the rows' ``t × t`` Gram
+    matrix, summed over query chunks (``A``: each query's design row weighted by the square root
+    of its share, ``b`` its target likewise); a failed solve gives ``w = 1``."""
     heads, width = index.shape
     gram = torch.zeros(heads, width, width, device=index.device)
     rhs = torch.zeros(heads, width, device=index.device)
@@ -148,12 +173,26 @@ def fit_mass(
         rhs += (weighted * target[..., None]).sum(1)  # (H, t)
     eye = torch.eye(width, device=gram.device)[None]
     ridge = 1e-6 * _mean_diagonal(gram.diagonal(dim1=1, dim2=2).sum(-1), free)
-    lo, hi = math.exp(-BETA_BOUND), math.exp(BETA_BOUND)
-    w = _solve(gram + ridge * eye, rhs[..., None], fallback=1.0)[..., 0].nan_to_num(1.0).clamp(lo, hi)
-    step = 1.0 / _largest_eigenvalue(gram).clamp(min=1e-12)
-    for _ in range(iterations):
-        w = (w - step[:, None] * (torch.bmm(gram, w[..., None])[..., 0] - rhs)).clamp(lo, hi)
-    return w.masked_fill(~free, 1.0)
+    start = _solve(gram + ridge * eye, rhs[..., None], fallback=1.0)[..., 0]
+    return (lambda w: torch.bmm(gram, w[..., None])[..., 0]), rhs, start
+
+
+def _mass_from_queries(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor) -> MassSystem:
+    """The same from the queries' side, for a head keeping more rows than there are queries:
+    ``AᵀA·w = Aᵀ(A·w)`` and the ridge solution ``Aᵀ(AAᵀ + λI)⁻¹b``, an ``N × N`` system (the
+    same λ: ``trace(AAᵀ) = trace(AᵀA)``). ``A`` ``(H, N, t)`` is held once, so memory and time
+    grow with the rows linearly, not with their square: a long session's history leaves some
+    heads with many times more rows than the fits have queries. A failed solve gives ``w = 1``
+    (its NaN solution is replaced by the caller)."""
+    design, target = _mass_design(att, index, valid, free)
+    root = att.share.sqrt()
+    a, b = design * root[..., None], target * root
+    kernel = torch.bmm(a, a.transpose(1, 2))  # (H, N, N)
+    ridge = 1e-6 * _mean_diagonal(kernel.diagonal(dim1=1, dim2=2).sum(-1), free)
+    eye = torch.eye(kernel.shape[-1], device=kernel.device)[None]
+    start = torch.bmm(a.transpose(1, 2), _solve(kernel + ridge * eye, b[..., None], fallback=math.nan))[..., 0]
+    rhs = torch.bmm(a.transpose(1, 2), b[..., None])[..., 0]
+    return (lambda w: torch.bmm(a.transpose(1, 2), torch.bmm(a, w[..., None]))[..., 0]), rhs, start
 
 
 def fit_scalar_mass(
@@ -316,15 +355,19 @@ def omp_select(att: SpanAttention, budgets: Sequence[int], *, rounds: int = 8) -
     return rows
 
 
-def head_groups(counts: Sequence[int]) -> list[list[int]]:
+def head_groups(counts: Sequence[int], queries: int) -> list[list[int]]:
     """KV heads in groups solved together, widest first: a group's systems are padded to its
     widest head, so a head joins a group only while the padded entries stay within twice the
-    group's own (or within :data:`GROUP_ELEMENTS`, too few to matter)."""
+    group's own (or within :data:`GROUP_ELEMENTS`, too few to matter). Heads keeping more rows
+    than there are ``queries`` never share a group with heads keeping fewer: the two are solved
+    from different sides (:func:`fit_mass`), and a narrow head's mass system formed from the
+    queries' side would have rank below its size, which a ridge of a millionth cannot lift in
+    float32."""
     order = sorted(range(len(counts)), key=lambda h: -counts[h])
     groups: list[list[int]] = []
     for h in order:
         group = groups[-1] if groups else None
-        if group is not None:
+        if group is not None and (counts[group[0]] > queries) == (counts[h] > queries):
             padded = (len(group) + 1) * counts[group[0]] ** 2
             if padded <= max(GROUP_ELEMENTS, 2 * sum(counts[g] ** 2 for g in [*group, h])):
                 group.append(h)
@@ -353,7 +396,7 @@ def choose_fits(
     if not train.count or not max(rows.counts, default=0):
         return replace(unfitted, fits=kinds)
     beta, values = unfitted.beta.float().clone(), unfitted.values.float().clone()
-    groups = head_groups(rows.counts)
+    groups = head_groups(rows.counts, train.count)
     for group in groups:
         width = rows.counts[group[0]]
         if not width:
@@ -424,9 +467,12 @@ def _solve(systems: torch.Tensor, rhs: torch.Tensor, *, fallback: float) -> torc
     return solution.masked_fill((info != 0)[..., None, None], fallback)
 
 
-def _largest_eigenvalue(gram: torch.Tensor, iterations: int = 10) -> torch.Tensor:
-    v = torch.ones(gram.shape[0], gram.shape[1], 1, device=gram.device)
+def _largest_eigenvalue(times: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor,
+                        iterations: int = 10) -> torch.Tensor:
+    """Each head's largest eigenvalue ``(H,)`` of the symmetric map ``times`` on ``(H, t)``
+    vectors shaped ``like``, by power iteration from the ones vector."""
+    v = torch.ones_like(like)
     for _ in range(iterations):
-        v = torch.bmm(gram, v)
+        v = times(v)
         v = v / v.norm(dim=1, keepdim=True).clamp(min=1e-30)
-    return (torch.bmm(gram, v) * v).sum((1, 2))
+    return (times(v) * v).sum(1)
