@@ -367,8 +367,9 @@ def test_value_fits_equal_the_normal_equations_whole_or_chunked_and_from_either_
 def test_mass_fits_from_the_rows_or_the_queries_side_are_the_same_iterates():
     """A head keeping more rows than the fits have queries is mass-fitted from the queries' side
     (an ``N × N`` system and ``A``, not the rows' ``t × t`` Gram matrix): the same ridge start and
-    projected-gradient iterates, so in float64 both sides give the same weights, for a group of a
-    wide head beside a narrow one and with fixed rows."""
+    projected-gradient iterates, so in float64 both sides give the same weights, for a batch of a
+    wide head beside a narrow one (which choose_fits would solve apart: in float32 a narrow head's
+    system from the queries' side is rank-deficient) and with fixed rows."""
     torch.set_default_dtype(torch.float64)
     try:
         torch.manual_seed(0)
@@ -380,10 +381,19 @@ def test_mass_fits_from_the_rows_or_the_queries_side_are_the_same_iterates():
             rows_side = fit_mass(train, index, valid, free=free, side="rows")
             queries_side = fit_mass(train, index, valid, free=free)  # the default here: rows outnumber queries
             assert torch.allclose(queries_side, rows_side, rtol=0, atol=1e-6), (queries_side - rows_side).abs().max()
-            assert not torch.equal(rows_side[valid], torch.ones_like(rows_side[valid]))  # a fit, not the fallback
+            for h in range(2):  # each head fitted, not given the fallback
+                assert not torch.equal(rows_side[h][free[h]], torch.ones_like(rows_side[h][free[h]]))
             assert (queries_side[~free] == 1).all()
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_mass_fit_from_an_unknown_side_is_refused():
+    torch.manual_seed(0)
+    span, train, _ = random_attention(torch.randn(1, 50, 8), torch.randn(1, 50, 8))
+    selection = rows_of([torch.arange(10)])
+    with pytest.raises(InvalidInput, match="side"):
+        fit_mass(train, selection.index, selection.valid, side="columns")
 
 
 def test_heads_fitted_in_groups_or_chunks_choose_what_each_head_alone_chooses(monkeypatch):

@@ -24,8 +24,9 @@ Every fitted part is judged by the layer's true attention output on held-out que
 :func:`output_error`) and dropped where it does not beat the unfitted choice, head by head on
 the device: the choice is never read back to the host.
 
-Sizes: every head is fitted, however many rows it keeps, and no system is wider than the
-smaller of its rows and the fits' queries. A head keeping fewer rows than there are queries is
+Sizes: every head is fitted, however many rows it keeps, and no system :func:`choose_fits`
+solves is wider than the smaller of its rows and the fits' queries (:func:`omp_select` refits
+every head at once from the rows' side). A head keeping fewer rows than there are queries is
 solved from its rows' side: ``(heads, t, t)`` systems summed over chunks of queries
 (:meth:`SpanAttention.chunks`, at most :data:`~agentmem.compaction.blockwise.BLOCK_ELEMENTS`
 per tensor), nothing of size (queries × rows) held whole. A head keeping more is solved from the
@@ -42,7 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -50,6 +51,7 @@ from agentmem.cache import to_device
 from agentmem.compaction.blockwise import BLOCK_ELEMENTS, KeyBlock, attention_stats, weighted_key_sums
 from agentmem.compaction.queries import LayerQueries
 from agentmem.compaction.span import LayerChoice, LayerSpan, Selection, best_slots
+from agentmem.errors import InvalidInput
 
 BETA_BOUND = 3.0  # |β − prior| ≤ 3, as in the paper
 RIDGE_STRENGTHS = (1.0, 0.1, 0.01)  # value-fit ridge λ, in units of mean diag(PᵀP): held-out error picks per head
@@ -142,27 +144,42 @@ def fit_mass(
     Only ``free`` rows (default: every valid one) are weighted; the others keep ``w = 1`` and
     their mass counts toward the target. Solved by projected gradient from the clamped ridge
     solution, step ``1/λ_max``. ``side`` says which normal equations are formed
-    (:func:`_mass_from_rows`, :func:`_mass_from_queries`); by default the smaller: the same
-    iterates either way, up to rounding.
+    (:func:`_mass_from_rows`, :func:`_mass_from_queries`): the same iterates in exact
+    arithmetic, not in float32, where each side's system is ill-conditioned in its own way and
+    the queries' side is the better one only for heads keeping more rows than there are
+    queries. The default is the side of the batch's widest head, so callers batch heads of one
+    side together (:func:`head_groups`).
     """
+    if side not in (None, "rows", "queries"):
+        raise InvalidInput(f"side must be 'rows', 'queries' or None, got {side!r}")
     free = valid if free is None else free
-    side = side or ("queries" if att.count < index.shape[1] else "rows")
-    times_gram, rhs, start = (_mass_from_rows if side == "rows" else _mass_from_queries)(att, index, valid, free)
+    side = side or ("queries" if _from_queries(index.shape[1], att.count) else "rows")
+    system = (_mass_from_rows if side == "rows" else _mass_from_queries)(att, index, valid, free)
     lo, hi = math.exp(-BETA_BOUND), math.exp(BETA_BOUND)
-    w = start.nan_to_num(1.0).clamp(lo, hi)
-    step = 1.0 / _largest_eigenvalue(times_gram, rhs).clamp(min=1e-12)
+    w = system.start.nan_to_num(1.0).clamp(lo, hi)
+    step = 1.0 / _largest_eigenvalue(system.times, torch.ones_like(system.rhs)).clamp(min=1e-12)
     for _ in range(iterations):
-        w = (w - step[:, None] * (times_gram(w) - rhs)).clamp(lo, hi)
+        w = (w - step[:, None] * (system.times(w) - system.rhs)).clamp(lo, hi)
     return w.masked_fill(~free, 1.0)
 
 
-MassSystem = tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor]
+def _from_queries(width: int, queries: int) -> bool:
+    """Whether rows this many are fitted from the queries' side: when they outnumber the queries."""
+    return queries < width
 
 
-def _mass_from_rows(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor) -> MassSystem:
-    """The mass fit's ``w ↦ AᵀA·w``, ``Aᵀb`` and ridge solution from the rows' ``t × t`` Gram
-    matrix, summed over query chunks (``A``: each query's design row weighted by the square root
-    of its share, ``b`` its target likewise); a failed solve gives ``w = 1``."""
+class _MassSystem(NamedTuple):
+    """The mass fit's normal equations, from either side: ``times(w) = AᵀA·w``, ``rhs = Aᵀb`` and
+    the ridge solution ``start`` (NaN or 1 where its factorisation failed: the caller makes it 1).
+    ``A``: each query's design row weighted by the square root of its share, ``b`` its target likewise."""
+
+    times: Callable[[torch.Tensor], torch.Tensor]
+    rhs: torch.Tensor
+    start: torch.Tensor
+
+
+def _mass_from_rows(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor) -> _MassSystem:
+    """The rows' ``t × t`` Gram matrix, summed over query chunks."""
     heads, width = index.shape
     gram = torch.zeros(heads, width, width, device=index.device)
     rhs = torch.zeros(heads, width, device=index.device)
@@ -174,25 +191,24 @@ def _mass_from_rows(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor
     eye = torch.eye(width, device=gram.device)[None]
     ridge = 1e-6 * _mean_diagonal(gram.diagonal(dim1=1, dim2=2).sum(-1), free)
     start = _solve(gram + ridge * eye, rhs[..., None], fallback=1.0)[..., 0]
-    return (lambda w: torch.bmm(gram, w[..., None])[..., 0]), rhs, start
+    return _MassSystem(lambda w: torch.bmm(gram, w[..., None])[..., 0], rhs, start)
 
 
-def _mass_from_queries(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor) -> MassSystem:
-    """The same from the queries' side, for a head keeping more rows than there are queries:
+def _mass_from_queries(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor) -> _MassSystem:
+    """The same from the queries' side, for heads keeping more rows than there are queries:
     ``AᵀA·w = Aᵀ(A·w)`` and the ridge solution ``Aᵀ(AAᵀ + λI)⁻¹b``, an ``N × N`` system (the
     same λ: ``trace(AAᵀ) = trace(AᵀA)``). ``A`` ``(H, N, t)`` is held once, so memory and time
     grow with the rows linearly, not with their square: a long session's history leaves some
-    heads with many times more rows than the fits have queries. A failed solve gives ``w = 1``
-    (its NaN solution is replaced by the caller)."""
+    heads with many times more rows than the fits have queries."""
     design, target = _mass_design(att, index, valid, free)
     root = att.share.sqrt()
-    a, b = design * root[..., None], target * root
+    a, b = design.mul_(root[..., None]), target * root  # in place: one (H, N, t) tensor held
     kernel = torch.bmm(a, a.transpose(1, 2))  # (H, N, N)
     ridge = 1e-6 * _mean_diagonal(kernel.diagonal(dim1=1, dim2=2).sum(-1), free)
     eye = torch.eye(kernel.shape[-1], device=kernel.device)[None]
     start = torch.bmm(a.transpose(1, 2), _solve(kernel + ridge * eye, b[..., None], fallback=math.nan))[..., 0]
     rhs = torch.bmm(a.transpose(1, 2), b[..., None])[..., 0]
-    return (lambda w: torch.bmm(a.transpose(1, 2), torch.bmm(a, w[..., None]))[..., 0]), rhs, start
+    return _MassSystem(lambda w: torch.bmm(a.transpose(1, 2), torch.bmm(a, w[..., None]))[..., 0], rhs, start)
 
 
 def fit_scalar_mass(
@@ -231,7 +247,7 @@ def fit_values(
     """
     free = valid if free is None else free
     width = index.shape[1]
-    if att.count < width:
+    if _from_queries(width, att.count):
         design, residual = _value_design(att, index, valid, beta, kept_values, free)
         kernel = torch.bmm(design, design.transpose(1, 2))  # (H, N, N)
         scale = _mean_diagonal(kernel.diagonal(dim1=1, dim2=2).sum(-1), free)  # trace(AAᵀ) = trace(AᵀA)
@@ -348,7 +364,7 @@ def omp_select(att: SpanAttention, budgets: Sequence[int], *, rounds: int = 8) -
         chosen |= added
         excluded |= added
         rows = Selection.of_mask(chosen, targets[r + 1])
-        w = fit_mass(att, rows.index, rows.valid, iterations=20)
+        w = fit_mass(att, rows.index, rows.valid, iterations=20, side="rows")  # every head at once: from the rows' side, as a narrow head needs
         residual = torch.cat([
             1.0 - ((kept_logits(part, rows.index, rows.valid) - part.lse_span[..., None]).exp() * w[:, None, :]).sum(-1)
             for part in att.chunks(rows.index.shape[1])], dim=1)
@@ -367,7 +383,7 @@ def head_groups(counts: Sequence[int], queries: int) -> list[list[int]]:
     groups: list[list[int]] = []
     for h in order:
         group = groups[-1] if groups else None
-        if group is not None and (counts[group[0]] > queries) == (counts[h] > queries):
+        if group is not None and _from_queries(counts[group[0]], queries) == _from_queries(counts[h], queries):
             padded = (len(group) + 1) * counts[group[0]] ** 2
             if padded <= max(GROUP_ELEMENTS, 2 * sum(counts[g] ** 2 for g in [*group, h])):
                 group.append(h)
@@ -467,11 +483,11 @@ def _solve(systems: torch.Tensor, rhs: torch.Tensor, *, fallback: float) -> torc
     return solution.masked_fill((info != 0)[..., None, None], fallback)
 
 
-def _largest_eigenvalue(times: Callable[[torch.Tensor], torch.Tensor], like: torch.Tensor,
+def _largest_eigenvalue(times: Callable[[torch.Tensor], torch.Tensor], start: torch.Tensor,
                         iterations: int = 10) -> torch.Tensor:
     """Each head's largest eigenvalue ``(H,)`` of the symmetric map ``times`` on ``(H, t)``
-    vectors shaped ``like``, by power iteration from the ones vector."""
-    v = torch.ones_like(like)
+    vectors, by power iteration from ``start``."""
+    v = start
     for _ in range(iterations):
         v = times(v)
         v = v / v.norm(dim=1, keepdim=True).clamp(min=1e-30)
