@@ -364,7 +364,8 @@ def omp_select(att: SpanAttention, budgets: Sequence[int], *, rounds: int = 8) -
         chosen |= added
         excluded |= added
         rows = Selection.of_mask(chosen, targets[r + 1])
-        w = fit_mass(att, rows.index, rows.valid, iterations=20, side="rows")  # every head at once: from the rows' side, as a narrow head needs
+        # every head at once, so from the rows' side: a narrow head must not be solved from the queries'
+        w = fit_mass(att, rows.index, rows.valid, iterations=20, side="rows")
         residual = torch.cat([
             1.0 - ((kept_logits(part, rows.index, rows.valid) - part.lse_span[..., None]).exp() * w[:, None, :]).sum(-1)
             for part in att.chunks(rows.index.shape[1])], dim=1)
