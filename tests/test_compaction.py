@@ -29,6 +29,7 @@ from agentmem.compaction.base import Job
 from agentmem.compaction.queries import DEFAULT_SOURCE, STORED_QUERIES, LayerQueries, collect_reference
 from agentmem.compaction.scoring import SINKS, unfitted
 from agentmem.compaction.solvers import (
+    RIDGE_STRENGTHS,
     SpanAttention,
     choose_fits,
     fit_mass,
@@ -386,6 +387,28 @@ def test_mass_fits_from_the_rows_or_the_queries_side_are_the_same_iterates():
             assert (queries_side[~free] == 1).all()
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_wide_heads_fits_hold_one_design_at_a_time():
+    """A head fitted from the queries' side holds its design ``(H, N, t)`` whole; the logits, mass
+    shares and attention it is built from are formed in place, so neither fit holds more than one
+    such tensor besides its ``N × N`` systems (a few copies: kernel, ridged, factor) and the
+    ``(t, d)`` values (counted live bytes, not timed)."""
+    from agentmem.costs import CostCounter
+
+    torch.manual_seed(0)
+    span, train, _ = random_attention(torch.randn(1, 12000, 16), torch.randn(1, 12000, 16))
+    selection = rows_of([torch.arange(10000)])  # 10,000 rows, 600 queries: the queries' side
+    index, valid = selection.index, selection.valid
+    kept = span.values.gather(1, index[..., None].expand(-1, -1, 16))
+    design, system = 600 * 10000 * 4, 600 * 600 * 4
+    with CostCounter(memory_of="cpu") as mass:
+        w = fit_mass(train, index, valid)
+    with CostCounter(memory_of="cpu") as values:
+        fit_values(train, index, valid, w.log(), kept, RIDGE_STRENGTHS)
+    for fit in (mass, values):
+        extra = fit.costs.peak_bytes - design
+        assert 0 < extra <= 6 * system + len(RIDGE_STRENGTHS) * 10000 * 16 * 4, extra / design
 
 
 def test_a_mass_fit_from_an_unknown_side_is_refused():

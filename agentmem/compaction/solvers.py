@@ -89,11 +89,14 @@ class SpanAttention:
 
     def logits_of(self, index: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``(H, N, t)`` of the span slots ``index`` ``(H, t)``, their prior included;
-        the product runs in the queries' dtype."""
+        the product runs in the queries' dtype. Float32 queries' product is turned into the logits
+        in place (one ``(H, N, t)`` tensor made, not two: a wide head's design is that size)."""
         q = self.queries.q
         keys = self.span.keys.gather(1, index[..., None].expand(-1, -1, self.span.keys.shape[-1])).to(q.dtype)
-        return torch.add(self.span.prior.gather(1, index)[:, None, :], torch.bmm(q, keys.transpose(1, 2)),
-                         alpha=self.scale)
+        product = torch.bmm(q, keys.transpose(1, 2))
+        prior = self.span.prior.gather(1, index)[:, None, :]
+        out = product if product.dtype == prior.dtype else None
+        return torch.add(prior, product, alpha=self.scale, out=out)
 
     @property
     def count(self) -> int:
@@ -121,18 +124,23 @@ class SpanAttention:
 
 
 def kept_logits(att: SpanAttention, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Logits of the kept rows ``(H, N, t)``, -inf where a head has fewer rows than ``t``."""
-    return att.logits_of(index).masked_fill(~valid[:, None, :], _NEG)
+    """Logits of the kept rows ``(H, N, t)``, -inf where a head has fewer rows than ``t``: a fresh
+    tensor the caller may change in place."""
+    return att.logits_of(index).masked_fill_(~valid[:, None, :], _NEG)
 
 
 def _mass_design(
     att: SpanAttention, index: torch.Tensor, valid: torch.Tensor, free: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each free kept row's share of each query's span mass ``(H, N, t)`` (0 on other rows), and
-    the share ``(H, N)`` the free rows must make up: 1 minus the other valid rows' share."""
-    design = (kept_logits(att, index, valid) - att.lse_span[..., None]).exp()  # (H, N, t), 0 on padding
-    target = 1.0 - (design * (valid & ~free)[:, None, :]).sum(-1)
-    return design * free[:, None, :], target
+    the share ``(H, N)`` the free rows must make up: 1 minus the other valid rows' share.
+
+    Built in place: the design is the one ``(H, N, t)`` tensor made (a head fitted from the
+    queries' side holds it whole)."""
+    design = kept_logits(att, index, valid).sub_(att.lse_span[..., None]).exp_()  # 0 on padding
+    fixed = (valid & ~free).to(design.dtype)
+    target = 1.0 - torch.bmm(design, fixed[..., None])[..., 0]
+    return design.mul_(free[:, None, :]), target
 
 
 def fit_mass(
@@ -271,9 +279,17 @@ def _value_design(
     """``A`` ``(H, N, t)`` and ``B`` ``(H, N, d)`` of :func:`fit_values`: each query's attention over
     the kept rows (0 on rows not free, so their change is 0) and the output it misses, both
     weighted by the square root of its share of attention on the span."""
-    probs = (kept_logits(att, index, valid) + beta[:, None, :]).softmax(-1).nan_to_num(0.0)  # 0 on padding
+    probs = _softmax_(kept_logits(att, index, valid).add_(beta[:, None, :])).nan_to_num_(0.0)  # 0 on padding
     root = att.share.sqrt()[..., None]
-    return probs * free[:, None, :] * root, (att.output - torch.bmm(probs, kept_values)) * root
+    residual = (att.output - torch.bmm(probs, kept_values)) * root
+    return probs.mul_(free[:, None, :]).mul_(root), residual
+
+
+def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension in place (``Tensor.softmax`` makes a second tensor of the
+    design's size); a row of -inf gives NaN, as ``softmax`` does."""
+    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    return logits.div_(logits.sum(-1, keepdim=True))
 
 
 def _times_each(matrices: torch.Tensor, stacks: torch.Tensor) -> torch.Tensor:
@@ -453,7 +469,11 @@ def _fit_group(
     per_beta = values[0].shape[0]
     beta_fitted, values_fitted = best >= per_beta, best % per_beta > 0
     kinds = beta_fitted.long() + 2 * values_fitted.long()  # FIT_KINDS order
-    return prior + torch.stack(log_ws)[best // per_beta, heads], torch.cat(values)[best, heads], kinds
+    chosen_beta = best // per_beta
+    chosen_values = values[0][0]
+    for b, fitted in enumerate(values):  # not one concatenation: the candidates' values are a design's size
+        chosen_values = torch.where((chosen_beta == b)[:, None, None], fitted[best % per_beta, heads], chosen_values)
+    return prior + torch.stack(log_ws)[chosen_beta, heads], chosen_values, kinds
 
 
 def _solve(systems: torch.Tensor, rhs: torch.Tensor, *, fallback: float) -> torch.Tensor:
