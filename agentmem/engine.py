@@ -25,7 +25,10 @@ from agentmem.attention import BetaMode, BiasRows, ForwardPass, PackedPasses, Qu
 from agentmem.cache import LayerCache, ScratchRows, SessionCache, to_device
 from agentmem.chat import HeldText, cut_pieces, render_pieces, tokenize_pieces, validate_messages
 from agentmem.errors import ContextOverflow, HistoryDivergence, InvalidInput, ModelMismatch
+from agentmem.paged_attention import PagedForward
+from agentmem.paged_sessions import PagedSession
 from agentmem.placement import rotate_by
+from agentmem.pool import BlockPool
 from agentmem.models import (
     EMBEDDED,
     EMBEDDED_DIR_NAME,
@@ -347,6 +350,50 @@ class Engine:
                 layer.commit(n)
         return out.last_hidden_state
 
+    def new_pools(self, *, blocks: int, block_size: int) -> list[BlockPool]:
+        """One block pool per layer, in the model's dtype on its device: what :class:`PagedSession` s
+        are held in (:mod:`agentmem.paged_sessions`)."""
+        return [BlockPool(blocks=blocks, block_size=block_size, head_dim=self.head_dim, dtype=self.dtype,
+                          device=self.device) for _ in range(self.num_layers)]
+
+    def read_paged(self, sessions: Sequence[PagedSession], tokens: Sequence[Sequence[int]], *,
+                   batch_slots: int | None = None) -> torch.Tensor:
+        """One forward reading ``tokens[b]`` into ``sessions[b]`` at its positions, decode steps and prompt
+        chunks mixed; final hidden states ``(1, Σ n_b, hidden)``. Run by the scheduler, like every forward.
+
+        Every layer's attention is one :class:`~agentmem.paged_attention.PagedForward` call for all
+        the sessions (``batch_slots`` pads them to a fixed count: one shape per batch bucket). The
+        new rows are committed and the ids logged once the forward has run; if it fails (a pool out
+        of blocks, a bad id), no session changes and no block stays taken."""
+        if not sessions or len(sessions) != len(tokens):
+            raise InvalidInput(f"a paged forward reads one run of tokens per session: {len(sessions)} sessions, "
+                               f"{len(tokens)} runs")
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise InvalidInput("a paged forward reads one run of tokens per session: a session appears twice")
+        runs = [self._check_tokens(run, session) for session, run in zip(sessions, tokens)]
+        return self.scheduler.call(lambda: self._read_paged(sessions, runs, batch_slots))
+
+    @torch.inference_mode()
+    def _read_paged(self, sessions: Sequence[PagedSession], runs: list[list[int]],
+                    batch_slots: int | None) -> torch.Tensor:
+        """:meth:`read_paged`'s forward, on the scheduler's thread."""
+        forward = PagedForward([s.rows for s in sessions], list(itertools.accumulate(map(len, runs), initial=0)),
+                               [s.next_token for s in sessions], first_position=[s.next_position for s in sessions],
+                               beta_mode=None if self.beta_mode == "fold" else self.beta_mode, batch_slots=batch_slots)
+        ids_and_positions = to_device([[t for run in runs for t in run],
+                                       [p for s, run in zip(sessions, runs)
+                                        for p in range(s.next_position, s.next_position + len(run))]], self.device)
+        try:
+            out = self.model.base_model(input_ids=ids_and_positions[:1], position_ids=ids_and_positions[1:],
+                                        use_cache=False, agentmem_paged=forward)
+        except BaseException:
+            forward.discard()
+            raise
+        forward.commit()
+        for session, run in zip(sessions, runs):
+            session.token_ids.extend(run)
+        return out.last_hidden_state
+
     def _run(self, input_ids: torch.Tensor, first_position: int, forward_pass: ForwardPass) -> torch.Tensor:
         """One decoder forward over ``input_ids`` ``(1, n)`` at positions from ``first_position``; final hidden states.
 
@@ -362,7 +409,8 @@ class Engine:
         )
         return out.last_hidden_state
 
-    def _check_tokens(self, token_ids: Sequence[int], cache: SessionCache | None, *, reserve: int = 0) -> list[int]:
+    def _check_tokens(self, token_ids: Sequence[int], cache: SessionCache | PagedSession | None, *,
+                      reserve: int = 0) -> list[int]:
         if cache is not None:
             self.check_cache(cache)
         if isinstance(token_ids, torch.Tensor):
@@ -381,7 +429,7 @@ class Engine:
             )
         return ids
 
-    def check_cache(self, cache: SessionCache) -> None:
+    def check_cache(self, cache: SessionCache | PagedSession) -> None:
         """Raise :class:`ModelMismatch` unless ``cache`` was made by this engine's model."""
         if cache.fingerprint != self.fingerprint:
             raise ModelMismatch(f"cache belongs to model {cache.fingerprint}, engine runs {self.fingerprint}")

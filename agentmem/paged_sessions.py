@@ -1,0 +1,84 @@
+"""Sessions held in a model's block pools, read through the model with one attention call per layer.
+
+A :class:`PagedSession` is one session in the layout issue [pool] moves every session to: per
+layer, its rows in that layer's :class:`~agentmem.pool.BlockPool` (:class:`~agentmem.pool.PagedRows`),
+plus its token log and where its next token sits in RoPE positions. :meth:`Engine.read_paged
+<agentmem.engine.Engine.read_paged>` reads new tokens into many such sessions in one model
+forward, decode steps and prompt chunks mixed, every layer's attention one
+:class:`~agentmem.paged_attention.PagedForward` call over the pool whatever the number of sessions.
+
+:meth:`PagedSession.holding` copies a :class:`~agentmem.cache.SessionCache` (compacted or raw,
+re-placed or not) into the pools, which is how a session's rows get there until the engine's
+sessions live in the pool from their first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from agentmem.cache import SessionCache
+from agentmem.errors import InvalidInput
+from agentmem.pool import BlockPool, PagedRows
+
+
+@dataclass
+class PagedSession:
+    """One session's rows in every layer's pool (``rows[layer]``), its token log and its placement offset.
+
+    Token ``i`` read from now on sits at RoPE position ``i - offset``, as in
+    :attr:`SessionCache.next_position <agentmem.cache.SessionCache.next_position>`.
+    """
+
+    rows: list[PagedRows]
+    token_ids: list[int]
+    fingerprint: str  # the model whose rows these are (:meth:`Engine.check_cache <agentmem.engine.Engine.check_cache>`)
+    offset: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.rows[0].kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.rows[0].pool.keys.shape[-1]
+
+    @property
+    def next_token(self) -> int:
+        """The session's index of the next token read: how many it has read."""
+        return len(self.token_ids)
+
+    @property
+    def next_position(self) -> int:
+        """RoPE position of the next token read."""
+        return len(self.token_ids) - self.offset
+
+    @classmethod
+    def holding(cls, pools: Sequence[BlockPool], cache: SessionCache) -> PagedSession:
+        """``cache``'s rows copied into ``pools`` (one per layer): its compacted segments and raw tail,
+        every KV head with its own row count. On failure (a pool without room) no block stays taken."""
+        if len(pools) != len(cache.layers):
+            raise InvalidInput(f"a session of {len(cache.layers)} layers needs a pool per layer, got {len(pools)}")
+        placement = cache.placement
+        if cache.tail_start < placement.boundary and cache.layers[0].tail_length:
+            raise InvalidInput(f"the raw tail from token {cache.tail_start} starts inside the placement's squeezed "
+                               f"span (boundary {placement.boundary}): its rows are not at consecutive positions")
+        rows: list[PagedRows] = []
+        try:
+            for pool, layer in zip(pools, cache.layers):
+                rows.append(PagedRows.holding(pool, layer, tail_start=cache.tail_start,
+                                              tail_position=cache.tail_start - placement.offset))
+        except BaseException:
+            for held in rows:
+                held.release()
+            raise
+        return cls(rows, cache.token_ids, cache.fingerprint, placement.offset)
+
+    def release(self) -> None:
+        """Give every block back to its pool (the session is gone)."""
+        for rows in self.rows:
+            rows.release()

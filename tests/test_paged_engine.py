@@ -1,0 +1,137 @@
+"""Sessions held in block pools, read through the model (``Engine.read_paged``): one attention call
+per layer for all of them, the same logits and greedy replies as each session read on its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentmem import Engine
+from agentmem.attention import BiasRows
+from agentmem.compaction import compact
+from agentmem.costs import count
+from agentmem.errors import ContextOverflow, InvalidInput, PoolExhausted
+from agentmem.paged_sessions import PagedSession
+from agentmem.placement import placement_for, replace_positions
+from helpers import wide_model
+from test_scheduler import caches
+
+BLOCK = 16
+STEPS = 6
+
+
+def alone(engine: Engine, cache, run: list[int]) -> torch.Tensor:
+    """Logits ``(n, vocab)`` of ``run`` read into ``cache`` by the per-session path (which logs it)."""
+    with torch.inference_mode():
+        hidden = engine.scheduler.call(lambda: engine.commit_rows([cache], [run], [BiasRows()]))
+        cache.extend_log(run)
+        return engine.head(hidden[0]).float()
+
+
+def sessions_of(engine: Engine, made: list) -> tuple[list, list[PagedSession]]:
+    pools = engine.new_pools(blocks=2048, block_size=BLOCK)
+    return pools, [PagedSession.holding(pools, cache) for cache in made]
+
+
+def check_steps(engine: Engine, made: list, first_runs: list[list[int]], *, atol: float = 1e-4) -> None:
+    """A first forward of ``first_runs`` (prompt chunks and single tokens mixed), then greedy decode
+    steps: every paged session's logits equal its own path's, step after step."""
+    references = [cache.clone() for cache in made]
+    _, sessions = sessions_of(engine, made)
+    runs = first_runs
+    for _ in range(STEPS):
+        with torch.inference_mode():
+            paged = engine.head(engine.read_paged(sessions, runs)[0]).float().split([len(run) for run in runs])
+        expected = [alone(engine, cache, run) for cache, run in zip(references, runs)]
+        for got, want in zip(paged, expected):
+            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+        runs = [[int(want[-1].argmax())] for want in expected]  # greedy: the reply each would give alone
+    for session, cache in zip(sessions, references):
+        assert session.token_ids == cache.token_ids and session.next_position == cache.next_position
+
+
+def test_paged_sessions_read_as_each_session_alone(tiny_engine):
+    """Ragged sessions, two compacted (β, uneven heads), one new (its prompt), read together:
+    logits and greedy replies equal each session's own forward, over decode steps that cross
+    block boundaries."""
+    engine = tiny_engine
+    made = [*caches(engine), engine.new_cache()]
+    check_steps(engine, made, [[11, 12, 13, 14, 15], [16], [17], [18], [19], [20, 21, 22, 23, 24, 25, 26]])
+
+
+def test_paged_sessions_at_the_wide_head_shape(tokenizer):
+    """The 8B attention shape (32 query / 8 KV heads, head_dim 128): a compacted and a raw session."""
+    engine = Engine(wide_model(), tokenizer)
+    ids = torch.randint(3, 49152, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    made = [compact(engine, engine.prefill(ids), "global-eviction", ratio=4, keep_recent=16),
+            engine.prefill(ids[:77])]
+    check_steps(engine, made, [[5, 6, 7], [8]])
+
+
+def test_a_replaced_session_reads_at_its_placed_positions(tiny_engine):
+    """A compacted session re-placed (its next token's position below its token count) is held and
+    read at its placed positions."""
+    engine = tiny_engine
+    cache = compact(engine, engine.prefill(list(range(100, 420))), "global-eviction", ratio=4, keep_recent=32,
+                    protect_prefix=4)
+    moved = replace_positions(engine, cache, placement_for(cache, protect=4, room=40))
+    assert moved.next_position < moved.logical_length
+    check_steps(engine, [moved], [[7, 8, 9]])
+
+
+def test_one_attention_call_per_layer_whatever_the_number_of_sessions(tiny_engine):
+    """A decode step of 8 sessions dispatches the same attention calls as one session's."""
+    engine = tiny_engine
+
+    def step_costs(sessions: int):
+        made = [engine.prefill(list(range(50 + i, 90 + 3 * i))) for i in range(sessions)]
+        _, held = sessions_of(engine, made)
+        _, costs = count(engine.read_paged, held, [[7]] * sessions)
+        return costs
+
+    one, eight = step_costs(1), step_costs(8)
+    calls = lambda c: sum(n for op, n in c.ops.items() if "attention" in op)  # noqa: E731
+    assert calls(one) == calls(eight) == engine.num_layers
+
+
+def test_a_failed_paged_read_changes_no_session(tiny_engine):
+    """A pool without room for a forward's rows: it raises PoolExhausted, every session keeps its rows,
+    tokens and blocks, and a later read with room equals each session's own."""
+    engine = tiny_engine
+    made = [engine.prefill(list(range(60, 60 + n))) for n in (30, 45)]
+    pools = engine.new_pools(blocks=1 + engine.num_kv_heads * 6, block_size=BLOCK)  # 6 blocks a head: 96 rows
+    sessions = [PagedSession.holding(pools, cache) for cache in made]
+    free = [pool.free_blocks for pool in pools]
+    with pytest.raises(PoolExhausted):
+        engine.read_paged(sessions, [list(range(200, 240)), [9]])  # 70 rows on one head: 5 blocks, 3 + 3 held
+    assert [pool.free_blocks for pool in pools] == free
+    assert [s.token_ids for s in sessions] == [c.token_ids for c in made]
+    assert [rows.lengths for s in sessions for rows in s.rows] == [[n] * engine.num_kv_heads
+                                                                   for n in (30, 45) for _ in range(engine.num_layers)]
+    check_steps(engine, made, [[1, 2, 3], [9]])
+
+
+def test_paged_reads_refuse_bad_input(tiny_engine):
+    engine = tiny_engine
+    _, (session,) = sessions_of(engine, [engine.prefill([5, 6, 7])])
+    with pytest.raises(InvalidInput, match="vocabulary"):
+        engine.read_paged([session], [[engine.vocab_size]])
+    with pytest.raises(InvalidInput, match="appears twice"):
+        engine.read_paged([session, session], [[1], [2]])
+    with pytest.raises(InvalidInput, match="one run of tokens per session"):
+        engine.read_paged([session], [[1], [2]])
+    with pytest.raises(ContextOverflow):
+        engine.read_paged([session], [[1] * engine.max_context])
+    assert session.token_ids == [5, 6, 7]
+
+
+def test_paged_sessions_on_the_embedded_model(engine):
+    """The embedded model: a session of real text compacted by ``am`` (fitted β and values), a raw
+    one and a new one, read together as each alone."""
+    from pydoc_data.topics import topics
+
+    ids = engine.tokenizer(topics["with"][:2500])["input_ids"]
+    made = [compact(engine, engine.prefill(ids), "am", ratio=4, keep_recent=32), engine.prefill(ids[:150]),
+            engine.new_cache()]
+    assert made[0].layers[0].layouts  # compacted segments, with β
+    check_steps(engine, made, [[28, 29, 30], [31], engine.tokenizer("Hello there")["input_ids"]])
