@@ -37,12 +37,15 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from common import RESULTS, command_line, machine, markdown_table, write_results
+from common import RESULTS, command_line, machine, markdown_table, random_shape_engine, stdlib_text, write_results
 
-from agentmem.attention import ForwardPass, PackedPasses, session_attention
+from agentmem import Engine
+from agentmem.attention import BiasRows, ForwardPass, PackedPasses, session_attention
 from agentmem.cache import CompactedSegment, LayerCache, SessionCache
+from agentmem.compaction import compact
 from agentmem.costs import count, is_view_op
 from agentmem.paged_attention import PagedForward
+from agentmem.paged_sessions import PagedSession
 from agentmem.pool import BlockPool, PagedRows
 from agentmem.prefixes import PrefixIndex
 
@@ -170,6 +173,43 @@ def step(sessions: int, chunk: int) -> dict[str, object]:
     return row
 
 
+def model_step(engine: Engine, sessions: int) -> dict[str, object]:
+    """One decode step of the whole model for ``sessions`` sessions (real text, ragged, every other one
+    compacted): their per-session buffers read in one shared forward (``Engine.commit_rows``, today's
+    batched step) against the same sessions held in a pool (``Engine.read_paged``), both through the
+    scheduler; the second step of each is counted (the pool's first also sends the tables it was
+    loaded with)."""
+    ids = engine.tokenizer(stdlib_text())["input_ids"]
+    caches = [engine.prefill(ids[: 256 - 8 * i]) for i in range(sessions)]
+    caches = [compact(engine, c, "global-eviction", ratio=2, keep_recent=32) if i % 2 else c
+              for i, c in enumerate(caches)]
+    need = sum(-(-(rows + 2) // BLOCK) for c in caches for rows in c.layers[0].rows_per_head)  # 2 steps' rows
+    pools = engine.new_pools(blocks=1 + need, block_size=BLOCK)
+    held = [PagedSession.holding(pools, c) for c in caches]
+    steps = [[[ids[300 + i + s]] for i in range(sessions)] for s in range(2)]
+
+    def through_buffers(tokens: list[list[int]]) -> torch.Tensor:
+        hidden = engine.scheduler.call(lambda: engine.commit_rows(caches, tokens, [BiasRows() for _ in caches]))
+        for cache, run in zip(caches, tokens):
+            cache.extend_log(run)
+        return engine.head(hidden[0])
+
+    def through_pool(tokens: list[list[int]]) -> torch.Tensor:
+        return engine.head(engine.read_paged(held, tokens)[0])
+
+    through_buffers(steps[0])
+    through_pool(steps[0])
+    today, buffers = count(through_buffers, steps[1])
+    paged, pooled = count(through_pool, steps[1])
+    row: dict[str, object] = {"sessions": sessions}
+    for name, costs in (("buffers", buffers), ("paged", pooled)):
+        row[f"aten ops {name}"] = costs.aten_ops
+        row[f"attention calls {name}"] = sum(n for op, n in costs.ops.items() if "scaled_dot_product" in op)
+        row[f"host syncs {name}"] = costs.host_syncs
+    row["max |logits paged - buffers|"] = (paged - today).abs().max().item()
+    return row
+
+
 def growth(tokens: int) -> list[dict[str, object]]:
     """Bytes moved by the write path while one session appends ``tokens`` tokens one at a time."""
     dtype = torch.bfloat16
@@ -269,6 +309,12 @@ def main() -> None:
         grown = growth(args.append)
         prompts = shared_prompt(args.prompt_sessions, args.prompt, 128)
         host = [host_work(32, 131072, 128)]
+        wide = random_shape_engine("wide-cpu", torch.device("cpu"), torch.float32, 1024)
+        model_steps = [model_step(wide, n) for n in args.sessions]
+    for row in model_steps:
+        for name in ("buffers", "paged"):
+            base = model_steps[0][f"aten ops {name}"]
+            row[f"aten ops {name} / {args.sessions[0]} session"] = row[f"aten ops {name}"] / base
     for row in steps:
         base = next(r for r in steps if r["step"] == row["step"] and r["sessions"] == args.sessions[0])
         for name in ("buffers", "paged"):
@@ -281,10 +327,14 @@ def main() -> None:
     md += markdown_table(grown) + "\n"
     md += (f"\n## Shared prompt: {args.prompt_sessions} sessions of one tenant opening with the same {args.prompt:,} "
            "tokens, then 128 of their own (bf16)\n\n" + markdown_table(prompts) + "\n")
+    md += ("\n## One decode step of the model: per-session buffers in one shared forward against one pool "
+           f"(random {wide.name.removeprefix('random ')} weights: the 8B attention shape, "
+           f"{wide.num_layers} layers, float32)\n\n" + markdown_table(model_steps) + "\n")
     md += ("\n## Host work of a step: one layer's block tables and writes, 32 sessions of 128k tokens "
            "(meta device)\n\n" + markdown_table(host) + "\n")
     (RESULTS / "pool.md").write_text(md)
-    (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "growth": grown, "shared prompt": prompts,
+    (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "model step": model_steps, "growth": grown,
+                                                   "shared prompt": prompts,
                                                    "host work": host, **extra}, indent=2, default=str))
     print(md)
 

@@ -37,3 +37,16 @@ def test_sessions_sharing_a_prompt_hold_one_copy_of_it():
     own_copies, shared = pool.shared_prompt(4, 2 * pool.BLOCK, 5)
     assert own_copies["prompt copies held"] == 4 and shared["prompt copies held"] == 1
     assert shared["pool MiB held"] < own_copies["pool MiB held"]
+
+
+def test_a_model_step_reads_pooled_sessions_with_one_attention_call_per_layer(tokenizer):
+    from agentmem import Engine
+    from helpers import tiny_model
+
+    engine = Engine(tiny_model("llama"), tokenizer)
+    with torch.inference_mode():
+        row = pool.model_step(engine, 3)
+    assert row["attention calls buffers"] == 3 * engine.num_layers
+    assert row["attention calls paged"] == engine.num_layers
+    assert row["max |logits paged - buffers|"] < 1e-4
+    assert row["host syncs paged"] == 0
