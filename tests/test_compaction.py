@@ -419,6 +419,17 @@ def test_a_mass_fit_from_an_unknown_side_is_refused():
         fit_mass(train, selection.index, selection.valid, side="columns")
 
 
+def test_head_groups_weigh_what_each_sides_fit_holds(monkeypatch):
+    """Heads fitted from the rows' side hold ``t × t`` systems, so a third head of 700 rows is not
+    padded to 3,000 (3 × 9M padded entries against 2 × 10.5M own); from the queries' side they
+    hold ``N × t`` designs, so with 600 queries all three share a group. A narrow head never
+    joins a wide one, whatever the sizes."""
+    monkeypatch.setattr(solvers, "GROUP_ELEMENTS", 0)
+    assert solvers.head_groups([3000, 1000, 700], 4000) == [[0, 1], [2]]  # rows' side: squares
+    assert solvers.head_groups([3000, 1000, 700], 600) == [[0, 1, 2]]  # queries' side: 3x, then linear sums
+    assert solvers.head_groups([3000, 500], 600) == [[0], [1]]  # 500 rows: the rows' side
+
+
 def test_heads_fitted_in_groups_or_chunks_choose_what_each_head_alone_chooses(monkeypatch):
     """A head's fit does not depend on the heads solved beside it (their widths pad its
     systems), on the query chunks, or on whether its group solves from the rows' or the

@@ -389,24 +389,31 @@ def omp_select(att: SpanAttention, budgets: Sequence[int], *, rounds: int = 8) -
 
 
 def head_groups(counts: Sequence[int], queries: int) -> list[list[int]]:
-    """KV heads in groups solved together, widest first: a group's systems are padded to its
-    widest head, so a head joins a group only while the padded entries stay within twice the
-    group's own (or within :data:`GROUP_ELEMENTS`, too few to matter). Heads keeping more rows
-    than there are ``queries`` never share a group with heads keeping fewer: the two are solved
-    from different sides (:func:`fit_mass`), and a narrow head's mass system formed from the
-    queries' side would have rank below its size, which a ridge of a millionth cannot lift in
-    float32."""
+    """KV heads in groups solved together, widest first: a group's fits are padded to its widest
+    head, so a head joins a group only while the padded entries stay within twice the group's
+    own (or within :data:`GROUP_ELEMENTS`, too few to matter). What a head's fit holds is its
+    ``t × t`` systems on the rows' side and its ``queries × t`` design on the queries' side
+    (:func:`_fit_entries`). Heads keeping more rows than there are ``queries`` never share a
+    group with heads keeping fewer: the two are solved from different sides (:func:`fit_mass`),
+    and a narrow head's mass system formed from the queries' side would have rank below its
+    size, which a ridge of a millionth cannot lift in float32."""
     order = sorted(range(len(counts)), key=lambda h: -counts[h])
     groups: list[list[int]] = []
     for h in order:
         group = groups[-1] if groups else None
         if group is not None and _from_queries(counts[group[0]], queries) == _from_queries(counts[h], queries):
-            padded = (len(group) + 1) * counts[group[0]] ** 2
-            if padded <= max(GROUP_ELEMENTS, 2 * sum(counts[g] ** 2 for g in [*group, h])):
+            padded = (len(group) + 1) * _fit_entries(counts[group[0]], queries)
+            if padded <= max(GROUP_ELEMENTS, 2 * sum(_fit_entries(counts[g], queries) for g in [*group, h])):
                 group.append(h)
                 continue
         groups.append([h])
     return groups
+
+
+def _fit_entries(width: int, queries: int) -> int:
+    """Entries of the largest tensor one head's fits hold at ``width`` rows: its design from the
+    queries' side, its systems from the rows' side."""
+    return queries * width if _from_queries(width, queries) else width**2
 
 
 def choose_fits(
