@@ -9,7 +9,9 @@ forward, decode steps and prompt chunks mixed, every layer's attention one
 
 :meth:`PagedSession.holding` copies a :class:`~agentmem.cache.SessionCache` (compacted or raw,
 re-placed or not) into the pools, which is how a session's rows get there until the engine's
-sessions live in the pool from their first token.
+sessions live in the pool from their first token. A session can also start empty, from a
+prefix its tenant published (:meth:`PagedSession.adopting`, rows shared through a
+:class:`~agentmem.prefixes.PrefixIndex`), or as a fork of another (blocks shared copy-on-write).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from agentmem.cache import SessionCache
 from agentmem.errors import InvalidInput
 from agentmem.pool import BlockPool, PagedRows
+from agentmem.prefixes import PrefixIndex
 
 
 @dataclass
@@ -77,6 +80,29 @@ class PagedSession:
                 held.release()
             raise
         return cls(rows, cache.token_ids, cache.fingerprint, placement.offset)
+
+    @classmethod
+    def empty(cls, pools: Sequence[BlockPool], kv_heads: int, fingerprint: str) -> PagedSession:
+        """A new session of ``fingerprint``'s model, holding no rows yet."""
+        return cls([PagedRows(pool, kv_heads) for pool in pools], [], fingerprint)
+
+    @classmethod
+    def adopting(cls, index: PrefixIndex, tenant: str, token_ids: Sequence[int], kv_heads: int,
+                 fingerprint: str) -> PagedSession:
+        """A new session of ``tenant`` holding, shared, the longest prefix of ``token_ids`` its sessions
+        published (:meth:`publish`): it reads only the rest. Another tenant's prefixes are never found."""
+        rows, covered = index.adopt(tenant, token_ids, kv_heads)
+        return cls(rows, list(token_ids[:covered]), fingerprint)
+
+    def publish(self, index: PrefixIndex, tenant: str) -> int:
+        """List this session's raw prefix (its full blocks of tokens read at their own positions) for
+        ``tenant``'s later sessions to adopt; returns how many block positions were new."""
+        return index.publish(tenant, self.rows, self.token_ids)
+
+    def fork(self) -> PagedSession:
+        """A second session holding the same rows and tokens, sharing their blocks: the two go on
+        apart, a shared block copied only when one of them writes into it."""
+        return PagedSession([rows.fork() for rows in self.rows], list(self.token_ids), self.fingerprint, self.offset)
 
     def release(self) -> None:
         """Give every block back to its pool (the session is gone)."""

@@ -13,6 +13,7 @@ from agentmem.costs import count
 from agentmem.errors import ContextOverflow, InvalidInput, PoolExhausted
 from agentmem.paged_sessions import PagedSession
 from agentmem.placement import placement_for, replace_positions
+from agentmem.prefixes import PrefixIndex
 from helpers import wide_model
 from test_scheduler import caches
 
@@ -36,16 +37,24 @@ def sessions_of(engine: Engine, made: list) -> tuple[list, list[PagedSession]]:
 def check_steps(engine: Engine, made: list, first_runs: list[list[int]], *, atol: float = 1e-4) -> None:
     """A first forward of ``first_runs`` (prompt chunks and single tokens mixed), then greedy decode
     steps: every paged session's logits equal its own path's, step after step."""
-    references = [cache.clone() for cache in made]
     _, sessions = sessions_of(engine, made)
-    runs = first_runs
+    steps_equal(engine, sessions, [cache.clone() for cache in made], first_runs, atol=atol)
+
+
+def steps_equal(engine: Engine, sessions: list[PagedSession], references: list, runs: list[list[int]], *,
+                first_reference_runs: list[list[int]] | None = None, atol: float = 1e-4) -> None:
+    """``sessions`` read ``runs`` in one forward, then greedy decode steps; ``references[b]`` (session
+    caches) read the same alone (at first ``first_reference_runs[b]``, which ends with ``runs[b]``:
+    the paged session already holds the rest). Their logits agree at every step."""
+    reference_runs = first_reference_runs or runs
     for _ in range(STEPS):
         with torch.inference_mode():
             paged = engine.head(engine.read_paged(sessions, runs)[0]).float().split([len(run) for run in runs])
-        expected = [alone(engine, cache, run) for cache, run in zip(references, runs)]
+        expected = [alone(engine, cache, run)[-len(mine):]
+                    for cache, run, mine in zip(references, reference_runs, runs)]
         for got, want in zip(paged, expected):
             torch.testing.assert_close(got, want, atol=atol, rtol=0)
-        runs = [[int(want[-1].argmax())] for want in expected]  # greedy: the reply each would give alone
+        runs = reference_runs = [[int(want[-1].argmax())] for want in expected]  # greedy: each one's own reply
     for session, cache in zip(sessions, references):
         assert session.token_ids == cache.token_ids and session.next_position == cache.next_position
 
@@ -135,3 +144,40 @@ def test_paged_sessions_on_the_embedded_model(engine):
             engine.new_cache()]
     assert made[0].layers[0].layouts  # compacted segments, with β
     check_steps(engine, made, [[28, 29, 30], [31], engine.tokenizer("Hello there")["input_ids"]])
+
+
+def test_a_tenants_sessions_hold_a_published_prompt_once_and_read_as_alone(tiny_engine):
+    """A tenant's first session reads a 70-token prompt and publishes it (4 full blocks); three more
+    adopt it and read only the rest of their own messages, another tenant's session finds nothing.
+    Every session's logits equal a session that read everything itself, and each prompt block is
+    held once, by every session and the index."""
+    engine = tiny_engine
+    pools = engine.new_pools(blocks=512, block_size=BLOCK)
+    index = PrefixIndex(pools)
+    prompt = list(range(300, 370))
+    first = PagedSession.empty(pools, engine.num_kv_heads, engine.fingerprint)
+    first_reference = engine.new_cache()
+    steps_equal(engine, [first], [first_reference], [prompt])
+    assert first.publish(index, "acme") == 70 // BLOCK
+    messages = [prompt + [400 + i, 401 + i, 402 + i] for i in range(3)]
+    tenants = ["acme", "acme", "globex"]
+    sessions = [PagedSession.adopting(index, tenant, message, engine.num_kv_heads, engine.fingerprint)
+                for tenant, message in zip(tenants, messages)]
+    assert [s.next_token for s in sessions] == [64, 64, 0]
+    shared = first.rows[0].blocks[0][0]
+    assert pools[0].holders(shared) == 4  # the first session, two adopters and the index
+    steps_equal(engine, sessions, [engine.new_cache() for _ in sessions],
+                [message[s.next_token :] for s, message in zip(sessions, messages)], first_reference_runs=messages)
+    assert pools[0].holders(shared) == 4  # reading on wrote into blocks of their own
+
+
+def test_a_fork_shares_its_parents_rows_and_each_reads_as_alone(tiny_engine):
+    """A compacted session and its fork read different tokens in one forward (the fork's first
+    write copies the shared partial block): both equal their own caches read alone."""
+    engine = tiny_engine
+    cache = caches(engine)[3]
+    pools, (parent,) = sessions_of(engine, [cache])
+    child = parent.fork()
+    used = pools[0].used_blocks
+    steps_equal(engine, [parent, child], [cache.clone(), cache.clone()], [[40, 41], [50, 51, 52]])
+    assert pools[0].used_blocks > used  # the two went apart: blocks of their own
