@@ -43,7 +43,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +53,6 @@ from transformers import AttentionInterface
 from agentmem.cache import LayerCache, ScratchRows, SessionCache
 from agentmem.errors import AgentMemError
 
-if TYPE_CHECKING:  # paged_attention builds on this module
-    from agentmem.paged_attention import PagedForward
 
 ATTENTION_NAME = "agentmem"
 BetaMode = Literal["mask", "fold", "flex"]
@@ -82,6 +80,15 @@ class QueryRecorder(Protocol):
         self, layer_idx: int, query: torch.Tensor, layer: LayerCache, scratch: tuple[torch.Tensor, torch.Tensor],
         scale: float,
     ) -> torch.Tensor: ...
+
+
+class PagedReader(Protocol):
+    """Attention over sessions held in block pools, one call per layer for all of them
+    (:class:`~agentmem.paged_attention.PagedForward`, a compiled decode step's)."""
+
+    def attend(self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """``(q_heads, tokens, d)`` from the layer's packed ``query`` ``(q_heads, tokens, d)`` and new rows."""
 
 
 class SharedMasks:
@@ -190,13 +197,13 @@ def session_attention(
     """transformers attention interface: ``query`` ``(1, Hq, n, d)``, ``key``/``value`` ``(1, Hkv, n, d)``.
 
     One session (``agentmem_pass``), or several packed along the sequence (``agentmem_batch``,
-    :class:`PackedPasses`; ``agentmem_paged``, a :class:`~agentmem.paged_attention.PagedForward`
-    over sessions held in block pools). Each session's tokens attend over its own cache where it lies, and
+    :class:`PackedPasses`; ``agentmem_paged``, a :class:`PagedReader` over sessions held in
+    block pools). Each session's tokens attend over its own cache where it lies, and
     causally over each other: ragged caches are never copied into one padded tensor; the batch
     shares the forward's projections and MLPs, which is what batching buys.
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    paged: PagedForward | None = kwargs.get("agentmem_paged")
+    paged: PagedReader | None = kwargs.get("agentmem_paged")
     if paged is not None:  # every session's rows in the layer's pool: one call for all of them
         return paged.attend(module.layer_idx, query[0], key[0], value[0], scale)[None].transpose(1, 2), None
     packed: PackedPasses | None = kwargs.get("agentmem_batch")

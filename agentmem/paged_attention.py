@@ -200,22 +200,45 @@ def _gathered(pool: BlockPool, tables: torch.Tensor, queries: torch.Tensor, sees
 def _flex_paged(pool: BlockPool, tables: torch.Tensor, blocks: torch.Tensor, queries: torch.Tensor,
                 sees_up_to: torch.Tensor, scale: float) -> torch.Tensor:
     """The ``"flex"`` path: FlexAttention over the pool itself, the block tables as its block mask."""
-    if pool.device.type == "cuda" and pool.block_size % FLEX_CUDA_BLOCK:
-        raise InvalidInput(f"FlexAttention on CUDA needs blocks of a multiple of {FLEX_CUDA_BLOCK} slots (its "
-                           f"kernel's tiles must divide them), not {pool.block_size}")
+    check_flex_block(pool)
     sessions, q_heads, width, _ = queries.shape
-    kv_heads = tables.shape[1]
-    query_blocks = -(-width // pool.block_size)
-    kv_head = torch.arange(q_heads, device=pool.device) // (q_heads // kv_heads)
     # The CPU kernel wants a table as wide as the pool; on a GPU a power of two, so that sessions
     # growing change the compiled shapes only when the longest doubles.
     table_width = pool.blocks if pool.device.type == "cpu" else min(pool.blocks,
                                                                      1 << (tables.shape[2] - 1).bit_length())
-    tables = F.pad(tables, (0, table_width - tables.shape[2]), value=NULL_BLOCK)
-    kv_indices = tables.to(torch.int32)[:, kv_head, None, :].expand(sessions, q_heads, query_blocks, tables.shape[2])
-    kv_count = blocks[:, kv_head, None].expand(sessions, q_heads, query_blocks)
-    order, bias = pool.order, pool.bias
+    kv_indices, kv_count = flex_tables(tables, blocks, q_heads, -(-width // pool.block_size), table_width)
+    return _compiled_paged_flex()(queries, pool.keys[None, None], pool.values[None, None], pool.order, pool.bias,
+                                  kv_indices, kv_count, sees_up_to, scale, pool.block_size)
 
+
+def check_flex_block(pool: BlockPool) -> None:
+    """FlexAttention's CUDA kernel needs the pool's blocks to be whole tiles of it."""
+    if pool.device.type == "cuda" and pool.block_size % FLEX_CUDA_BLOCK:
+        raise InvalidInput(f"FlexAttention on CUDA needs blocks of a multiple of {FLEX_CUDA_BLOCK} slots (its "
+                           f"kernel's tiles must divide them), not {pool.block_size}")
+
+
+def flex_tables(tables: torch.Tensor, blocks: torch.Tensor, q_heads: int, query_blocks: int,
+                table_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block mask's tables from the sessions' block tables ``(sessions, kv_heads, width)`` and block
+    counts ``(sessions, kv_heads)``: per query head (its KV head's), ``(sessions, q_heads, query_blocks,
+    table_width)`` block ids padded with the null block, and ``(sessions, q_heads, query_blocks)`` counts."""
+    sessions, kv_heads = blocks.shape
+    kv_head = torch.arange(q_heads, device=tables.device) // (q_heads // kv_heads)
+    tables = F.pad(tables, (0, table_width - tables.shape[2]), value=NULL_BLOCK)
+    kv_indices = tables.to(torch.int32)[:, kv_head, None, :].expand(sessions, q_heads, query_blocks, table_width)
+    kv_count = blocks[:, kv_head, None].expand(sessions, q_heads, query_blocks)
+    return kv_indices.contiguous(), kv_count.contiguous()
+
+
+def flex_over_pool(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor,
+                   bias: torch.Tensor, kv_indices: torch.Tensor, kv_count: torch.Tensor, sees_up_to: torch.Tensor,
+                   scale: float, block_size: int) -> torch.Tensor:
+    """FlexAttention of ``queries`` ``(sessions, q_heads, width, d)`` over a pool's ``keys`` / ``values``
+    ``(1, 1, slots, d)``: each session's blocks (:func:`flex_tables`) are its block mask, a row is seen
+    when its ``order`` is at most what the query ``sees_up_to`` ``(sessions, width)``, and its β
+    (``bias``) is added in float32; ``block_size`` is the pool's. Traceable whole, so that a compiled
+    decode step holds it."""
     def seen(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return order[kv_idx] <= sees_up_to[batch, q_idx]
 
@@ -225,16 +248,10 @@ def _flex_paged(pool: BlockPool, tables: torch.Tensor, blocks: torch.Tensor, que
 
     # Every block is partial (its mask_mod applied): no "full" ones, given as empty lists (the CPU
     # kernel's decode path reads them whether or not they are given).
-    kv_indices = kv_indices.contiguous()
-    block_mask = BlockMask.from_kv_blocks(kv_count.contiguous(), kv_indices, torch.zeros_like(kv_count),
-                                          torch.zeros_like(kv_indices), BLOCK_SIZE=pool.block_size, mask_mod=seen,
-                                          seq_lengths=(width, pool.keys.shape[0]), compute_q_blocks=False)
-    return _compiled_paged_flex()(queries, pool.keys[None, None], pool.values[None, None], add_beta, block_mask, scale)
-
-
-def _flex_over_pool(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, score_mod: Callable,
-                    block_mask: BlockMask, scale: float) -> torch.Tensor:
-    return flex_attention(queries, keys, values, score_mod=score_mod, block_mask=block_mask, scale=scale,
+    block_mask = BlockMask.from_kv_blocks(kv_count, kv_indices, torch.zeros_like(kv_count),
+                                          torch.zeros_like(kv_indices), BLOCK_SIZE=block_size, mask_mod=seen,
+                                          seq_lengths=(queries.shape[2], keys.shape[2]), compute_q_blocks=False)
+    return flex_attention(queries, keys, values, score_mod=add_beta, block_mask=block_mask, scale=scale,
                           enable_gqa=True)
 
 
@@ -244,4 +261,4 @@ def _compiled_paged_flex() -> Callable[..., torch.Tensor]:
     step after step), in a function of its own: dynamo keeps compiled frames per function, so this and
     the engine's FlexAttention (``agentmem.attention``, dynamic shapes) never share
     one (on CPU, a frame made dynamic by the other's shapes hits an inductor bug)."""
-    return torch.compile(_flex_over_pool, dynamic=False)
+    return torch.compile(flex_over_pool, dynamic=False)

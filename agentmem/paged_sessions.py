@@ -19,24 +19,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from agentmem.cache import SessionCache
 from agentmem.errors import InvalidInput
+from agentmem.placement import IDENTITY, Placement
 from agentmem.pool import BlockPool, PagedRows
 from agentmem.prefixes import PrefixIndex
 
 
 @dataclass
 class PagedSession:
-    """One session's rows in every layer's pool (``rows[layer]``), its token log and its placement offset.
+    """One session's rows in every layer's pool (``rows[layer]``), its token log and its placement.
 
-    Token ``i`` read from now on sits at RoPE position ``i - offset``, as in
+    Token ``i`` read from now on sits at RoPE position ``i - offset`` (the placement's), as in
     :attr:`SessionCache.next_position <agentmem.cache.SessionCache.next_position>`.
     """
 
     rows: list[PagedRows]
     token_ids: list[int]
     fingerprint: str  # the model whose rows these are (:meth:`Engine.check_cache <agentmem.engine.Engine.check_cache>`)
-    offset: int = 0
+    placement: Placement = IDENTITY
+
+    @property
+    def offset(self) -> int:
+        return self.placement.offset
 
     @property
     def num_layers(self) -> int:
@@ -79,7 +86,7 @@ class PagedSession:
             for held in rows:
                 held.release()
             raise
-        return cls(rows, cache.token_ids, cache.fingerprint, placement.offset)
+        return cls(rows, cache.token_ids, cache.fingerprint, placement)
 
     @classmethod
     def empty(cls, pools: Sequence[BlockPool], kv_heads: int, fingerprint: str) -> PagedSession:
@@ -102,7 +109,15 @@ class PagedSession:
     def fork(self) -> PagedSession:
         """A second session holding the same rows and tokens, sharing their blocks: the two go on
         apart, a shared block copied only when one of them writes into it."""
-        return PagedSession([rows.fork() for rows in self.rows], list(self.token_ids), self.fingerprint, self.offset)
+        return PagedSession([rows.fork() for rows in self.rows], list(self.token_ids), self.fingerprint,
+                            self.placement)
+
+    def replace(self, placement: Placement, inv_freq: torch.Tensor) -> None:
+        """Move the session's rows to ``placement`` (:mod:`agentmem.placement`): every layer's keys re-rotated
+        in place, block by block (:meth:`PagedRows.replace <agentmem.pool.PagedRows.replace>`)."""
+        for rows in self.rows:
+            rows.replace(self.placement, placement, inv_freq)
+        self.placement = placement
 
     def release(self) -> None:
         """Give every block back to its pool (the session is gone)."""

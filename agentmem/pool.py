@@ -210,9 +210,11 @@ class BlockTables:
         need_width = max([width, *(index + 1 for _, _, index in pending)])
         sessions, _, have = self.tensor.shape
         if need_slots > sessions or need_width > have:  # grow what is short by doubling: rare, one copy each time
-            grown = torch.full((max(need_slots, 2 * sessions) if need_slots > sessions else sessions, self.kv_heads,
-                                max(need_width, 2 * have) if need_width > have else have), NULL_BLOCK,
-                               dtype=torch.int32, device=self.tensor.device)
+            # a normal tensor even when a step grows it in inference mode: the tables outlive the step
+            with torch.inference_mode(False):
+                grown = torch.full((max(need_slots, 2 * sessions) if need_slots > sessions else sessions, self.kv_heads,
+                                    max(need_width, 2 * have) if need_width > have else have), NULL_BLOCK,
+                                   dtype=torch.int32, device=self.tensor.device)
             grown[:sessions, :, :have] = self.tensor
             self.tensor = grown
         if emptied:

@@ -20,13 +20,17 @@ ragged real-text histories each decode ``--decode-steps`` greedy tokens at once,
 each, through the engine's ``agentmem.scheduler.Scheduler`` (one forward per step for all of them):
 total generated tokens/s and the forwards they took. And (``--paged-sessions``) one layer's
 attention of one decode step for N sessions of ``--batch-context`` tokens: per-session buffers
-against the paged pool's one call (issue [pool]; not yet the engine's path), ms and difference.
+against the paged pool's one call (issue [pool]; not yet the engine's path), ms and difference; and
+for the same N, the whole model's decode step of sessions held in block pools, compiled once per
+batch bucket (``agentmem.paged_decode.CompiledDecode``; CUDA graphs on a GPU) against the same
+step uncompiled (``Engine.read_paged``): compile seconds, ms a step, tokens/s.
 
 The targets section checks, where the rows exist: engine prefill ≥ 0.9× transformers'
 throughput; compaction at 32k ≤ 3× transformers' prefill (default method) and ≤ 1.5×
 (``global-eviction``); engine decode ≤ 2× the weight-bandwidth limit (the model's parameter
 bytes over the GPU's memory bandwidth; on a GPU not in :data:`BANDWIDTH`, the H200 figure);
-batched decode at N = 32 ≥ 10× the tokens/s of N = 1.
+batched decode at N = 32 ≥ 10× the tokens/s of N = 1; the same for the compiled paged decode, and
+its one-session step ≤ 1.3× the weight-bandwidth limit.
 
 Every stage is guarded: an error or out-of-memory is recorded in its cell and the run goes on.
 ``--deadline S`` (seconds after the model is built): a stage is not started past it, nor when
@@ -420,7 +424,7 @@ def main() -> None:
         methods = ["am", "global-eviction"]
         print(f"compaction unavailable ({type(exc).__name__}: {exc}); trying {methods}", flush=True)
     limit_ms, limit_basis = weight_limit_ms(engine.model)
-    run = {"rows": [], "compaction": [], "batched": [], "paged": [], "build s": build_s, "weight limit ms": limit_ms, "limit basis": limit_basis,
+    run = {"rows": [], "compaction": [], "batched": [], "paged": [], "compiled": [], "build s": build_s, "weight limit ms": limit_ms, "limit basis": limit_basis,
            "beta mode": engine.beta_mode, "methods": methods}
     for length in args.lengths:
         measure_length(engine, run, length, methods, schedule, args, device, lambda: save(run, args, dtype, on_gpu))
@@ -437,6 +441,15 @@ def main() -> None:
             lambda sessions=sessions: paged_attention_step(engine, sessions, args.batch_context, args.decode_steps,
                                                            device), ("paged ms",)))
         print(run["paged"][-1], flush=True)
+        save(run, args, dtype, on_gpu)
+    from pool import compiled_paged_decode
+
+    for sessions in args.paged_sessions:
+        run["compiled"].append({"sessions": sessions, "context": args.batch_context} | guarded(
+            schedule, "compiled paged decode", "batched decode", sessions, device,
+            lambda sessions=sessions: compiled_paged_decode(engine, ids, sessions, args.decode_steps, timed),
+            ("compiled ms",)))
+        print(run["compiled"][-1], flush=True)
         save(run, args, dtype, on_gpu)
     save(run, args, dtype, on_gpu)
 
@@ -508,6 +521,15 @@ def targets(run: dict[str, Any]) -> list[dict[str, Any]]:
     gain = rates[32] / rates[1] if all(isinstance(rates.get(n), float) for n in (1, 32)) else None
     out.append({"target": "batched decode tokens/s at 32 sessions", "limit": "≥ 10x 1 session",
                 "measured": gain if gain is not None else "—", "verdict": verdict(gain, lambda v: v >= 10)})
+    compiled = {r["sessions"]: r for r in run.get("compiled", [])}
+    rates = {n: r.get("compiled tokens/s") for n, r in compiled.items()}
+    gain = rates[32] / rates[1] if all(isinstance(rates.get(n), float) for n in (1, 32)) else None
+    out.append({"target": "compiled paged decode tokens/s at 32 sessions", "limit": "≥ 10x 1 session",
+                "measured": gain if gain is not None else "—", "verdict": verdict(gain, lambda v: v >= 10)})
+    one = compiled.get(1, {}).get("compiled ms")
+    ratio = one / run["weight limit ms"] if isinstance(one, float) and not math.isnan(run["weight limit ms"]) else None
+    out.append({"target": "compiled paged decode step, 1 session", "limit": f"≤ 1.3x weight-bandwidth limit ({run['limit basis']})",
+                "measured": ratio if ratio is not None else "—", "verdict": verdict(ratio, lambda v: v <= 1.3)})
     return out
 
 
@@ -523,12 +545,15 @@ def save(run: dict[str, Any], args: argparse.Namespace, dtype: torch.dtype, on_g
           f"## Batched decode ({args.batch_context:,} tokens a session, {args.decode_steps} steps)\n\n"
           f"{markdown_table(run['batched']) if run['batched'] else 'not run'}\n\n"
           f"## Paged attention: one layer, one decode step ({args.batch_context:,} tokens a session)\n\n"
-          f"{markdown_table(run['paged']) if run['paged'] else 'not run'}\n\n## Targets\n\n{markdown_table(targets(run))}\n")
+          f"{markdown_table(run['paged']) if run['paged'] else 'not run'}\n\n"
+          f"## Compiled paged decode: the whole model, one token a session ({args.batch_context:,} tokens a session)\n\n"
+          f"{markdown_table(run['compiled']) if run['compiled'] else 'not run'}\n\n"
+          f"## Targets\n\n{markdown_table(targets(run))}\n")
     md += "".join(f"\n{key}: {value}\n" for key, value in extra.items())
     (args.out / f"{name}.md").write_text(md)
     (args.out / f"{name}.json").write_text(json.dumps(
         {"prefill and decode": run["rows"], "compaction": run["compaction"], "batched decode": run["batched"],
-         "paged attention": run["paged"], "targets": targets(run), **extra},
+         "paged attention": run["paged"], "compiled paged decode": run["compiled"], "targets": targets(run), **extra},
         indent=2, default=str))
     plot(args.out / f"{name}.png", run["compaction"], args, title)
 

@@ -33,6 +33,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -45,6 +46,7 @@ from agentmem.cache import CompactedSegment, LayerCache, SessionCache
 from agentmem.compaction import compact
 from agentmem.costs import count, is_view_op
 from agentmem.paged_attention import PagedForward
+from agentmem.paged_decode import CompiledDecode
 from agentmem.paged_sessions import PagedSession
 from agentmem.pool import BlockPool, PagedRows
 from agentmem.prefixes import PrefixIndex
@@ -208,6 +210,42 @@ def model_step(engine: Engine, sessions: int) -> dict[str, object]:
         row[f"host syncs {name}"] = costs.host_syncs
     row["max |logits paged - buffers|"] = (paged - today).abs().max().item()
     return row
+
+
+def compiled_paged_decode(engine: Engine, ids: list[int], sessions: int, steps: int,
+                          timed: Callable[[torch.device, Callable[[], Any]], tuple[float, Any]]) -> dict[str, Any]:
+    """``sessions`` sessions of ragged real-text prefixes of ``ids``, held in one block pool per layer,
+    decode greedy tokens together: each step one compiled call for its bucket
+    (:class:`agentmem.paged_decode.CompiledDecode`), alternated with the same sessions read by the
+    uncompiled paged forward (``Engine.read_paged`` and the head), ``steps`` of each: compile seconds
+    (the bucket's first two calls), median ms a step of each, tokens/s of the compiled steps.
+    ``timed(device, fn)`` times one call (on a GPU, synchronised): ``benchmarks/gpu.py``'s, whose
+    stage this is."""
+    device = engine.device
+    block = 128 if device.type == "cuda" else 16
+    lengths = [len(ids) - 8 * i for i in range(sessions)]
+    rows_per_head = [n + 2 * steps + 2 for n in lengths]  # each session's rows after every step of both kinds
+    pools = engine.new_pools(blocks=2 + engine.num_kv_heads * sum(-(-n // block) for n in rows_per_head),
+                             block_size=block)
+    held = []
+    for n in lengths:  # one session's buffers at a time: never all of them twice
+        held.append(PagedSession.holding(pools, engine.prefill(ids[:n])))
+    decode = CompiledDecode(engine, pools)
+    tokens = [ids[n - 1] for n in lengths]
+    compile_s, logits = timed(device, lambda: decode.step(held, tokens))
+    second_s, logits = timed(device, lambda: decode.step(held, logits.argmax(-1).tolist()))
+    compiled_ms, eager_ms = [], []
+    with torch.inference_mode():
+        for _ in range(steps):
+            seconds, logits = timed(device, lambda: decode.step(held, logits.argmax(-1).tolist()))
+            compiled_ms.append(1000 * seconds)
+            runs = [[t] for t in logits.argmax(-1).tolist()]
+            seconds, logits = timed(device, lambda: engine.head(engine.read_paged(held, runs)[0]))
+            eager_ms.append(1000 * seconds)
+    compiled, eager = sorted(compiled_ms)[steps // 2], sorted(eager_ms)[steps // 2]
+    return {"compile s": compile_s + second_s, "compiled ms": compiled, "uncompiled ms": eager,
+            "compiled / uncompiled": compiled / eager, "compiled tokens/s": 1000 * sessions / compiled,
+            "pool block": block, "mode": decode.mode}
 
 
 def growth(tokens: int) -> list[dict[str, object]]:

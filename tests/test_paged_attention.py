@@ -345,3 +345,18 @@ def test_rows_from_the_host_are_moved_to_the_pools_device():
     rows = PagedRows.holding(pool, LayerCache([seg], *(torch.randn(KV_HEADS, 5, HEAD_DIM) for _ in range(2))),
                              tail_start=100)
     assert rows.lengths == [r + 5 for r in seg.head_rows]
+
+
+def test_tables_grown_by_a_step_in_inference_mode_serve_work_outside_it():
+    """A forward in inference mode (the scheduler's) that grows the block tables leaves normal tensors:
+    a session writing its table entries afterwards outside inference mode (no growth then) can."""
+    pool = new_pool()
+    first, second = PagedRows(pool, KV_HEADS), PagedRows(pool, KV_HEADS)
+    with torch.inference_mode():
+        forward = PagedForward([[first]], [0, 40], [0])
+        forward.attend(0, *new_rows([40], seed=1), SCALE)
+        forward.commit()
+    keys = torch.randn(KV_HEADS * 40, HEAD_DIM)
+    second.write([40] * KV_HEADS, keys=keys, values=keys, order=torch.arange(40).repeat(KV_HEADS))
+    second.commit([40] * KV_HEADS)
+    assert second.lengths == [40] * KV_HEADS

@@ -50,3 +50,22 @@ def test_a_model_step_reads_pooled_sessions_with_one_attention_call_per_layer(to
     assert row["attention calls paged"] == engine.num_layers
     assert row["max |logits paged - buffers|"] < 1e-4
     assert row["host syncs paged"] == 0
+
+
+def test_the_compiled_paged_decode_stage_of_the_gpu_run_runs(tokenizer):
+    """``benchmarks/gpu.py``'s compiled paged decode stage (kept here, in ``pool.py``), on CPU at a tiny size:
+    a lent GPU's few minutes must not be lost to a stage that fails."""
+    import time
+
+    from agentmem import Engine
+    from helpers import tiny_model
+
+    def timed(device, fn):
+        start = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - start, out
+
+    engine = Engine(tiny_model("llama"), tokenizer)
+    row = pool.compiled_paged_decode(engine, list(range(100, 160)), 2, 3, timed)
+    assert row["compiled ms"] > 0 and row["uncompiled ms"] > 0 and row["compile s"] > 0
+    assert row["mode"] == "default" and row["pool block"] == 16

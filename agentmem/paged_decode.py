@@ -1,0 +1,186 @@
+"""The batched decode step of pooled sessions, compiled once per batch-size bucket (issue [pool]).
+
+On a GPU a decode step is launch-bound: each of its hundreds of kernels is short, so what a step
+costs is mostly launching them. A step compiled whole (``torch.compile(fullgraph=True)``; on CUDA
+``mode="reduce-overhead"`` replays it as one CUDA graph) launches a few fused kernels instead. That
+needs a step whose shapes and inputs do not change from step to step, whatever the sessions do:
+
+- the batch is padded to a bucket (:data:`BUCKETS`: the smallest that holds the sessions). Padding
+  sessions read token 0, see nothing, and write their rows into a *sink* block of each pool that no
+  block table lists, their order :data:`~agentmem.pool.HIDDEN`;
+- every input lives in a buffer of the bucket's own, refilled on the host before each step: token
+  ids and positions, per layer each new row's slot and each session's block table padded to the
+  pool's width (FlexAttention's table, :func:`~agentmem.paged_attention.flex_tables`) and block
+  counts. The pools are the same tensors every step, written in place by the step itself.
+
+So sessions joining, leaving, growing into new blocks, compacting or being re-placed change what
+the buffers hold, never their shapes: a bucket compiles once (its tests count the graphs over 64
+steps). Attention is FlexAttention over the pool (:func:`~agentmem.paged_attention.flex_over_pool`),
+the same call the uncompiled ``"flex"`` path makes; the logits equal an uncompiled paged read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from agentmem.cache import to_device
+from agentmem.errors import InvalidInput
+from agentmem.paged_attention import check_flex_block, flex_over_pool, flex_tables
+from agentmem.paged_sessions import PagedSession
+from agentmem.pool import HIDDEN, BlockPool, PagedRows, slot_of
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a decode step is compiled for
+_SEES_NOTHING = -2  # below every row's order (compacted rows hold -1): what a padding session sees up to
+
+
+@dataclass
+class _LayerInputs:
+    """One layer's part of a bucket's buffers."""
+
+    slots: torch.Tensor  # (kv_heads * bucket,) long: where each new row goes, head after head
+    kv_indices: torch.Tensor  # (bucket, q_heads, 1, pool blocks) int32
+    kv_count: torch.Tensor  # (bucket, q_heads, 1) int32
+
+
+class _BucketStep:
+    """A bucket's buffers, and the attention the model calls during its step (``agentmem_paged``)."""
+
+    def __init__(self, pools: Sequence[BlockPool], sinks: Sequence[int], bucket: int, q_heads: int,
+                 kv_heads: int) -> None:
+        device = pools[0].device
+        self.bucket, self.kv_heads, self.q_heads = bucket, kv_heads, q_heads
+        self.input_ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
+        self.position_ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
+        self.sees_up_to = torch.full((bucket, 1), _SEES_NOTHING, dtype=torch.int32, device=device)
+        self.order = torch.full((kv_heads * bucket,), HIDDEN, dtype=torch.int32, device=device)
+        self.layers = [_LayerInputs(torch.zeros(kv_heads * bucket, dtype=torch.long, device=device),
+                                    torch.zeros(bucket, q_heads, 1, pool.blocks, dtype=torch.int32, device=device),
+                                    torch.zeros(bucket, q_heads, 1, dtype=torch.int32, device=device))
+                       for pool in pools]
+        self.pools = list(pools)
+        self.sinks = list(sinks)
+        # (1, 1, slots, d) views of each pool: FlexAttention's layout, written in place by the step
+        self.keys = [pool.keys.view(1, 1, *pool.keys.shape) for pool in pools]
+        self.values = [pool.values.view(1, 1, *pool.values.shape) for pool in pools]
+
+    def fill(self, sessions: Sequence[PagedSession], tokens: Sequence[int]) -> None:
+        """The buffers for ``sessions`` reading ``tokens`` (one each); their rows' blocks are reserved."""
+        n, device, heads = len(sessions), self.input_ids.device, self.kv_heads
+        padding = self.bucket - n
+        first = [s.next_token for s in sessions]
+        host = to_device([list(tokens) + [0] * padding, [s.next_position for s in sessions] + [0] * padding,
+                          first + [_SEES_NOTHING] * padding], device)
+        self.input_ids.copy_(host[0:1])
+        self.position_ids.copy_(host[1:2])
+        self.sees_up_to.copy_(host[2, :, None])
+        self.order.copy_(torch.where(host[2] < 0, HIDDEN, host[2]).repeat(heads))
+        head = torch.arange(heads, device=device)[:, None]
+        for layer, (pool, sink, inputs) in enumerate(zip(self.pools, self.sinks, self.layers)):
+            rows = [s.rows[layer] for s in sessions]
+            tables = pool.tables(heads).current(max(r.width for r in rows))
+            table_of = to_device([r.slot for r in rows] + [0] * padding, device)
+            lengths = to_device([r.lengths for r in rows] + [[0] * heads] * padding, device)
+            blocks = to_device([[len(b) for b in r.blocks] for r in rows] + [[0] * heads] * padding, device,
+                               torch.int32)
+            session = torch.arange(self.bucket, device=device)[None, :]
+            slots = slot_of(tables, (table_of[session], head), lengths[session, head], pool.block_size)
+            slots[:, n:] = sink * pool.block_size  # padding writes into the sink block, hidden
+            inputs.slots.copy_(slots.flatten())
+            kv_indices, kv_count = flex_tables(tables[table_of], blocks, self.q_heads, 1, pool.blocks)
+            inputs.kv_indices.copy_(kv_indices)
+            inputs.kv_count.copy_(kv_count)
+
+    def attend(self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """``(q_heads, bucket, d)`` attention of one query per session (``query`` ``(q_heads, bucket, d)``),
+        its new rows written into the pool first."""
+        pool, inputs = self.pools[layer], self.layers[layer]
+        pool_keys, pool_values = self.keys[layer], self.values[layer]
+        pool_keys.index_copy_(2, inputs.slots, keys.reshape(1, 1, -1, keys.shape[-1]).to(pool_keys.dtype))
+        pool_values.index_copy_(2, inputs.slots, values.reshape(1, 1, -1, values.shape[-1]).to(pool_values.dtype))
+        pool.order.index_copy_(0, inputs.slots, self.order)
+        pool.positions.index_copy_(0, inputs.slots, self.order)
+        pool.bias.index_fill_(0, inputs.slots, 0.0)
+        out = flex_over_pool(query.transpose(0, 1)[:, :, None], pool_keys, pool_values, pool.order, pool.bias,
+                             inputs.kv_indices, inputs.kv_count, self.sees_up_to, scale, pool.block_size)
+        return out[:, :, 0].transpose(0, 1)
+
+
+class CompiledDecode:
+    """Decode steps of sessions held in ``pools`` (one per layer of ``engine``'s model), each step one
+    compiled call for its bucket; see the module docstring. ``mode`` is ``torch.compile``'s (default:
+    ``"reduce-overhead"`` on CUDA, CUDA graphs; the default mode elsewhere)."""
+
+    def __init__(self, engine, pools: Sequence[BlockPool], *, mode: str | None = None) -> None:
+        if len(pools) != engine.num_layers or any(p.keys.shape[-1] != engine.head_dim for p in pools):
+            raise InvalidInput(f"a compiled decode needs a pool per layer ({engine.num_layers}) of head_dim "
+                               f"{engine.head_dim}")
+        for pool in pools:
+            check_flex_block(pool)
+        self.engine = engine
+        self.pools = list(pools)
+        self.mode = mode if mode is not None else ("reduce-overhead" if pools[0].device.type == "cuda" else "default")
+        self.sinks = [pool.allocate(1)[0] for pool in pools]  # where padding sessions write: listed by no table
+        self._buckets: dict[int, tuple[_BucketStep, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = {}
+
+    def step(self, sessions: Sequence[PagedSession], tokens: Sequence[int]) -> torch.Tensor:
+        """Logits ``(len(sessions), vocab)`` of ``sessions[b]`` reading ``tokens[b]``, run by the scheduler;
+        the rows are committed and the tokens logged. If the step fails (a pool out of blocks), no
+        session changes and no block stays taken."""
+        if not sessions or len(sessions) != len(tokens) or len(sessions) > BUCKETS[-1]:
+            raise InvalidInput(f"a decode step reads one token for each of 1 to {BUCKETS[-1]} sessions: "
+                               f"{len(sessions)} sessions, {len(tokens)} tokens")
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise InvalidInput("a decode step reads one token per session: a session appears twice")
+        ids = [self.engine._check_tokens([token], session)[0] for session, token in zip(sessions, tokens)]
+        if any(s.rows[0].pool is not self.pools[0] for s in sessions):
+            raise InvalidInput("a session of another pool cannot be read by this decode")
+        return self.engine.scheduler.call(lambda: self._step(list(sessions), ids))
+
+    @torch.inference_mode()
+    def _step(self, sessions: list[PagedSession], ids: list[int]) -> torch.Tensor:
+        step, run = self._bucket(next(b for b in BUCKETS if b >= len(sessions)))
+        rows = [[s.rows[layer] for s in sessions] for layer in range(len(self.pools))]
+        try:
+            for layer_rows in rows:
+                for r in layer_rows:
+                    r.reserve([1] * r.kv_heads)
+            step.fill(sessions, ids)
+            logits = run(step.input_ids, step.position_ids)[: len(sessions)].clone()  # a CUDA graph reuses its output
+        except BaseException:  # the rows written (if any) are hidden again and their blocks given back
+            for pool, inputs, layer_rows in zip(self.pools, step.layers, rows):
+                pool.hide(inputs.slots)
+                for r in layer_rows:
+                    r.trim()
+            raise
+        for layer_rows in rows:
+            for session, r in zip(sessions, layer_rows):
+                r.note_raw(session.next_token, session.next_position, 1)
+                r.commit([1] * r.kv_heads)
+        for session, token in zip(sessions, ids):
+            session.token_ids.append(token)
+        return logits
+
+    def _bucket(self, bucket: int) -> tuple[_BucketStep, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        if bucket not in self._buckets:
+            engine = self.engine
+            step = _BucketStep(self.pools, self.sinks, bucket, engine.num_heads, engine.num_kv_heads)
+
+            def decode(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+                hidden = engine.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                                 agentmem_paged=step).last_hidden_state
+                return engine.head(hidden[0])
+
+            # dynamo keeps compiled graphs per code object, a limited number each: one per bucket
+            decode.__code__ = decode.__code__.replace(co_name=f"decode_{bucket}")
+            self._buckets[bucket] = step, torch.compile(decode, fullgraph=True, dynamic=False, mode=self.mode)
+        return self._buckets[bucket]
+
+    def close(self) -> None:
+        """Give the sink blocks back (the decode is no longer used)."""
+        for pool, sink in zip(self.pools, self.sinks):
+            pool.release([sink])
+        self.sinks = []

@@ -1,0 +1,124 @@
+"""The compiled batched decode step of pooled sessions: the logits of an uncompiled paged read, one
+graph per bucket however sessions join, leave, compact and move, and nothing changed by a failed step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentmem import Engine
+from agentmem.compaction import compact
+from agentmem.errors import ContextOverflow, InvalidInput, PoolExhausted
+from agentmem.paged_decode import BUCKETS, CompiledDecode
+from agentmem.paged_sessions import PagedSession
+from agentmem.placement import placement_for, replace_positions
+from helpers import tiny_model
+from test_scheduler import caches
+
+BLOCK = 16
+STEPS = 64
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer) -> Engine:
+    return Engine(tiny_model("llama"), tokenizer)
+
+
+def held(engine: Engine, made: list, blocks: int = 1024) -> tuple[list, list[PagedSession]]:
+    pools = engine.new_pools(blocks=blocks, block_size=BLOCK)
+    return pools, [PagedSession.holding(pools, cache) for cache in made]
+
+
+def reference_logits(engine: Engine, sessions: list[PagedSession], tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return engine.head(engine.read_paged(sessions, [[t] for t in tokens])[0]).float()
+
+
+def test_compiled_steps_equal_uncompiled_reads_with_one_graph_per_bucket(engine):
+    """64 greedy decode steps of ragged sessions (compacted, raw, re-placed) in the 8-session bucket:
+    a session joins, one leaves, one is compacted (its rows replaced), one is re-placed (keys
+    re-rotated in place). Each step's logits equal the same sessions read uncompiled, and the
+    bucket's graph is made once and never again (its first call is traced twice: a guard on
+    transformers' kernel context fails once)."""
+    from torch._dynamo.utils import counters
+
+    base = compact(engine, engine.prefill(list(range(100, 420))), "global-eviction", ratio=4, keep_recent=32,
+                   protect_prefix=4)
+    made = [*caches(engine), replace_positions(engine, base, placement_for(base, protect=4, room=40))]
+    pools, sessions = held(engine, made)
+    _, references = held(engine, made)
+    decode = CompiledDecode(engine, pools)
+    tokens = [7] * len(sessions)
+    inv_freq = engine.model.base_model.rotary_emb.inv_freq
+    graphs = None
+    for step in range(STEPS):
+        if step == 10:  # joins
+            joining = engine.prefill(list(range(500, 547)))
+            sessions.append(PagedSession.holding(pools, joining))
+            references.append(PagedSession.holding(_pools(references), joining))
+            tokens.append(9)
+        if step == 20:  # leaves
+            sessions.pop(1).release()
+            references.pop(1).release()
+            tokens.pop(1)
+        if step == 30:  # compacts: its rows replaced by a compacted copy of what it read
+            cache = compact(engine, engine.prefill(references[0].token_ids), "global-eviction", ratio=3, keep_recent=8)
+            for group, group_pools in ((sessions, pools), (references, _pools(references))):
+                group[0].release()
+                group[0] = PagedSession.holding(group_pools, cache)
+        if step == 40:  # moves: every layer's keys re-rotated in place
+            with torch.inference_mode():  # as the scheduler's thread runs it
+                for group in (sessions, references):
+                    group[2].replace(placement_for_session(group[2]), inv_freq)
+        logits = decode.step(sessions, tokens)
+        expected = reference_logits(engine, references, tokens)
+        torch.testing.assert_close(logits.float(), expected, atol=1e-4, rtol=0)
+        tokens = [int(x) for x in expected.argmax(-1)]
+        if step == 1:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert [s.token_ids for s in sessions] == [r.token_ids for r in references]
+
+
+def _pools(sessions: list[PagedSession]) -> list:
+    return [rows.pool for rows in sessions[0].rows]
+
+
+def placement_for_session(session: PagedSession):
+    """A placement that moves a raw session's tokens after its first 4 down by 10 positions."""
+    from agentmem.placement import Placement
+
+    return Placement(protect=4, boundary=session.next_token - 8, room=session.next_token - 22)
+
+
+def test_a_failed_step_changes_no_session(engine):
+    """A pool without a block for a session's next row: PoolExhausted, and every session keeps its
+    rows, tokens and blocks; the same step then runs with room."""
+    made = [engine.prefill(list(range(60, 60 + n))) for n in (32, 20)]  # 32 rows: 2 full blocks a head
+    pools, sessions = held(engine, made, blocks=1 + 1 + engine.num_kv_heads * 4)  # null, sink, 4 a head
+    decode = CompiledDecode(engine, pools)
+    free = [pool.free_blocks for pool in pools]
+    assert free == [engine.num_kv_heads * 4 - engine.num_kv_heads * 4] * len(pools)
+    with pytest.raises(PoolExhausted):
+        decode.step(sessions, [5, 6])
+    assert [pool.free_blocks for pool in pools] == free
+    assert [s.token_ids for s in sessions] == [c.token_ids for c in made]
+    assert [r.lengths for s in sessions for r in s.rows] == [[n] * engine.num_kv_heads
+                                                             for n in (32, 20) for _ in pools]
+
+
+def test_decode_steps_refuse_bad_input(engine):
+    pools, (session,) = held(engine, [engine.prefill([5, 6, 7])])
+    decode = CompiledDecode(engine, pools)
+    with pytest.raises(InvalidInput, match="vocabulary"):
+        decode.step([session], [engine.vocab_size])
+    with pytest.raises(InvalidInput, match="appears twice"):
+        decode.step([session, session], [1, 2])
+    with pytest.raises(InvalidInput, match="1 to"):
+        decode.step([session] * (BUCKETS[-1] + 1), [1] * (BUCKETS[-1] + 1))
+    other_pools, (stranger,) = held(engine, [engine.prefill([5, 6, 7])])
+    with pytest.raises(InvalidInput, match="another pool"):
+        decode.step([stranger], [1])
+    session.token_ids.extend([1] * (engine.max_context - 3))
+    with pytest.raises(ContextOverflow):
+        decode.step([session], [1])
