@@ -129,7 +129,7 @@ class Engine:
         is set the read stops between chunks (:class:`~agentmem.errors.TurnCancelled`), what it
         read kept and logged.
         """
-        ids = self._check_tokens(token_ids, cache)
+        ids = self.check_tokens(token_ids, cache)
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                        or chunk_size < 1):
             raise InvalidInput(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -146,7 +146,7 @@ class Engine:
 
         The tokens are read and then rolled back, so the cache is left as it was.
         """
-        ids = self._check_tokens(token_ids, cache)
+        ids = self.check_tokens(token_ids, cache)
         if len(ids) < 2:
             raise InvalidInput("score needs at least two tokens (the first one is only context)")
         mark, chunk = cache.logical_length, self.scheduler.step_tokens
@@ -173,7 +173,7 @@ class Engine:
         neither written nor grown. Compaction collects its reference queries this way, a chunk
         of a window per scheduler job.
         """
-        windows = [self._check_tokens(w, cache) for w in windows]
+        windows = [self.check_tokens(w, cache) for w in windows]
         scratch = ScratchRows(cache, max(len(w) for w in windows))
 
         def read_chunk(ids: list[int], first_position: int) -> None:
@@ -232,7 +232,7 @@ class Engine:
         between chunks, what it read kept and logged).
         """
         self.check_sampling(max_new_tokens, temperature, top_p, top_k)
-        ids = self._check_tokens(prompt_ids, cache, reserve=0)
+        ids = self.check_tokens(prompt_ids, cache, reserve=0)
         sampling = GREEDY if temperature == 0 else Sampling.of(temperature, top_p, top_k, seed)
         return self._decode_loop(cache, ids, max_new_tokens, sampling, stop_strings(stop), cancelled)
 
@@ -370,7 +370,7 @@ class Engine:
                                f"{len(tokens)} runs")
         if len({id(s) for s in sessions}) != len(sessions):
             raise InvalidInput("a paged forward reads one run of tokens per session: a session appears twice")
-        runs = [self._check_tokens(run, session) for session, run in zip(sessions, tokens)]
+        runs = [self.check_tokens(run, session) for session, run in zip(sessions, tokens)]
         return self.scheduler.call(lambda: self._read_paged(sessions, runs, batch_slots))
 
     @torch.inference_mode()
@@ -409,8 +409,11 @@ class Engine:
         )
         return out.last_hidden_state
 
-    def _check_tokens(self, token_ids: Sequence[int], cache: SessionCache | PagedSession | None, *,
-                      reserve: int = 0) -> list[int]:
+    def check_tokens(self, token_ids: Sequence[int], cache: SessionCache | PagedSession | None, *,
+                     reserve: int = 0) -> list[int]:
+        """``token_ids`` as a list of ints, refused (:class:`InvalidInput`, :class:`ContextOverflow`,
+        :class:`ModelMismatch`) unless each is in the vocabulary and they fit, ``reserve`` more besides,
+        in the model's context after ``cache``'s positions."""
         if cache is not None:
             self.check_cache(cache)
         if isinstance(token_ids, torch.Tensor):

@@ -39,13 +39,13 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from agentmem.attention import BetaMode, default_beta_mode, mask_dtype
 from agentmem.cache import to_device
 from agentmem.errors import InvalidInput
-from agentmem.pool import COMPACTED, NULL_BLOCK, BlockPool, PagedRows, slot_of
+from agentmem.pool import COMPACTED, NULL_BLOCK, BlockPool, PagedRows, reserve_each, slot_of
 
 # FlexAttention's CUDA kernel tiles a block mask's blocks by up to 128 queries x 64 keys (bf16,
 # head_dim 128; GQA over per-head tables takes the main kernel, not flex decoding): a sparse
 # block must be a multiple of both.
 FLEX_CUDA_BLOCK = 128
-_SEES_NOTHING = COMPACTED - 1  # what a phantom session's queries see up to: below every row's order
+SEES_NOTHING = COMPACTED - 1  # what a phantom session's queries see up to: below every row's order
 
 
 class PagedForward:
@@ -97,7 +97,7 @@ class PagedForward:
         self._padded = to_device([[bounds[b] + min(i, n - 1) for i in range(width)] for b, n in enumerate(counts)]
                                  + [[0] * width] * self.phantoms, device)
         self._sees_up_to = to_device([[first_token[b] + i for i in range(width)] for b in range(len(counts))]
-                                     + [[_SEES_NOTHING] * width] * self.phantoms, device, torch.int32)
+                                     + [[SEES_NOTHING] * width] * self.phantoms, device, torch.int32)
         self._unpadded = to_device([s * width + i for s, i in zip(session, offset)], device)
         self._staged: dict[int, torch.Tensor] = {}  # layer -> slots its attention wrote
 
@@ -105,8 +105,7 @@ class PagedForward:
         """The staged rows of every layer become their sessions' rows."""
         for layer in self._staged:
             for layers, n, token, position in zip(self.rows, self.counts, self.first_token, self.first_position):
-                layers[layer].note_raw(token, position, n)
-                layers[layer].commit([n] * layers[layer].kv_heads)
+                layers[layer].commit_raw(token, position, n)
         self._staged.clear()
 
     def discard(self) -> None:
@@ -132,13 +131,7 @@ class PagedForward:
         if keys.shape != values.shape or keys.shape[:2] != (rows[0].kv_heads, self._session.numel()):
             raise InvalidInput(f"new rows {tuple(keys.shape)} / {tuple(values.shape)} must be (kv_heads="
                                f"{rows[0].kv_heads}, tokens={self._session.numel()}, head_dim)")
-        try:  # host bookkeeping; all blocks are taken before any row is written
-            for paged, n in zip(rows, self.counts):
-                paged.reserve([n] * paged.kv_heads)
-        except BaseException:  # no room for every session: none keeps blocks for this forward
-            for paged in rows:
-                paged.trim()
-            raise
+        reserve_each(rows, self.counts)  # host bookkeeping; all blocks are taken before any row is written
         width = max(len(blocks) for paged in rows for blocks in paged.blocks)
         device = pool.device
         phantom = [[0] * rows[0].kv_heads] * self.phantoms  # no rows, no blocks (the tables' empty slot 0)
@@ -202,11 +195,8 @@ def _flex_paged(pool: BlockPool, tables: torch.Tensor, blocks: torch.Tensor, que
     """The ``"flex"`` path: FlexAttention over the pool itself, the block tables as its block mask."""
     check_flex_block(pool)
     sessions, q_heads, width, _ = queries.shape
-    # The CPU kernel wants a table as wide as the pool; on a GPU a power of two, so that sessions
-    # growing change the compiled shapes only when the longest doubles.
-    table_width = pool.blocks if pool.device.type == "cpu" else min(pool.blocks,
-                                                                     1 << (tables.shape[2] - 1).bit_length())
-    kv_indices, kv_count = flex_tables(tables, blocks, q_heads, -(-width // pool.block_size), table_width)
+    kv_indices, kv_count = flex_tables(tables, blocks, q_heads, -(-width // pool.block_size),
+                                       flex_table_width(pool, tables.shape[2]))
     return _compiled_paged_flex()(queries, pool.keys[None, None], pool.values[None, None], pool.order, pool.bias,
                                   kv_indices, kv_count, sees_up_to, scale, pool.block_size)
 
@@ -218,16 +208,27 @@ def check_flex_block(pool: BlockPool) -> None:
                            f"kernel's tiles must divide them), not {pool.block_size}")
 
 
+def flex_table_width(pool: BlockPool, blocks: int) -> int:
+    """Block-table width FlexAttention gets for sessions of at most ``blocks`` blocks a head: the CPU
+    kernel wants a table as wide as the pool; on a GPU a power of two, so that sessions growing change
+    the compiled shapes only when the longest doubles (tables as wide as a large pool, per session and
+    query head, would be GBs a step at the 8B shape)."""
+    return pool.blocks if pool.device.type == "cpu" else min(pool.blocks, 1 << max(0, blocks - 1).bit_length())
+
+
 def flex_tables(tables: torch.Tensor, blocks: torch.Tensor, q_heads: int, query_blocks: int,
                 table_width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The block mask's tables from the sessions' block tables ``(sessions, kv_heads, width)`` and block
     counts ``(sessions, kv_heads)``: per query head (its KV head's), ``(sessions, q_heads, query_blocks,
-    table_width)`` block ids padded with the null block, and ``(sessions, q_heads, query_blocks)`` counts."""
+    table_width)`` block ids padded with the null block (cut to ``table_width``, past which no session
+    has blocks), and ``(sessions, q_heads, query_blocks)`` counts. (Folding a KV head's query heads into
+    the query axis would make them per KV head, but the CPU kernel then reads past its tables when the
+    folded queries are fewer than a block.)"""
     sessions, kv_heads = blocks.shape
     kv_head = torch.arange(q_heads, device=tables.device) // (q_heads // kv_heads)
-    tables = F.pad(tables, (0, table_width - tables.shape[2]), value=NULL_BLOCK)
+    tables = F.pad(tables[..., :table_width], (0, max(0, table_width - tables.shape[2])), value=NULL_BLOCK)
     kv_indices = tables.to(torch.int32)[:, kv_head, None, :].expand(sessions, q_heads, query_blocks, table_width)
-    kv_count = blocks[:, kv_head, None].expand(sessions, q_heads, query_blocks)
+    kv_count = blocks.to(torch.int32)[:, kv_head, None].expand(sessions, q_heads, query_blocks)
     return kv_indices.contiguous(), kv_count.contiguous()
 
 
@@ -239,6 +240,7 @@ def flex_over_pool(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     when its ``order`` is at most what the query ``sees_up_to`` ``(sessions, width)``, and its β
     (``bias``) is added in float32; ``block_size`` is the pool's. Traceable whole, so that a compiled
     decode step holds it."""
+
     def seen(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return order[kv_idx] <= sees_up_to[batch, q_idx]
 

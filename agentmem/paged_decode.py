@@ -23,17 +23,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentmem.cache import to_device
 from agentmem.errors import InvalidInput
-from agentmem.paged_attention import check_flex_block, flex_over_pool, flex_tables
+from agentmem.paged_attention import SEES_NOTHING, check_flex_block, flex_over_pool, flex_table_width, flex_tables
 from agentmem.paged_sessions import PagedSession
-from agentmem.pool import HIDDEN, BlockPool, PagedRows, slot_of
+from agentmem.pool import HIDDEN, BlockPool, reserve_each, slot_of
+
+if TYPE_CHECKING:
+    from agentmem.engine import Engine
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a decode step is compiled for
-_SEES_NOTHING = -2  # below every row's order (compacted rows hold -1): what a padding session sees up to
+_Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a compiled step: (input ids, positions) -> logits
 
 
 @dataclass
@@ -41,55 +45,64 @@ class _LayerInputs:
     """One layer's part of a bucket's buffers."""
 
     slots: torch.Tensor  # (kv_heads * bucket,) long: where each new row goes, head after head
-    kv_indices: torch.Tensor  # (bucket, q_heads, 1, pool blocks) int32
+    kv_indices: torch.Tensor  # (bucket, q_heads, 1, table width) int32
     kv_count: torch.Tensor  # (bucket, q_heads, 1) int32
 
 
 class _BucketStep:
-    """A bucket's buffers, and the attention the model calls during its step (``agentmem_paged``)."""
+    """A bucket's buffers at one block-table width, and the attention the model calls during its step
+    (``agentmem_paged``). Every tensor the compiled step reads or writes is marked static: the same
+    memory at every call, which a CUDA graph needs (a graph given other inputs copies them in)."""
 
-    def __init__(self, pools: Sequence[BlockPool], sinks: Sequence[int], bucket: int, q_heads: int,
+    def __init__(self, pools: Sequence[BlockPool], sinks: Sequence[int], bucket: int, width: int, q_heads: int,
                  kv_heads: int) -> None:
         device = pools[0].device
-        self.bucket, self.kv_heads, self.q_heads = bucket, kv_heads, q_heads
+        self.bucket, self.width, self.kv_heads, self.q_heads = bucket, width, kv_heads, q_heads
         self.input_ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
-        self.sees_up_to = torch.full((bucket, 1), _SEES_NOTHING, dtype=torch.int32, device=device)
+        self.sees_up_to = torch.full((bucket, 1), SEES_NOTHING, dtype=torch.int32, device=device)
         self.order = torch.full((kv_heads * bucket,), HIDDEN, dtype=torch.int32, device=device)
         self.layers = [_LayerInputs(torch.zeros(kv_heads * bucket, dtype=torch.long, device=device),
-                                    torch.zeros(bucket, q_heads, 1, pool.blocks, dtype=torch.int32, device=device),
+                                    torch.zeros(bucket, q_heads, 1, width, dtype=torch.int32, device=device),
                                     torch.zeros(bucket, q_heads, 1, dtype=torch.int32, device=device))
-                       for pool in pools]
+                       for _ in pools]
         self.pools = list(pools)
         self.sinks = list(sinks)
         # (1, 1, slots, d) views of each pool: FlexAttention's layout, written in place by the step
         self.keys = [pool.keys.view(1, 1, *pool.keys.shape) for pool in pools]
         self.values = [pool.values.view(1, 1, *pool.values.shape) for pool in pools]
+        for tensor in (self.input_ids, self.position_ids, self.sees_up_to, self.order, *self.keys, *self.values,
+                       *(t for pool in pools for t in (pool.order, pool.positions, pool.bias)),
+                       *(t for inputs in self.layers for t in (inputs.slots, inputs.kv_indices, inputs.kv_count))):
+            torch._dynamo.mark_static_address(tensor, guard=False)
 
     def fill(self, sessions: Sequence[PagedSession], tokens: Sequence[int]) -> None:
-        """The buffers for ``sessions`` reading ``tokens`` (one each); their rows' blocks are reserved."""
+        """The buffers for ``sessions`` reading ``tokens`` (one each), whose rows' blocks are reserved: two
+        copies from the host for the whole step, then a few device ops a layer."""
         n, device, heads = len(sessions), self.input_ids.device, self.kv_heads
         padding = self.bucket - n
-        first = [s.next_token for s in sessions]
-        host = to_device([list(tokens) + [0] * padding, [s.next_position for s in sessions] + [0] * padding,
-                          first + [_SEES_NOTHING] * padding], device)
-        self.input_ids.copy_(host[0:1])
-        self.position_ids.copy_(host[1:2])
-        self.sees_up_to.copy_(host[2, :, None])
-        self.order.copy_(torch.where(host[2] < 0, HIDDEN, host[2]).repeat(heads))
+        first = [s.next_token for s in sessions] + [SEES_NOTHING] * padding
+        per_layer = [[[r.slot for r in rows] + [0] * padding,
+                      *([r.lengths[h] for r in rows] + [0] * padding for h in range(heads)),
+                      *([len(r.blocks[h]) for r in rows] + [0] * padding for h in range(heads))]
+                     for rows in ([s.rows[layer] for s in sessions] for layer in range(len(self.pools)))]
+        step = to_device([list(tokens) + [0] * padding, [s.next_position for s in sessions] + [0] * padding, first],
+                         device)
+        layers = to_device(per_layer, device)  # (layers, 1 + 2·heads, bucket)
+        self.input_ids.copy_(step[0:1])
+        self.position_ids.copy_(step[1:2])
+        self.sees_up_to.copy_(step[2, :, None])
+        self.order.copy_(torch.where(step[2] < 0, HIDDEN, step[2]).repeat(heads))
         head = torch.arange(heads, device=device)[:, None]
-        for layer, (pool, sink, inputs) in enumerate(zip(self.pools, self.sinks, self.layers)):
-            rows = [s.rows[layer] for s in sessions]
-            tables = pool.tables(heads).current(max(r.width for r in rows))
-            table_of = to_device([r.slot for r in rows] + [0] * padding, device)
-            lengths = to_device([r.lengths for r in rows] + [[0] * heads] * padding, device)
-            blocks = to_device([[len(b) for b in r.blocks] for r in rows] + [[0] * heads] * padding, device,
-                               torch.int32)
-            session = torch.arange(self.bucket, device=device)[None, :]
+        session = torch.arange(self.bucket, device=device)[None, :]
+        for layer, (pool, sink, inputs) in enumerate(zip(self.pools, self.sinks, self.layers, strict=True)):
+            meta = layers[layer]
+            table_of, lengths, blocks = meta[0], meta[1 : 1 + heads].T, meta[1 + heads :].T
+            tables = pool.tables(heads).current(max(s.rows[layer].width for s in sessions))
             slots = slot_of(tables, (table_of[session], head), lengths[session, head], pool.block_size)
             slots[:, n:] = sink * pool.block_size  # padding writes into the sink block, hidden
             inputs.slots.copy_(slots.flatten())
-            kv_indices, kv_count = flex_tables(tables[table_of], blocks, self.q_heads, 1, pool.blocks)
+            kv_indices, kv_count = flex_tables(tables[table_of], blocks, self.q_heads, 1, self.width)
             inputs.kv_indices.copy_(kv_indices)
             inputs.kv_count.copy_(kv_count)
 
@@ -112,9 +125,12 @@ class _BucketStep:
 class CompiledDecode:
     """Decode steps of sessions held in ``pools`` (one per layer of ``engine``'s model), each step one
     compiled call for its bucket; see the module docstring. ``mode`` is ``torch.compile``'s (default:
-    ``"reduce-overhead"`` on CUDA, CUDA graphs; the default mode elsewhere)."""
+    ``"reduce-overhead"`` on CUDA, CUDA graphs; the default mode elsewhere). On CUDA the block tables
+    are as wide as the longest session's, rounded up to a power of two
+    (:func:`~agentmem.paged_attention.flex_table_width`), so a bucket compiles again when the
+    longest session doubles; on CPU they are as wide as the pool, and a bucket compiles once."""
 
-    def __init__(self, engine, pools: Sequence[BlockPool], *, mode: str | None = None) -> None:
+    def __init__(self, engine: Engine, pools: Sequence[BlockPool], *, mode: str | None = None) -> None:
         if len(pools) != engine.num_layers or any(p.keys.shape[-1] != engine.head_dim for p in pools):
             raise InvalidInput(f"a compiled decode needs a pool per layer ({engine.num_layers}) of head_dim "
                                f"{engine.head_dim}")
@@ -124,63 +140,76 @@ class CompiledDecode:
         self.pools = list(pools)
         self.mode = mode if mode is not None else ("reduce-overhead" if pools[0].device.type == "cuda" else "default")
         self.sinks = [pool.allocate(1)[0] for pool in pools]  # where padding sessions write: listed by no table
-        self._buckets: dict[int, tuple[_BucketStep, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = {}
+        self._steps: dict[tuple[int, int], tuple[_BucketStep, _Step]] = {}
 
     def step(self, sessions: Sequence[PagedSession], tokens: Sequence[int]) -> torch.Tensor:
         """Logits ``(len(sessions), vocab)`` of ``sessions[b]`` reading ``tokens[b]``, run by the scheduler;
         the rows are committed and the tokens logged. If the step fails (a pool out of blocks), no
         session changes and no block stays taken."""
+        if not self.sinks:
+            raise InvalidInput("this compiled decode was closed")
         if not sessions or len(sessions) != len(tokens) or len(sessions) > BUCKETS[-1]:
             raise InvalidInput(f"a decode step reads one token for each of 1 to {BUCKETS[-1]} sessions: "
                                f"{len(sessions)} sessions, {len(tokens)} tokens")
         if len({id(s) for s in sessions}) != len(sessions):
             raise InvalidInput("a decode step reads one token per session: a session appears twice")
-        ids = [self.engine._check_tokens([token], session)[0] for session, token in zip(sessions, tokens)]
-        if any(s.rows[0].pool is not self.pools[0] for s in sessions):
-            raise InvalidInput("a session of another pool cannot be read by this decode")
+        ids = [self.engine.check_tokens([token], session)[0] for session, token in zip(sessions, tokens)]
+        if any(rows.pool is not pool for s in sessions for rows, pool in zip(s.rows, self.pools, strict=True)):
+            raise InvalidInput("a session of other pools cannot be read by this decode")
         return self.engine.scheduler.call(lambda: self._step(list(sessions), ids))
 
     @torch.inference_mode()
     def _step(self, sessions: list[PagedSession], ids: list[int]) -> torch.Tensor:
-        step, run = self._bucket(next(b for b in BUCKETS if b >= len(sessions)))
         rows = [[s.rows[layer] for s in sessions] for layer in range(len(self.pools))]
+        for layer_rows in rows:
+            try:
+                reserve_each(layer_rows, [1] * len(layer_rows))
+            except BaseException:  # the layers before it give back theirs too
+                for earlier in rows:
+                    for r in earlier:
+                        r.trim()
+                raise
+        width = max(flex_table_width(pool, max(r.width for r in layer_rows))
+                    for pool, layer_rows in zip(self.pools, rows))
+        step, run = self._compiled(next(b for b in BUCKETS if b >= len(sessions)), width)
+        filled = False
         try:
-            for layer_rows in rows:
-                for r in layer_rows:
-                    r.reserve([1] * r.kv_heads)
             step.fill(sessions, ids)
+            filled = True
             logits = run(step.input_ids, step.position_ids)[: len(sessions)].clone()  # a CUDA graph reuses its output
-        except BaseException:  # the rows written (if any) are hidden again and their blocks given back
+        except BaseException:  # the rows this step wrote (if any) hidden again, their blocks given back
             for pool, inputs, layer_rows in zip(self.pools, step.layers, rows):
-                pool.hide(inputs.slots)
+                if filled:
+                    pool.hide(inputs.slots)
                 for r in layer_rows:
                     r.trim()
             raise
         for layer_rows in rows:
             for session, r in zip(sessions, layer_rows):
-                r.note_raw(session.next_token, session.next_position, 1)
-                r.commit([1] * r.kv_heads)
+                r.commit_raw(session.next_token, session.next_position, 1)
         for session, token in zip(sessions, ids):
             session.token_ids.append(token)
         return logits
 
-    def _bucket(self, bucket: int) -> tuple[_BucketStep, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-        if bucket not in self._buckets:
+    def _compiled(self, bucket: int, width: int) -> tuple[_BucketStep, _Step]:
+        """The buffers and compiled step of ``bucket`` sessions with block tables ``width`` wide."""
+        if (bucket, width) not in self._steps:
             engine = self.engine
-            step = _BucketStep(self.pools, self.sinks, bucket, engine.num_heads, engine.num_kv_heads)
+            step = _BucketStep(self.pools, self.sinks, bucket, width, engine.num_heads, engine.num_kv_heads)
 
             def decode(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
                 hidden = engine.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                                  agentmem_paged=step).last_hidden_state
                 return engine.head(hidden[0])
 
-            # dynamo keeps compiled graphs per code object, a limited number each: one per bucket
-            decode.__code__ = decode.__code__.replace(co_name=f"decode_{bucket}")
-            self._buckets[bucket] = step, torch.compile(decode, fullgraph=True, dynamic=False, mode=self.mode)
-        return self._buckets[bucket]
+            # dynamo keeps compiled graphs per code object, a limited number each: one per bucket and width
+            decode.__code__ = decode.__code__.replace(co_name=f"decode_{bucket}_{width}")
+            self._steps[bucket, width] = step, torch.compile(decode, fullgraph=True, dynamic=False, mode=self.mode)
+        return self._steps[bucket, width]
 
     def close(self) -> None:
-        """Give the sink blocks back (the decode is no longer used)."""
+        """Give the sink blocks back and forget the compiled steps; the decode refuses steps afterwards."""
         for pool, sink in zip(self.pools, self.sinks):
             pool.release([sink])
         self.sinks = []
+        self._steps.clear()

@@ -12,6 +12,12 @@ re-placed or not) into the pools, which is how a session's rows get there until 
 sessions live in the pool from their first token. A session can also start empty, from a
 prefix its tenant published (:meth:`PagedSession.adopting`, rows shared through a
 :class:`~agentmem.prefixes.PrefixIndex`), or as a fork of another (blocks shared copy-on-write).
+
+Pools are not thread-safe: their host bookkeeping (free blocks, holders, pending table changes)
+takes no lock. Reads change them on the scheduler's thread (:meth:`Engine.read_paged
+<agentmem.engine.Engine.read_paged>`, :class:`~agentmem.paged_decode.CompiledDecode`); whatever else
+changes a pool while other threads read (holding, forking, adopting, moving, releasing a session)
+must run there too, as a job (``engine.scheduler.call``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from agentmem.cache import SessionCache
-from agentmem.errors import InvalidInput
+from agentmem.errors import InvalidInput, PoolExhausted
 from agentmem.placement import IDENTITY, Placement
 from agentmem.pool import BlockPool, PagedRows
 from agentmem.prefixes import PrefixIndex
@@ -40,6 +46,7 @@ class PagedSession:
     token_ids: list[int]
     fingerprint: str  # the model whose rows these are (:meth:`Engine.check_cache <agentmem.engine.Engine.check_cache>`)
     placement: Placement = IDENTITY
+    tail_start: int = 0  # the first token held raw: a placement's boundary may not pass it
 
     @property
     def offset(self) -> int:
@@ -86,7 +93,7 @@ class PagedSession:
             for held in rows:
                 held.release()
             raise
-        return cls(rows, cache.token_ids, cache.fingerprint, placement)
+        return cls(rows, cache.token_ids, cache.fingerprint, placement, cache.tail_start)
 
     @classmethod
     def empty(cls, pools: Sequence[BlockPool], kv_heads: int, fingerprint: str) -> PagedSession:
@@ -110,11 +117,25 @@ class PagedSession:
         """A second session holding the same rows and tokens, sharing their blocks: the two go on
         apart, a shared block copied only when one of them writes into it."""
         return PagedSession([rows.fork() for rows in self.rows], list(self.token_ids), self.fingerprint,
-                            self.placement)
+                            self.placement, self.tail_start)
 
     def replace(self, placement: Placement, inv_freq: torch.Tensor) -> None:
         """Move the session's rows to ``placement`` (:mod:`agentmem.placement`): every layer's keys re-rotated
-        in place, block by block (:meth:`PagedRows.replace <agentmem.pool.PagedRows.replace>`)."""
+        in place, block by block (:meth:`PagedRows.replace <agentmem.pool.PagedRows.replace>`). Every layer
+        or none: the blocks shared ones are copied into are checked free in every pool first. The
+        boundary may not pass the raw tail's start, as in
+        :func:`~agentmem.placement.replace_positions`."""
+        if placement.boundary > self.tail_start:
+            raise InvalidInput(f"a placement's boundary ({placement.boundary}) must not pass the raw tail's start "
+                               f"({self.tail_start}): raw rows must keep their distances")
+        needed: dict[int, int] = {}
+        for rows in self.rows:
+            needed[id(rows.pool)] = needed.get(id(rows.pool), 0) + rows.blocks_to_replace(self.placement, placement)
+        short = [(rows.pool, needed[id(rows.pool)]) for rows in self.rows
+                 if needed[id(rows.pool)] > rows.pool.free_blocks]
+        if short:
+            pool, count = short[0]
+            raise PoolExhausted(f"moving the session copies {count} shared blocks, {pool.free_blocks} free")
         for rows in self.rows:
             rows.replace(self.placement, placement, inv_freq)
         self.placement = placement

@@ -313,6 +313,12 @@ class PagedRows:
         twin.lengths, twin.raw_prefix = list(self.lengths), self.raw_prefix
         return twin
 
+    def commit_raw(self, first_token: int, first_position: int, tokens: int) -> None:
+        """The staged rows of ``tokens`` raw tokens from ``first_token``, read at ``first_position``, become
+        the session's on every head (:meth:`note_raw`, then :meth:`commit`)."""
+        self.note_raw(first_token, first_position, tokens)
+        self.commit([tokens] * self.kv_heads)
+
     def note_raw(self, first_token: int, first_position: int, tokens: int) -> None:
         """Rows about to be committed are raw tokens from ``first_token`` read at ``first_position``: they
         extend :attr:`raw_prefix` when they continue it on every head."""
@@ -362,10 +368,8 @@ class PagedRows:
         leave those positions alone) and may stay shared; any other shared block is copied first, so
         no other holder sees its keys move.
         """
-        size = self.pool.block_size
-        fixed = min(self.raw_prefix, *(math.inf if p.is_identity else p.protect for p in (old, new))) // size
-        places = [(h, i) for h, length in enumerate(self.lengths) for i in range(fixed, -(-length // size))]
-        shared = [(h, i) for h, i in places if self.pool.holders(self.blocks[h][i]) > 1]
+        places = self._moved_places(old, new)
+        shared = self._shared(places)
         if shared:
             self._copy_blocks(shared, self.pool.allocate(len(shared)))
         moved = [self.blocks[h][i] for h, i in places]
@@ -377,6 +381,20 @@ class PagedRows:
             pool.keys.index_copy_(0, slots, rotate_by(pool.keys[slots], shift, inv_freq).to(pool.keys.dtype))
         if not new.is_identity:  # rows from the protected prefix on no longer sit at their own positions
             self.raw_prefix = min(self.raw_prefix, new.protect)
+
+    def blocks_to_replace(self, old: Placement, new: Placement) -> int:
+        """Blocks :meth:`replace` takes from the pool: a copy of each shared block whose keys move."""
+        return len(self._shared(self._moved_places(old, new)))
+
+    def _moved_places(self, old: Placement, new: Placement) -> list[tuple[int, int]]:
+        """(head, index) of the blocks whose keys a move from ``old`` to ``new`` re-rotates: all but the leading
+        blocks of raw tokens before both placements' protected prefix."""
+        size = self.pool.block_size
+        fixed = min(self.raw_prefix, *(math.inf if p.is_identity else p.protect for p in (old, new))) // size
+        return [(h, i) for h, length in enumerate(self.lengths) for i in range(fixed, -(-length // size))]
+
+    def _shared(self, places: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(h, i) for h, i in places if self.pool.holders(self.blocks[h][i]) > 1]
 
     def commit(self, rows: Sequence[int]) -> None:
         """Staged rows become the session's: ``rows[h]`` more on each head."""
@@ -454,3 +472,15 @@ def slot_of(tables: torch.Tensor, heads: tuple[torch.Tensor, ...], row: torch.Te
     """The slot of row ``row`` of the head that ``heads`` (index tensors, broadcast with ``row``) picks in
     ``tables`` (block ids, one table per head along its last axis): one read of each row's own block id."""
     return tables[(*heads, row // block_size)] * block_size + row % block_size
+
+
+def reserve_each(rows: Sequence[PagedRows], counts: Sequence[int]) -> None:
+    """Room for ``counts[i]`` more rows on every head of ``rows[i]``, for all of them or none: on failure
+    (:class:`~agentmem.errors.PoolExhausted`) every one gives back the blocks it took."""
+    try:
+        for paged, n in zip(rows, counts, strict=True):
+            paged.reserve([n] * paged.kv_heads)
+    except BaseException:
+        for paged in rows:
+            paged.trim()
+        raise

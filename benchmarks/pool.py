@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from common import RESULTS, command_line, machine, markdown_table, random_shape_engine, stdlib_text, write_results
@@ -185,7 +186,8 @@ def model_step(engine: Engine, sessions: int) -> dict[str, object]:
     caches = [engine.prefill(ids[: 256 - 8 * i]) for i in range(sessions)]
     caches = [compact(engine, c, "global-eviction", ratio=2, keep_recent=32) if i % 2 else c
               for i, c in enumerate(caches)]
-    need = sum(-(-(rows + 2) // BLOCK) for c in caches for rows in c.layers[0].rows_per_head)  # 2 steps' rows
+    need = max(sum(-(-(rows + 2) // BLOCK) for c in caches for rows in c.layers[layer].rows_per_head)
+               for layer in range(engine.num_layers))  # 2 steps' rows, in the layer holding the most blocks
     pools = engine.new_pools(blocks=1 + need, block_size=BLOCK)
     held = [PagedSession.holding(pools, c) for c in caches]
     steps = [[[ids[300 + i + s]] for i in range(sessions)] for s in range(2)]
@@ -218,7 +220,8 @@ def compiled_paged_decode(engine: Engine, ids: list[int], sessions: int, steps: 
     decode greedy tokens together: each step one compiled call for its bucket
     (:class:`agentmem.paged_decode.CompiledDecode`), alternated with the same sessions read by the
     uncompiled paged forward (``Engine.read_paged`` and the head), ``steps`` of each: compile seconds
-    (the bucket's first two calls), median ms a step of each, tokens/s of the compiled steps.
+    (the bucket's first two calls), median ms a step of each, tokens/s of the compiled steps, and how
+    many times inductor gave up a CUDA graph for it (``reduce-overhead`` falls back silently).
     ``timed(device, fn)`` times one call (on a GPU, synchronised): ``benchmarks/gpu.py``'s, whose
     stage this is."""
     device = engine.device
@@ -231,6 +234,7 @@ def compiled_paged_decode(engine: Engine, ids: list[int], sessions: int, steps: 
     for n in lengths:  # one session's buffers at a time: never all of them twice
         held.append(PagedSession.holding(pools, engine.prefill(ids[:n])))
     decode = CompiledDecode(engine, pools)
+    skipped = counters["inductor"]["cudagraph_skips"]
     tokens = [ids[n - 1] for n in lengths]
     compile_s, logits = timed(device, lambda: decode.step(held, tokens))
     second_s, logits = timed(device, lambda: decode.step(held, logits.argmax(-1).tolist()))
@@ -245,7 +249,8 @@ def compiled_paged_decode(engine: Engine, ids: list[int], sessions: int, steps: 
     compiled, eager = sorted(compiled_ms)[steps // 2], sorted(eager_ms)[steps // 2]
     return {"compile s": compile_s + second_s, "compiled ms": compiled, "uncompiled ms": eager,
             "compiled / uncompiled": compiled / eager, "compiled tokens/s": 1000 * sessions / compiled,
-            "pool block": block, "mode": decode.mode}
+            "pool block": block, "mode": decode.mode,
+            "CUDA graphs skipped": counters["inductor"]["cudagraph_skips"] - skipped}
 
 
 def growth(tokens: int) -> list[dict[str, object]]:

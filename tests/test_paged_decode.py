@@ -11,7 +11,7 @@ from agentmem.compaction import compact
 from agentmem.errors import ContextOverflow, InvalidInput, PoolExhausted
 from agentmem.paged_decode import BUCKETS, CompiledDecode
 from agentmem.paged_sessions import PagedSession
-from agentmem.placement import placement_for, replace_positions
+from agentmem.placement import Placement, placement_for, replace_positions
 from helpers import tiny_model
 from test_scheduler import caches
 
@@ -84,27 +84,46 @@ def _pools(sessions: list[PagedSession]) -> list:
     return [rows.pool for rows in sessions[0].rows]
 
 
-def placement_for_session(session: PagedSession):
-    """A placement that moves a raw session's tokens after its first 4 down by 10 positions."""
-    from agentmem.placement import Placement
-
-    return Placement(protect=4, boundary=session.next_token - 8, room=session.next_token - 22)
+def placement_for_session(session: PagedSession) -> Placement:
+    """A placement squeezing a compacted session's compacted tokens after its first 4 into half their positions."""
+    assert session.tail_start > 8  # a compacted session
+    return Placement(protect=4, boundary=session.tail_start, room=(session.tail_start - 4) // 2)
 
 
 def test_a_failed_step_changes_no_session(engine):
-    """A pool without a block for a session's next row: PoolExhausted, and every session keeps its
-    rows, tokens and blocks; the same step then runs with room."""
-    made = [engine.prefill(list(range(60, 60 + n))) for n in (32, 20)]  # 32 rows: 2 full blocks a head
+    """A step, then a step with no block left for a session's next row: PoolExhausted, every session keeps
+    its rows (still seen: the next logits equal a reference's), tokens and blocks."""
+    made = [engine.prefill(list(range(60, 60 + n))) for n in (31, 20)]  # 31 rows: the next fills 2 blocks a head
     pools, sessions = held(engine, made, blocks=1 + 1 + engine.num_kv_heads * 4)  # null, sink, 4 a head
+    _, references = held(engine, made)
     decode = CompiledDecode(engine, pools)
-    free = [pool.free_blocks for pool in pools]
-    assert free == [engine.num_kv_heads * 4 - engine.num_kv_heads * 4] * len(pools)
-    with pytest.raises(PoolExhausted):
-        decode.step(sessions, [5, 6])
-    assert [pool.free_blocks for pool in pools] == free
-    assert [s.token_ids for s in sessions] == [c.token_ids for c in made]
-    assert [r.lengths for s in sessions for r in s.rows] == [[n] * engine.num_kv_heads
-                                                             for n in (32, 20) for _ in pools]
+    tokens = [5, 6]
+    for _ in range(2):
+        if sessions[0].next_token == 32:  # the first session needs a third block a head: none is free
+            free = [pool.free_blocks for pool in pools]
+            with pytest.raises(PoolExhausted):
+                decode.step(sessions, tokens)
+            assert [pool.free_blocks for pool in pools] == free
+            assert [s.token_ids for s in sessions] == [r.token_ids for r in references]
+            sessions.pop(0).release()
+            references.pop(0).release()
+            tokens.pop(0)
+        logits = decode.step(sessions, tokens)
+        expected = reference_logits(engine, references, tokens)
+        torch.testing.assert_close(logits.float(), expected, atol=1e-4, rtol=0)
+        tokens = [int(x) for x in expected.argmax(-1)]
+    assert sessions[0].next_token == 22
+
+
+def test_a_closed_decode_refuses_steps_and_gives_its_sink_back(engine):
+    pools, (session,) = held(engine, [engine.prefill([5, 6, 7])])
+    free = pools[0].free_blocks
+    decode = CompiledDecode(engine, pools)
+    assert pools[0].free_blocks == free - 1
+    decode.close()
+    assert pools[0].free_blocks == free
+    with pytest.raises(InvalidInput, match="closed"):
+        decode.step([session], [1])
 
 
 def test_decode_steps_refuse_bad_input(engine):
@@ -117,7 +136,7 @@ def test_decode_steps_refuse_bad_input(engine):
     with pytest.raises(InvalidInput, match="1 to"):
         decode.step([session] * (BUCKETS[-1] + 1), [1] * (BUCKETS[-1] + 1))
     other_pools, (stranger,) = held(engine, [engine.prefill([5, 6, 7])])
-    with pytest.raises(InvalidInput, match="another pool"):
+    with pytest.raises(InvalidInput, match="other pools"):
         decode.step([stranger], [1])
     session.token_ids.extend([1] * (engine.max_context - 3))
     with pytest.raises(ContextOverflow):

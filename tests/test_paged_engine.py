@@ -104,20 +104,45 @@ def test_one_attention_call_per_layer_whatever_the_number_of_sessions(tiny_engin
 
 
 def test_a_failed_paged_read_changes_no_session(tiny_engine):
-    """A pool without room for a forward's rows: it raises PoolExhausted, every session keeps its rows,
-    tokens and blocks, and a later read with room equals each session's own."""
+    """A forward whose second layer's pool has no room for its rows (the first layer's rows are already
+    written): it raises PoolExhausted, every session keeps its rows, tokens and blocks, and the same
+    sessions then read on as their own caches do."""
+    from agentmem.pool import BlockPool
+
     engine = tiny_engine
     made = [engine.prefill(list(range(60, 60 + n))) for n in (30, 45)]
-    pools = engine.new_pools(blocks=1 + engine.num_kv_heads * 6, block_size=BLOCK)  # 6 blocks a head: 96 rows
+    sizes = [256] * engine.num_layers
+    sizes[1] = 1 + engine.num_kv_heads * 8  # 8 blocks a head: the 75 rows held take 5
+    pools = [BlockPool(blocks=n, block_size=BLOCK, head_dim=engine.head_dim, dtype=engine.dtype, device="cpu")
+             for n in sizes]
     sessions = [PagedSession.holding(pools, cache) for cache in made]
     free = [pool.free_blocks for pool in pools]
     with pytest.raises(PoolExhausted):
-        engine.read_paged(sessions, [list(range(200, 240)), [9]])  # 70 rows on one head: 5 blocks, 3 + 3 held
+        engine.read_paged(sessions, [list(range(200, 260)), [9]])  # the first: 90 rows, 6 blocks a head
     assert [pool.free_blocks for pool in pools] == free
     assert [s.token_ids for s in sessions] == [c.token_ids for c in made]
     assert [rows.lengths for s in sessions for rows in s.rows] == [[n] * engine.num_kv_heads
                                                                    for n in (30, 45) for _ in range(engine.num_layers)]
-    check_steps(engine, made, [[1, 2, 3], [9]])
+    steps_equal(engine, sessions, [cache.clone() for cache in made], [[1, 2, 3], [9]])
+
+
+def test_a_move_is_refused_whole(tiny_engine):
+    """Re-placing a pooled session: a boundary past its raw tail is refused, and a move that would need
+    more blocks than one layer's pool has (its shared blocks copied) changes no layer."""
+    from agentmem.placement import IDENTITY, Placement
+
+    engine = tiny_engine
+    cache = caches(engine)[3]  # compacted
+    pools, (session,) = sessions_of(engine, [cache])
+    inv_freq = engine.model.base_model.rotary_emb.inv_freq
+    with pytest.raises(InvalidInput, match="raw tail"):
+        session.replace(Placement(protect=4, boundary=session.tail_start + 1, room=4), inv_freq)
+    fork = session.fork()  # every block shared: a move copies them
+    pools[1].allocate(pools[1].free_blocks)  # the second layer's pool has none left
+    keys = pools[0].keys.clone()
+    with pytest.raises(PoolExhausted):
+        fork.replace(Placement(protect=4, boundary=fork.tail_start, room=(fork.tail_start - 4) // 2), inv_freq)
+    assert torch.equal(pools[0].keys, keys) and fork.placement == IDENTITY
 
 
 def test_paged_reads_refuse_bad_input(tiny_engine):
