@@ -9,14 +9,16 @@ needs a step whose shapes and inputs do not change from step to step, whatever t
   sessions read token 0, see nothing, and write their rows into a *sink* block of each pool that no
   block table lists, their order :data:`~agentmem.pool.HIDDEN`;
 - every input lives in a buffer of the bucket's own, refilled on the host before each step: token
-  ids and positions, per layer each new row's slot and each session's block table padded to the
-  pool's width (FlexAttention's table, :func:`~agentmem.paged_attention.flex_tables`) and block
-  counts. The pools are the same tensors every step, written in place by the step itself.
+  ids and positions, per layer each new row's slot and each session's block table padded to a
+  fixed width (FlexAttention's table, :func:`~agentmem.paged_attention.flex_tables`: the pool's
+  on CPU, the longest session's rounded up to a power of two on CUDA) and block counts. The
+  pools are the same tensors every step, written in place by the step itself.
 
 So sessions joining, leaving, growing into new blocks, compacting or being re-placed change what
-the buffers hold, never their shapes: a bucket compiles once (its tests count the graphs over 64
-steps). Attention is FlexAttention over the pool (:func:`~agentmem.paged_attention.flex_over_pool`),
-the same call the uncompiled ``"flex"`` path makes; the logits equal an uncompiled paged read.
+the buffers hold, not their shapes: a bucket compiles once on CPU (its tests count the graphs
+over 64 steps), and on CUDA again only when the longest session's table doubles. Attention is
+FlexAttention over the pool (:func:`~agentmem.paged_attention.flex_over_pool`), the same call
+the uncompiled ``"flex"`` path makes; the logits equal an uncompiled paged read.
 """
 
 from __future__ import annotations
