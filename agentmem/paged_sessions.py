@@ -74,6 +74,18 @@ class PagedSession:
         """RoPE position of the next token read."""
         return len(self.token_ids) - self.offset
 
+    @property
+    def held_nbytes(self) -> int:
+        """Device bytes of the blocks this session holds, a block it shares counted in full: what its
+        rows take in a budget counting blocks, and at most what releasing it frees."""
+        return sum(rows.held_blocks * rows.pool.block_nbytes for rows in self.rows)
+
+    @property
+    def unused_slots(self) -> int:
+        """Slots of its blocks past its rows, over every layer and KV head: under one block each."""
+        return sum(len(blocks) * rows.pool.block_size - length
+                   for rows in self.rows for blocks, length in zip(rows.blocks, rows.lengths))
+
     @classmethod
     def holding(cls, pools: Sequence[BlockPool], cache: SessionCache) -> PagedSession:
         """``cache``'s rows copied into ``pools`` (one per layer): its compacted segments and raw tail,

@@ -92,6 +92,12 @@ class BlockPool:
         return self._holders.get(block, 0)
 
     @property
+    def used_nbytes(self) -> int:
+        """Device bytes of the blocks handed out (held by sessions or a prefix index): what a device
+        budget counting blocks counts, exactly."""
+        return self.used_blocks * self.block_nbytes
+
+    @property
     def block_nbytes(self) -> int:
         """Device bytes of one block: its keys, values, β, order and position."""
         row = 2 * self.keys.shape[1] * self.keys.element_size() + 4 + 4 + 4

@@ -206,3 +206,18 @@ def test_a_fork_shares_its_parents_rows_and_each_reads_as_alone(tiny_engine):
     used = pools[0].used_blocks
     steps_equal(engine, [parent, child], [cache.clone(), cache.clone()], [[40, 41], [50, 51, 52]])
     assert pools[0].used_blocks > used  # the two went apart: blocks of their own
+
+
+def test_a_budget_of_blocks_counts_what_sessions_hold_and_wastes_under_a_block_a_head(tiny_engine):
+    """Sessions of ragged lengths, compacted ones among them (heads keeping different row counts),
+    reading on: the pool's used bytes are the sessions' held bytes exactly, and each session leaves
+    less than one block unused per layer and KV head."""
+    engine = tiny_engine
+    pools, sessions = sessions_of(engine, caches(engine))
+    for step in range(5):
+        engine.read_paged(sessions, [[7] * (1 + (step * i) % 19) for i in range(len(sessions))])
+        assert pools[0].used_nbytes == sum(s.rows[0].held_blocks * pools[0].block_nbytes for s in sessions)
+        assert sum(pool.used_nbytes for pool in pools) == sum(s.held_nbytes for s in sessions)
+        for s in sessions:
+            assert 0 <= s.unused_slots < engine.num_layers * engine.num_kv_heads * BLOCK
+            assert all(len(b) * BLOCK - n < BLOCK for rows in s.rows for b, n in zip(rows.blocks, rows.lengths))
