@@ -338,6 +338,44 @@ def host_work(sessions: int, tokens: int, block: int, repeats: int = 5) -> dict[
             "step ms (median)": sorted(took[1:])[len(took[1:]) // 2]}
 
 
+def compiled_step_host_ops(sessions: int, layers: int, tokens: int = 256) -> dict[str, object]:
+    """What the host dispatches around one compiled decode step (:class:`CompiledDecode`'s reserve, buffer
+    fill and commit; the compiled graph itself is not counted) for ``sessions`` sessions of ``tokens``
+    raw rows on ``layers`` layers at the 8B attention shape: aten ops (a kernel launch each on a GPU)
+    and tensors built from host values (a host-to-device copy each), on the step after the first."""
+    from agentmem.paged_decode import _BucketStep
+    from agentmem.pool import reserve_each
+
+    pools = [BlockPool(blocks=sessions * KV_HEADS * (tokens // BLOCK + 2) + 2, block_size=BLOCK, head_dim=HEAD_DIM,
+                       dtype=torch.float32, device="cpu") for _ in range(layers)]
+    sinks = [pool.allocate(1)[0] for pool in pools]
+    held = []
+    for _ in range(sessions):
+        rows = []
+        for pool in pools:
+            paged = PagedRows(pool, KV_HEADS)
+            paged.reserve([tokens] * KV_HEADS)
+            paged.commit_raw(0, 0, tokens)
+            rows.append(paged)
+        held.append(PagedSession(rows, [0] * tokens, "bench"))
+    step = _BucketStep(pools, sinks, sessions, pools[0].blocks, Q_HEADS, KV_HEADS)
+
+    def host_side() -> None:
+        for layer in range(layers):
+            reserve_each([s.rows[layer] for s in held], [1] * sessions)
+        step.fill(held, [1] * sessions)
+        for layer in range(layers):
+            for s in held:
+                s.rows[layer].commit_raw(s.next_token, s.next_position, 1)
+        for s in held:
+            s.token_ids.append(1)
+
+    host_side()
+    _, costs = count(host_side)
+    return {"sessions": sessions, "layers": layers, "aten ops": costs.aten_ops, "host-built": costs.host_built,
+            "host syncs": costs.host_syncs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -354,6 +392,7 @@ def main() -> None:
         host = [host_work(32, 131072, 128)]
         wide = random_shape_engine("wide-cpu", torch.device("cpu"), torch.float32, 1024)
         model_steps = [model_step(wide, n) for n in args.sessions]
+        compiled_host = [compiled_step_host_ops(32, layers) for layers in (2, 4, 8)]
     for row in model_steps:
         for name in ("buffers", "paged"):
             base = model_steps[0][f"aten ops {name}"]
@@ -373,10 +412,13 @@ def main() -> None:
     md += ("\n## One decode step of the model: per-session buffers in one shared forward against one pool "
            f"(random {wide.name.removeprefix('random ')} weights: the 8B attention shape, "
            f"{wide.num_layers} layers, float32)\n\n" + markdown_table(model_steps) + "\n")
+    md += ("\n## Around a compiled decode step: what the host dispatches outside the graph (32 sessions, 8B "
+           "attention shape)\n\n" + markdown_table(compiled_host) + "\n")
     md += ("\n## Host work of a step: one layer's block tables and writes, 32 sessions of 128k tokens "
            "(meta device)\n\n" + markdown_table(host) + "\n")
     (RESULTS / "pool.md").write_text(md)
-    (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "model step": model_steps, "growth": grown,
+    (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "model step": model_steps,
+                                                   "compiled step host ops": compiled_host, "growth": grown,
                                                    "shared prompt": prompts,
                                                    "host work": host, **extra}, indent=2, default=str))
     print(md)

@@ -69,3 +69,11 @@ def test_the_compiled_paged_decode_stage_of_the_gpu_run_runs(tokenizer):
     row = pool.compiled_paged_decode(engine, list(range(100, 160)), 2, 3, timed)
     assert row["compiled ms"] > 0 and row["uncompiled ms"] > 0 and row["compile s"] > 0
     assert row["mode"] == "default" and row["pool block"] == 16 and row["CUDA graphs skipped"] == 0
+
+
+def test_the_host_side_of_a_compiled_step_is_counted_per_layer():
+    two, four = pool.compiled_step_host_ops(4, 2, tokens=32), pool.compiled_step_host_ops(4, 4, tokens=32)
+    per_layer = (four["aten ops"] - two["aten ops"]) / 2
+    assert per_layer > 0 and two["aten ops"] - 2 * per_layer > 0  # a fixed part and a part per layer
+    assert two["host syncs"] == four["host syncs"] == 0
+    assert four["host-built"] - two["host-built"] == 2  # one copy a layer
