@@ -53,7 +53,6 @@ from transformers import AttentionInterface
 from agentmem.cache import LayerCache, ScratchRows, SessionCache
 from agentmem.errors import AgentMemError
 
-
 ATTENTION_NAME = "agentmem"
 BetaMode = Literal["mask", "fold", "flex"]
 # Most negative logit offset the fold path writes into a key (finite in fp16 and bf16).

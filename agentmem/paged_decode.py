@@ -163,28 +163,22 @@ class CompiledDecode:
     @torch.inference_mode()
     def _step(self, sessions: list[PagedSession], ids: list[int]) -> torch.Tensor:
         rows = [[s.rows[layer] for s in sessions] for layer in range(len(self.pools))]
-        for layer_rows in rows:
-            try:
-                reserve_each(layer_rows, [1] * len(layer_rows))
-            except BaseException:  # the layers before it give back theirs too
-                for earlier in rows:
-                    for r in earlier:
-                        r.trim()
-                raise
-        width = max(flex_table_width(pool, max(r.width for r in layer_rows))
-                    for pool, layer_rows in zip(self.pools, rows))
-        step, run = self._compiled(next(b for b in BUCKETS if b >= len(sessions)), width)
+        every = [r for layer_rows in rows for r in layer_rows]
+        reserve_each(every, [1] * len(every))
         filled = False
         try:
+            width = max(flex_table_width(pool, max(r.width for r in layer_rows))
+                        for pool, layer_rows in zip(self.pools, rows))
+            step, run = self._compiled(next(b for b in BUCKETS if b >= len(sessions)), width)
             step.fill(sessions, ids)
             filled = True
             logits = run(step.input_ids, step.position_ids)[: len(sessions)].clone()  # a CUDA graph reuses its output
         except BaseException:  # the rows this step wrote (if any) hidden again, their blocks given back
-            for pool, inputs, layer_rows in zip(self.pools, step.layers, rows):
-                if filled:
+            if filled:
+                for pool, inputs in zip(self.pools, step.layers):
                     pool.hide(inputs.slots)
-                for r in layer_rows:
-                    r.trim()
+            for r in every:
+                r.trim()
             raise
         for layer_rows in rows:
             for session, r in zip(sessions, layer_rows):

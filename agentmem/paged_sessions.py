@@ -29,7 +29,7 @@ import torch
 
 from agentmem.cache import SessionCache
 from agentmem.errors import InvalidInput, PoolExhausted
-from agentmem.placement import IDENTITY, Placement
+from agentmem.placement import IDENTITY, Placement, check_boundary
 from agentmem.pool import BlockPool, PagedRows
 from agentmem.prefixes import PrefixIndex
 
@@ -135,11 +135,8 @@ class PagedSession:
         """Move the session's rows to ``placement`` (:mod:`agentmem.placement`): every layer's keys re-rotated
         in place, block by block (:meth:`PagedRows.replace <agentmem.pool.PagedRows.replace>`). Every layer
         or none: the blocks shared ones are copied into are checked free in every pool first. The
-        boundary may not pass the raw tail's start, as in
-        :func:`~agentmem.placement.replace_positions`."""
-        if placement.boundary > self.tail_start:
-            raise InvalidInput(f"a placement's boundary ({placement.boundary}) must not pass the raw tail's start "
-                               f"({self.tail_start}): raw rows must keep their distances")
+        boundary may not pass the raw tail's start (:func:`~agentmem.placement.check_boundary`)."""
+        check_boundary(placement, self.tail_start)
         needed: dict[int, int] = {}
         for rows in self.rows:
             needed[id(rows.pool)] = needed.get(id(rows.pool), 0) + rows.blocks_to_replace(self.placement, placement)

@@ -116,6 +116,14 @@ def placement_for(cache, *, protect: int, room: int, exact: int = 0) -> Placemen
     return Placement(protect, boundary, min(max(0, room - (cache.tail_start - boundary)), boundary - protect))
 
 
+def check_boundary(placement: Placement, tail_start: int) -> None:
+    """Refuse (:class:`InvalidInput`) a placement whose boundary passes the raw tail's start
+    (``tail_start``, a token index): every raw row must keep its distances."""
+    if placement.boundary > tail_start:
+        raise InvalidInput(f"a placement's boundary ({placement.boundary}) must not pass the raw tail's start "
+                           f"({tail_start}): raw rows must keep their distances")
+
+
 def replace_positions(engine, cache, placement: Placement):
     """A copy of ``cache`` whose rows sit where ``placement`` puts them (``cache`` is left as it was).
 
@@ -125,9 +133,7 @@ def replace_positions(engine, cache, placement: Placement):
     the raw tail's start: every raw row keeps its distances, which :func:`placement_for` ensures.
     """
     tail_start = cache.tail_start
-    if placement.boundary > tail_start:
-        raise InvalidInput(f"a placement's boundary ({placement.boundary}) must not pass the raw tail's start "
-                           f"({tail_start}): raw rows must keep their distances")
+    check_boundary(placement, tail_start)
     old = cache.placement
     moved = cache.clone()
     inv_freq = engine.model.base_model.rotary_emb.inv_freq
