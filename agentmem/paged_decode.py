@@ -24,7 +24,6 @@ the uncompiled ``"flex"`` path makes; the logits equal an uncompiled paged read.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,15 +41,6 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes a decode step is compiled for
 _Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a compiled step: (input ids, positions) -> logits
 
 
-@dataclass
-class _LayerInputs:
-    """One layer's part of a bucket's buffers."""
-
-    slots: torch.Tensor  # (kv_heads * bucket,) long: where each new row goes, head after head
-    kv_indices: torch.Tensor  # (bucket, q_heads, 1, table width) int32
-    kv_count: torch.Tensor  # (bucket, q_heads, 1) int32
-
-
 class _BucketStep:
     """A bucket's buffers at one block-table width, and the attention the model calls during its step
     (``agentmem_paged``). Every tensor the compiled step reads or writes is marked static: the same
@@ -58,69 +48,73 @@ class _BucketStep:
 
     def __init__(self, pools: Sequence[BlockPool], sinks: Sequence[int], bucket: int, width: int, q_heads: int,
                  kv_heads: int) -> None:
-        device = pools[0].device
+        device, layers = pools[0].device, len(pools)
         self.bucket, self.width, self.kv_heads, self.q_heads = bucket, width, kv_heads, q_heads
         self.input_ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
         self.position_ids = torch.zeros(1, bucket, dtype=torch.long, device=device)
         self.sees_up_to = torch.full((bucket, 1), SEES_NOTHING, dtype=torch.int32, device=device)
         self.order = torch.full((kv_heads * bucket,), HIDDEN, dtype=torch.int32, device=device)
-        self.layers = [_LayerInputs(torch.zeros(kv_heads * bucket, dtype=torch.long, device=device),
-                                    torch.zeros(bucket, q_heads, 1, width, dtype=torch.int32, device=device),
-                                    torch.zeros(bucket, q_heads, 1, dtype=torch.int32, device=device))
-                       for _ in pools]
+        # Per layer: where each new row goes (head after head), stacked so that one op fills every layer;
+        # FlexAttention's block tables and counts, a tensor each layer (one foreach copy fills them all:
+        # given a layer's view into one stacked buffer, the compiled CPU kernel read the wrong tables).
+        self.slots = torch.zeros(layers, kv_heads * bucket, dtype=torch.long, device=device)
+        self.kv_indices = [torch.zeros(bucket, q_heads, 1, width, dtype=torch.int32, device=device) for _ in pools]
+        self.kv_count = [torch.zeros(bucket, q_heads, 1, dtype=torch.int32, device=device) for _ in pools]
         self.pools = list(pools)
-        self.sinks = list(sinks)
+        self.block_size = pools[0].block_size
+        self.sink_slots = to_device([sink * self.block_size for sink in sinks], device)[:, None, None]
         # (1, 1, slots, d) views of each pool: FlexAttention's layout, written in place by the step
         self.keys = [pool.keys.view(1, 1, *pool.keys.shape) for pool in pools]
         self.values = [pool.values.view(1, 1, *pool.values.shape) for pool in pools]
-        for tensor in (self.input_ids, self.position_ids, self.sees_up_to, self.order, *self.keys, *self.values,
-                       *(t for pool in pools for t in (pool.order, pool.positions, pool.bias)),
-                       *(t for inputs in self.layers for t in (inputs.slots, inputs.kv_indices, inputs.kv_count))):
+        for tensor in (self.input_ids, self.position_ids, self.sees_up_to, self.order, self.slots, *self.kv_indices,
+                       *self.kv_count, *self.keys, *self.values,
+                       *(t for pool in pools for t in (pool.order, pool.positions, pool.bias))):
             torch._dynamo.mark_static_address(tensor, guard=False)
 
     def fill(self, sessions: Sequence[PagedSession], tokens: Sequence[int]) -> None:
         """The buffers for ``sessions`` reading ``tokens`` (one each), whose rows' blocks are reserved: two
-        copies from the host for the whole step, then a few device ops a layer."""
-        n, device, heads = len(sessions), self.input_ids.device, self.kv_heads
+        copies from the host and one gather of block tables a layer, the rest one set of ops for all layers
+        (launches a step, not a layer: at 32 layers the per-layer work would be hundreds)."""
+        n, device, heads, layers = len(sessions), self.input_ids.device, self.kv_heads, len(self.pools)
         padding = self.bucket - n
         first = [s.next_token for s in sessions] + [SEES_NOTHING] * padding
         per_layer = [[[r.slot for r in rows] + [0] * padding,
                       *([r.lengths[h] for r in rows] + [0] * padding for h in range(heads)),
                       *([len(r.blocks[h]) for r in rows] + [0] * padding for h in range(heads))]
-                     for rows in ([s.rows[layer] for s in sessions] for layer in range(len(self.pools)))]
+                     for rows in ([s.rows[layer] for s in sessions] for layer in range(layers))]
         step = to_device([list(tokens) + [0] * padding, [s.next_position for s in sessions] + [0] * padding, first],
                          device)
-        layers = to_device(per_layer, device)  # (layers, 1 + 2·heads, bucket)
+        meta = to_device(per_layer, device)  # (layers, 1 + 2·heads, bucket)
         self.input_ids.copy_(step[0:1])
         self.position_ids.copy_(step[1:2])
         self.sees_up_to.copy_(step[2, :, None])
         self.order.copy_(torch.where(step[2] < 0, HIDDEN, step[2]).repeat(heads))
-        head = torch.arange(heads, device=device)[:, None]
-        session = torch.arange(self.bucket, device=device)[None, :]
-        for layer, (pool, sink, inputs) in enumerate(zip(self.pools, self.sinks, self.layers, strict=True)):
-            meta = layers[layer]
-            table_of, lengths, blocks = meta[0], meta[1 : 1 + heads].T, meta[1 + heads :].T
-            tables = pool.tables(heads).current(max(s.rows[layer].width for s in sessions))
-            slots = slot_of(tables, (table_of[session], head), lengths[session, head], pool.block_size)
-            slots[:, n:] = sink * pool.block_size  # padding writes into the sink block, hidden
-            inputs.slots.copy_(slots.flatten())
-            kv_indices, kv_count = flex_tables(tables[table_of], blocks, self.q_heads, 1, self.width)
-            inputs.kv_indices.copy_(kv_indices)
-            inputs.kv_count.copy_(kv_count)
+        lengths, blocks = meta[:, 1 : 1 + heads], meta[:, 1 + heads :].transpose(1, 2)  # (L, heads, B), (L, B, heads)
+        widest = max(r.width for s in sessions for r in s.rows)
+        tables = torch.stack([pool.tables(heads).current(widest)[:, :, :widest].index_select(0, meta[layer, 0])
+                              for layer, pool in enumerate(self.pools)])  # (L, B, heads, widest)
+        layer = torch.arange(layers, device=device)[:, None, None]
+        head = torch.arange(heads, device=device)[None, :, None]
+        session = torch.arange(self.bucket, device=device)
+        slots = slot_of(tables, (layer, session, head), lengths, self.block_size)  # (L, heads, B)
+        self.slots.copy_(torch.where(session < n, slots, self.sink_slots).flatten(1))  # padding: the sink, hidden
+        kv_indices, kv_count = flex_tables(tables.flatten(0, 1), blocks.flatten(0, 1), self.q_heads, 1, self.width)
+        torch._foreach_copy_(self.kv_indices, kv_indices.unflatten(0, (layers, -1)).unbind())
+        torch._foreach_copy_(self.kv_count, kv_count.unflatten(0, (layers, -1)).unbind())
 
     def attend(self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                scale: float) -> torch.Tensor:
         """``(q_heads, bucket, d)`` attention of one query per session (``query`` ``(q_heads, bucket, d)``),
         its new rows written into the pool first."""
-        pool, inputs = self.pools[layer], self.layers[layer]
+        pool, slots = self.pools[layer], self.slots[layer]
         pool_keys, pool_values = self.keys[layer], self.values[layer]
-        pool_keys.index_copy_(2, inputs.slots, keys.reshape(1, 1, -1, keys.shape[-1]).to(pool_keys.dtype))
-        pool_values.index_copy_(2, inputs.slots, values.reshape(1, 1, -1, values.shape[-1]).to(pool_values.dtype))
-        pool.order.index_copy_(0, inputs.slots, self.order)
-        pool.positions.index_copy_(0, inputs.slots, self.order)
-        pool.bias.index_fill_(0, inputs.slots, 0.0)
+        pool_keys.index_copy_(2, slots, keys.reshape(1, 1, -1, keys.shape[-1]).to(pool_keys.dtype))
+        pool_values.index_copy_(2, slots, values.reshape(1, 1, -1, values.shape[-1]).to(pool_values.dtype))
+        pool.order.index_copy_(0, slots, self.order)
+        pool.positions.index_copy_(0, slots, self.order)
+        pool.bias.index_fill_(0, slots, 0.0)
         out = flex_over_pool(query.transpose(0, 1)[:, :, None], pool_keys, pool_values, pool.order, pool.bias,
-                             inputs.kv_indices, inputs.kv_count, self.sees_up_to, scale, pool.block_size)
+                             self.kv_indices[layer], self.kv_count[layer], self.sees_up_to, scale, pool.block_size)
         return out[:, :, 0].transpose(0, 1)
 
 
@@ -133,9 +127,10 @@ class CompiledDecode:
     longest session doubles; on CPU they are as wide as the pool, and a bucket compiles once."""
 
     def __init__(self, engine: Engine, pools: Sequence[BlockPool], *, mode: str | None = None) -> None:
-        if len(pools) != engine.num_layers or any(p.keys.shape[-1] != engine.head_dim for p in pools):
+        if (len(pools) != engine.num_layers or any(p.keys.shape[-1] != engine.head_dim for p in pools)
+                or len({p.block_size for p in pools}) != 1):
             raise InvalidInput(f"a compiled decode needs a pool per layer ({engine.num_layers}) of head_dim "
-                               f"{engine.head_dim}")
+                               f"{engine.head_dim}, all of one block size")
         for pool in pools:
             check_flex_block(pool)
         self.engine = engine
@@ -175,8 +170,8 @@ class CompiledDecode:
             logits = run(step.input_ids, step.position_ids)[: len(sessions)].clone()  # a CUDA graph reuses its output
         except BaseException:  # the rows this step wrote (if any) hidden again, their blocks given back
             if filled:
-                for pool, inputs in zip(self.pools, step.layers):
-                    pool.hide(inputs.slots)
+                for pool, slots in zip(self.pools, step.slots):
+                    pool.hide(slots)
             for r in every:
                 r.trim()
             raise

@@ -361,8 +361,7 @@ def compiled_step_host_ops(sessions: int, layers: int, tokens: int = 256) -> dic
     step = _BucketStep(pools, sinks, sessions, pools[0].blocks, Q_HEADS, KV_HEADS)
 
     def host_side() -> None:
-        for layer in range(layers):
-            reserve_each([s.rows[layer] for s in held], [1] * sessions)
+        reserve_each([r for s in held for r in s.rows], [1] * sessions * layers)
         step.fill(held, [1] * sessions)
         for layer in range(layers):
             for s in held:
@@ -392,7 +391,7 @@ def main() -> None:
         host = [host_work(32, 131072, 128)]
         wide = random_shape_engine("wide-cpu", torch.device("cpu"), torch.float32, 1024)
         model_steps = [model_step(wide, n) for n in args.sessions]
-        compiled_host = [compiled_step_host_ops(32, layers) for layers in (2, 4, 8)]
+        compiled_host = [compiled_step_host_ops(32, layers) for layers in (2, 4, 8, 32)]
     for row in model_steps:
         for name in ("buffers", "paged"):
             base = model_steps[0][f"aten ops {name}"]
