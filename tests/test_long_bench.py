@@ -48,3 +48,30 @@ def test_a_run_stopped_at_a_mark_goes_on_from_its_state_to_the_same_measurements
     assert resumed["passages"] == straight["passages"]
     with pytest.raises(SystemExit, match="other arguments"):
         long.run(_args(tmp_path, budget=1024))
+
+
+def test_the_one_shot_reference_keeps_the_rows_per_token_a_session_compacts_to(tiny_engine, tmp_path):
+    """``long_bound.ratios``' compacted basis is what the session's last compaction before a mark kept,
+    per token it stands for: read off a real session's compacted segments (the compaction ran just
+    before the turn read last, as at every mark of a session in steady state)."""
+    import long_bound
+
+    from agentmem import BudgetPolicy, SessionManager
+
+    policy = BudgetPolicy(max_live_tokens=256, keep_recent=32, method="global-eviction")
+    turns = long.turn_texts(tiny_engine.tokenizer, 96, 8)
+    with SessionManager(tiny_engine, f"sqlite:///{tmp_path}/s.db", default_policy=policy) as manager:
+        session = manager.session("s")
+        for _, text in turns:
+            before = session.cache.logical_length
+            reply = session.chat(text, max_new_tokens=1)
+        assert reply.usage.compactions == 1  # the turn read last compacted first
+        cache = session.cache
+        mark = {"session tokens": cache.logical_length, "session rows": cache.physical_length}
+        turn_length = cache.logical_length - before
+        rows = sum(sum(layout.head_rows) for layer in cache.layers for layout in layer.layouts)
+        per_head = rows / sum(layer.num_heads for layer in cache.layers)
+        stood_for = before - policy.keep_recent
+    expected = per_head / stood_for
+    assert long_bound.ratios(policy, mark, turn_length)["compacted rows"] == pytest.approx(expected, rel=1e-9)
+    assert long_bound.ratios(policy, mark, turn_length)["session rows"] == mark["session rows"] / mark["session tokens"]
