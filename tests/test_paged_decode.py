@@ -11,6 +11,7 @@ from agentmem.compaction import compact
 from agentmem.errors import ContextOverflow, InvalidInput, PoolExhausted
 from agentmem.paged_decode import BUCKETS, CompiledDecode
 from agentmem.paged_sessions import PagedSession
+from agentmem.pool import HIDDEN
 from agentmem.placement import Placement, placement_for, replace_positions
 from helpers import tiny_model
 from test_scheduler import caches
@@ -113,6 +114,42 @@ def test_a_failed_step_changes_no_session(engine):
         torch.testing.assert_close(logits.float(), expected, atol=1e-4, rtol=0)
         tokens = [int(x) for x in expected.argmax(-1)]
     assert sessions[0].next_token == 22
+
+
+def test_a_step_failing_after_writing_its_rows_hides_them_and_gives_their_blocks_back(engine, monkeypatch):
+    """The compiled call writes the step's rows into the pools, then fails: no query sees those rows,
+    the blocks taken for them are free again (a session at a block's end took a new one), no session
+    changed, and the next step reads as a reference does."""
+    made = [engine.prefill(list(range(60, 60 + n))) for n in (32, 20)]  # 32 rows: the next one opens a block
+    pools, sessions = held(engine, made)
+    _, references = held(engine, made)
+    decode = CompiledDecode(engine, pools)
+    decode.step(sessions, [5, 6])  # compiled and run once: the failure below is not a first call's
+    reference_logits(engine, references, [5, 6])
+    real = decode._compiled
+
+    def failing(bucket: int, width: int):
+        step, run = real(bucket, width)
+
+        def run_then_fail(*inputs):
+            run(*inputs)
+            raise RuntimeError("device lost")
+
+        return step, run_then_fail
+
+    free = [pool.free_blocks for pool in pools]
+    lengths = [[r.lengths for r in s.rows] for s in sessions]
+    monkeypatch.setattr(decode, "_compiled", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        decode.step(sessions, [7, 8])
+    step, _ = real(2, next(iter(decode._steps))[1])
+    assert all((pool.order[slots] == HIDDEN).all() for pool, slots in zip(pools, step.slots))
+    assert [pool.free_blocks for pool in pools] == free
+    assert [[r.lengths for r in s.rows] for s in sessions] == lengths
+    assert [s.token_ids for s in sessions] == [r.token_ids for r in references]
+    monkeypatch.undo()
+    logits = decode.step(sessions, [7, 8])
+    torch.testing.assert_close(logits.float(), reference_logits(engine, references, [7, 8]), atol=1e-4, rtol=0)
 
 
 def test_a_closed_decode_refuses_steps_and_gives_its_sink_back(engine):
