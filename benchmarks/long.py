@@ -36,9 +36,9 @@ The probes:
   read the same turns without the fact, which doubles the run's compactions); reported as how many
   times likelier (``exp`` of the difference);
 - **passage retention**: two ``PASSAGE``-token passages (one prose, one code: the two turns from
-  1/4, 1/2 and 3/4 of the way), cued by their first half ("Continue this passage from the text
-  above, word for word:"), scoring the second half. A passage counts once it has left the
-  in-window cache. retention = Σ (NLL never − NLL) / Σ (NLL never − NLL fresh) over the passages
+  1/4, 1/2 and 3/4 of the way; ``--passages N``: from N points evenly spread), cued by their
+  first half ("Continue this passage from the text above, word for word:"), scoring the second
+  half. A passage counts once it has left the in-window cache. retention = Σ (NLL never − NLL) / Σ (NLL never − NLL fresh) over the passages
   counted, where *never* is the in-window cache at that position (it never read the passage) and
   *fresh* a cache of the last tokens right after the passage was read (it holds the passage raw):
   the share of the passages' per-token gain a cache keeps, 0 = nothing of it, 1 = all of it.
@@ -99,7 +99,6 @@ QUESTION = "What is the vault code?"
 ANSWER_CUE, ANSWER = "The vault code is", " 4417-Kestrel"
 PASSAGE = 64
 PASSAGE_PROMPT = "Continue this passage from the text above, word for word:\n"
-PASSAGE_POINTS = (0.25, 0.5, 0.75)
 IN_WINDOW = 1536
 SUMMARY_REQUEST = "Summarise our conversation so far in at most {words} words, keeping names, numbers and facts."
 SUMMARY_FRAME = "Summary of the conversation so far:\n"
@@ -433,6 +432,13 @@ def load_state(folder: Path, args: argparse.Namespace, engine: Engine) -> tuple[
     return state, {name: load_cache(folder / file, engine) for name, file in state["caches"].items()}
 
 
+def spread_points(n: int) -> tuple[float, ...]:
+    """``n`` points evenly spread over a run, as fractions of it: where passages are read (3: 1/4, 1/2, 3/4)."""
+    if n < 1:
+        raise SystemExit(f"--passages must be at least 1, got {n}")
+    return tuple(i / (n + 1) for i in range(1, n + 1))
+
+
 def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] = lambda result: None
         ) -> dict[str, object]:
     """Read the session to ``args.window_multiple`` windows, measuring at every mark; ``on_mark``
@@ -452,6 +458,7 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
     summary = None if args.fast else Summarised(engine, policy, args.summary_tokens)
     summary_request = SUMMARY_REQUEST.format(words=max(1, args.summary_tokens * 3 // 4))
 
+    passage_points = spread_points(args.passages)
     rows, detail, passages, points = [], [], [], {}
     seconds = dict.fromkeys(("session", "session compactions", "never told", "StreamingLLM", "summary", "probes"), 0.0)
     stopped = None
@@ -545,7 +552,7 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
                     t0 = time.perf_counter()
                     summary.read(delta, request)
                     seconds["summary"] += time.perf_counter() - t0
-                point = next((f for f in PASSAGE_POINTS if f not in points and before >= f * total), None)
+                point = next((f for f in passage_points if f not in points and before >= f * total), None)
                 if point is not None or (k - 1 in points.values() and len(passages) % 2):
                     if point is not None:
                         points[point] = k
@@ -812,6 +819,9 @@ def main() -> None:
     parser.add_argument("--fast", action="store_true",
                         help="only the session and its StreamingLLM and in-window baselines, probed once a window "
                              "(no summary baseline, no placements compared)")
+    parser.add_argument("--passages", type=int, default=3,
+                        help="points, evenly spread over the run, where a prose and a code passage are read "
+                             "(more passages per mark: a mark's retention less noisy)")
     parser.add_argument("--policy", nargs="*", default=[], metavar="KEY=VALUE",
                         help="BudgetPolicy settings besides max_live_tokens (values as JSON), e.g. reread=all")
     parser.add_argument("--name", default="long", help="results file name: benchmarks/results/NAME.{md,json,png}")

@@ -15,7 +15,7 @@ import long  # noqa: E402
 
 def _args(state: Path | None, **changes) -> argparse.Namespace:
     settings = dict(window_multiple=0.125, budget=512, turn_tokens=128, chunk=32, every=256, summary_tokens=128,
-                    never_told="window", placements=False, fast=True, policy=[], name="unused", plot_only=False,
+                    passages=3, never_told="window", placements=False, fast=True, policy=[], name="unused", plot_only=False,
                     state=None if state is None else str(state))
     return argparse.Namespace(**{**settings, **changes})
 
@@ -75,3 +75,10 @@ def test_the_one_shot_reference_keeps_the_rows_per_token_a_session_compacts_to(t
     expected = per_head / stood_for
     assert long_bound.ratios(policy, mark, turn_length)["compacted rows"] == pytest.approx(expected, rel=1e-9)
     assert long_bound.ratios(policy, mark, turn_length)["session rows"] == mark["session rows"] / mark["session tokens"]
+
+
+def test_passages_are_read_at_points_spread_evenly_over_the_run():
+    assert long.spread_points(3) == (0.25, 0.5, 0.75)  # the runs on record
+    assert long.spread_points(7) == tuple(k / 8 for k in range(1, 8))
+    with pytest.raises(SystemExit):
+        long.spread_points(0)
