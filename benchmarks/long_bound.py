@@ -4,21 +4,23 @@
 holds 2,048 rows for ~66,000 tokens, and its passage-retention target asks it to keep StreamingLLM's
 share + 0.3 of each passage it read windows ago. This benchmark asks what the compaction method
 itself keeps at that ratio when it runs *once*, on the same passages, scored by the same probes:
-no re-compaction, no re-placement, nothing worn down over 63 compactions.
+no re-compaction, no re-placement, nothing worn down over 63 compactions. A reference, not a
+bound: one compaction of a few turns keeps few rows a head (48 at 8x), where fixed parts (the
+attention sinks, the recent rows' queries) weigh more than in a session's 756.
 
 For every passage of a ``long.py`` results file (``--results``, default ``long-8x-rep``): a fresh
 session reads the ``--context-turns`` turns ending with the passage's turn (the same texts, read
-the same way: chat turns of one generated token), its raw cache is the passage's *fresh* cache,
-and the 1,536 tokens read just before those turns (text of the same kind that never held the
-passage) its *never* cache, as ``long.py``'s in-window cache is for the session. At every mark
-where ``long.py`` counted the passage, the raw cache is compacted once by the default policy's
-compactor (the policy's, as the session runs it) to the session's rows per token at that mark,
-on two bases: session rows / tokens read (the raw recent turns counted as history: generous to the
-one-shot compaction) and compacted rows / the tokens they stand for (what the policy's last
-compaction kept: equal per-token rows for history), keeping ``--keep-recent`` raw rows, and the
-passage is scored.
-retention = Σ (NLL never − NLL) / Σ (NLL never − NLL fresh) over the passages counted at the mark,
-as in ``long.py``; the session's and StreamingLLM's figures are read from its results file.
+the same way: chat turns of one generated token). At every mark where ``long.py`` counted the
+passage, that raw cache is compacted once by the policy's compactor (as the session runs it) to
+the session's rows per token at that mark, on two bases (:func:`ratios`): session rows / tokens
+read (the raw recent turn counted as history: generous to the one compaction) and compacted rows
+/ the tokens they stand for (what the policy's last compaction kept: equal rows per token of
+history), keeping ``--keep-recent`` raw rows, and the passage is scored by the same probe.
+Retention is ``long.py``'s, against ``long.py``'s own baselines at that mark: Σ (NLL never − NLL)
+/ Σ (NLL never − NLL fresh), *never* the in-window cache at the mark, *fresh* the cache that had
+just read the passage (both NLLs read from the results file), so the session's figure and the
+one compaction's differ only in the cache scored. The results also give, per passage, the rows
+the one compaction kept for the passage's tokens (over all layers and KV heads).
 
 Writes ``benchmarks/results/NAME.{md,json}``. Run: ``python benchmarks/long_bound.py`` (48 compactions
 of 4,096 tokens at the defaults: about 30 minutes on 2 CPU cores).
@@ -32,7 +34,7 @@ import tempfile
 import time
 
 from common import RESULTS, command_line, machine, markdown_table, model_label, write_results
-from long import IN_WINDOW, PASSAGE, Passage, passage_probe, turn_texts
+from long import PASSAGE, Passage, passage_probe, rows_within, turn_texts
 
 from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.compaction import compact
@@ -61,73 +63,74 @@ def main() -> None:
     policy = BudgetPolicy(**saved["policy"])
     compactor = policy.compactor()
     passages = [Passage(p["turn"], p["kind"], [], p["ends at token"], None) for p in saved["passages"]]
-    marks = [(row, entry) for row, entry in zip(saved["rows"], saved["detail"]) if entry["passages counted"]]
+    rows_at = {row["tokens read"]: row for row in saved["rows"]}
+    marks = [(rows_at[entry["tokens read"]], entry) for entry in saved["detail"] if entry["passages counted"]]
     turns = turn_texts(engine.tokenizer, args.turn_tokens, max(p.turn for p in passages) + 1)
     began = time.perf_counter()
-    never_nll: dict[str, float] = {}
-    one_shot: dict[tuple[str, float, str], float] = {}  # (passage key, x window, basis) -> NLL on the compacted cache
-    per_passage = []
+    one_shot: dict[tuple[int, float, str], float] = {}  # (turn, x window, basis) -> NLL on the compacted cache
+    per_passage, turn_length = [], None
     with tempfile.TemporaryDirectory() as home, SessionManager(
             engine, f"sqlite:///{home}/s.db", default_policy=BudgetPolicy(max_live_tokens=engine.max_context - 1)
     ) as manager:
         for passage, stored in zip(passages, saved["passages"]):
-            key = f"passage {passage.turn}"
-            first = passage.turn - args.context_turns + 1
-            context = read_turns(manager, [text for _, text in turns[first : passage.turn]])
+            context = read_turns(manager, [text for _, text in turns[passage.turn - args.context_turns + 1 : passage.turn]])
             before = context.cache.logical_length
             context.chat(turns[passage.turn][1], max_new_tokens=1)
             delta = context.cache.token_ids[before:]
+            turn_length = turn_length or len(delta)  # a turn with its reply token: the same length each turn
             middle = len(delta) // 2
             passage.ids = delta[middle - PASSAGE // 2 : middle + PASSAGE // 2]
             if engine.tokenizer.decode(passage.ids) != stored["text"]:
                 raise SystemExit(f"turn {passage.turn} as read here does not give {args.results}'s passage")
+            first = before + middle - PASSAGE // 2
             held, messages = context.cache.token_ids, context.messages
             probe = passage_probe(engine, held, messages, passage.ids)
-            passage.fresh = -probe.logprobs(engine, context.cache).mean().item()
-            earlier = read_turns(manager, [text for _, text in turns[first - 2 : first]])
-            never_nll[key] = -probe.logprobs(engine, engine.prefill(earlier.cache.token_ids[-IN_WINDOW:])).mean().item()
+            raw = -probe.logprobs(engine, context.cache).mean().item()
             row = {"passage": passage.turn, "kind": passage.kind, "context tokens": len(held),
-                   "NLL fresh": round(passage.fresh, 4), "NLL never": round(never_nll[key], 4)}
+                   "NLL fresh (long.py)": round(stored["fresh nll"], 4), "NLL raw context": round(raw, 4)}
             for mark_row, entry in marks:
                 if passage.turn not in entry["passages counted"]:
                     continue
-                x = mark_row["x window"]
-                session = kept([entry["in-window"]["passage nll"][key]], [entry["session"]["passage nll"][key]],
-                               [entry["fresh passage nll"][key]])
+                x, key = mark_row["x window"], f"passage {passage.turn}"
+                never = entry["in-window"]["passage nll"][key]
                 cells = []
-                for basis, per_token in ratios(policy, mark_row, len(delta)).items():
+                for basis, per_token in ratios(policy, mark_row, turn_length).items():
                     target = max(1, round((len(held) - args.keep_recent) * per_token))
                     t0 = time.perf_counter()
                     compacted = compact(engine, context.cache, compactor, target_tokens=target,
                                         keep_recent=args.keep_recent)
-                    one_shot[key, x, basis] = -probe.logprobs(engine, compacted).mean().item()
-                    cells.append(f"{kept([never_nll[key]], [one_shot[key, x, basis]], [passage.fresh]):.3f}")
+                    one_shot[passage.turn, x, basis] = -probe.logprobs(engine, compacted).mean().item()
+                    cells.append(f"{kept([never], [one_shot[passage.turn, x, basis]], [stored['fresh nll']]):.3f} "
+                                 f"({rows_within(compacted, first, first + PASSAGE)})")
                     print(f"passage {passage.turn} at {x:g}x, {basis}: {target} + {args.keep_recent} of {len(held)} "
-                          f"rows, {time.perf_counter() - t0:.1f} s, NLL {one_shot[key, x, basis]:.4f} (fresh "
-                          f"{passage.fresh:.4f}, never {never_nll[key]:.4f})", flush=True)
-                row[f"{x:g}x: one-shot {' / '.join(BASES)} / session"] = " / ".join(cells + [f"{session:.3f}"])
+                          f"rows, {time.perf_counter() - t0:.1f} s, NLL {one_shot[passage.turn, x, basis]:.4f}",
+                          flush=True)
+                session = kept([never], [entry["session"]["passage nll"][key]], [stored["fresh nll"]])
+                row[f"{x:g}x: one-shot {' / '.join(BASES)} (rows kept) / session"] = " / ".join(cells + [f"{session:.3f}"])
             per_passage.append(row)
-            turn_length = len(delta)
 
     rows = []
     for mark_row, entry in marks:
         x = mark_row["x window"]
         counted = [p for p in passages if p.turn in entry["passages counted"]]
-        keys = [f"passage {p.turn}" for p in counted]
+        never = [entry["in-window"]["passage nll"][f"passage {p.turn}"] for p in counted]
+        fresh = [entry["fresh passage nll"][f"passage {p.turn}"] for p in counted]
         session, streaming = entry["session"]["retention"], entry["StreamingLLM"]["retention"]
         row = {"x window": x, "passages counted": ", ".join(str(p.turn) for p in counted)}
         for basis, per_token in ratios(policy, mark_row, turn_length).items():
-            mine = kept([never_nll[k] for k in keys], [one_shot[k, x, basis] for k in keys], [p.fresh for p in counted])
+            mine = kept(never, [one_shot[p.turn, x, basis] for p in counted], fresh)
             row[f"tokens per row, {basis}"] = round(1 / per_token, 1)
             row[f"retention one-shot, {basis}"] = round(mine, 3)
-        row.update({"retention session": round(session, 3), "retention StreamingLLM": round(streaming, 3)})
+        row.update({"retention session": round(session, 3), "retention StreamingLLM": round(streaming, 3),
+                    "session / one-shot, compacted rows": round(session / row["retention one-shot, compacted rows"], 2)})
         rows.append(row)
-    title = (f"One compaction at a long session's ratio, on its passages ({args.results}): {model_label(EMBEDDED)}")
+    title = f"One compaction at a long session's rows per token, on its passages ({args.results}): {model_label(EMBEDDED)}"
     extra = {"passages": "\n\n" + markdown_table(per_passage),
              "one-shot": f"a fresh session's {args.context_turns} turns ending with the passage's turn, compacted once "
                          f"by the session's compactor to the session's rows per token (two bases: ratios()), "
-                         f"{args.keep_recent} rows raw",
-             "never": f"the {IN_WINDOW:,} tokens read just before those turns",
+                         f"{args.keep_recent} rows raw; rows kept: rows standing for the passage's {PASSAGE} tokens over "
+                         f"{engine.num_layers * engine.num_kv_heads} layers x KV heads",
+             "never, fresh": "long.py's, at each mark (the in-window cache; the cache that had just read the passage)",
              "session, StreamingLLM": f"from benchmarks/results/{args.results}.json ({saved['command']})",
              "wall s": round(time.perf_counter() - began, 1), "machine": machine(), "command": command_line()}
     print(write_results(args.name, title, rows, extra), flush=True)
