@@ -42,6 +42,7 @@ The probes:
   counted, where *never* is the in-window cache at that position (it never read the passage) and
   *fresh* a cache of the last tokens right after the passage was read (it holds the passage raw):
   the share of the passages' per-token gain a cache keeps, 0 = nothing of it, 1 = all of it.
+  The results' detail also gives the rows the session holds for each passage counted.
 
 Targets (issue "read past the window"): next-chunk loss ≤ 1.1x the in-window baseline at every
 position up to 4x the window; the first-turn fact ≥ 100x likelier than never told at 4x the
@@ -179,14 +180,16 @@ def passage_probe(engine: Engine, held, messages, passage: list[int]) -> Probe:
 
 @dataclass
 class Passage:
-    """A passage read in turn ``turn`` (its ``kind``), ending at logical token ``end``; ``fresh``:
-    its NLL on a cache that had just read it."""
+    """A passage read in turn ``turn`` (its ``kind``), a turn ending at logical token ``end``; ``fresh``:
+    its NLL on a cache that had just read it; ``first``: its own first token (``None`` in runs
+    saved before it was kept)."""
 
     turn: int
     kind: str
     ids: list[int]
     end: int
     fresh: float | None = None
+    first: int | None = None
 
 
 # ------------------------------------------------------------------------------------- baselines
@@ -558,7 +561,7 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
                         points[point] = k
                     middle = len(delta) // 2
                     passages.append(Passage(k, kinds[k], delta[middle - PASSAGE // 2 : middle + PASSAGE // 2],
-                                            session.cache.logical_length))
+                                            session.cache.logical_length, first=before + middle - PASSAGE // 2))
                     t0 = time.perf_counter()
                     ids = session.cache.token_ids
                     fresh = engine.prefill(ids[-max(IN_WINDOW, len(delta) + PASSAGE) :])
@@ -625,6 +628,8 @@ def run(args: argparse.Namespace, on_mark: Callable[[dict[str, object]], None] =
                         "—" if not counted else missing)
             entry["never-told fact log-prob"] = None if never_fact is None else never_fact.sum().item()
             entry["fresh passage nll"] = {f"passage {p.turn}": p.fresh for p in counted}
+            entry["passage rows"] = {f"passage {p.turn}": rows_within(session.cache, p.first, p.first + PASSAGE)
+                                     for p in counted if p.first is not None}
             entry["placements"] = {}
             for name, cache in placed.items():
                 s = placed_scores[name]
