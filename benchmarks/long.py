@@ -38,8 +38,8 @@ The probes:
 - **passage retention**: two ``PASSAGE``-token passages (one prose, one code: the two turns from
   1/4, 1/2 and 3/4 of the way; ``--passages N``: from N points evenly spread), cued by their
   first half ("Continue this passage from the text above, word for word:"), scoring the second
-  half. A passage counts once it has left the in-window cache. retention = Σ (NLL never − NLL) / Σ (NLL never − NLL fresh) over the passages
-  counted, where *never* is the in-window cache at that position (it never read the passage) and
+  half. A passage counts once it has left the in-window cache. retention = Σ (NLL never − NLL)
+  / Σ (NLL never − NLL fresh) over the passages counted, where *never* is the in-window cache at that position (it never read the passage) and
   *fresh* a cache of the last tokens right after the passage was read (it holds the passage raw):
   the share of the passages' per-token gain a cache keeps, 0 = nothing of it, 1 = all of it.
   The results' detail also gives the rows the session holds for each passage counted.
@@ -359,8 +359,13 @@ def retention(scored: dict[str, object], never: dict[str, float], passages: list
     keys = [f"passage {p.turn}" for p in passages]
     if not passages or any(scored.get(key) is None or key not in never for key in keys):
         return None
-    full = sum(never[key] - p.fresh for key, p in zip(keys, passages))
-    return sum(never[key] - nll(scored[key]) for key in keys) / full if full > 0 else None
+    return share_kept([never[key] for key in keys], [nll(scored[key]) for key in keys], [p.fresh for p in passages])
+
+
+def share_kept(never: list[float], scored: list[float], fresh: list[float]) -> float | None:
+    """Σ (NLL never − NLL) / Σ (NLL never − NLL fresh), each list one NLL a passage (``None``: no gain to keep)."""
+    full = sum(n - f for n, f in zip(never, fresh))
+    return sum(n - s for n, s in zip(never, scored)) / full if full > 0 else None
 
 
 # ------------------------------------------------------------------------------------ resuming

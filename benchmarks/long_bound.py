@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from common import RESULTS, command_line, machine, markdown_table, model_label, write_results
-from long import PASSAGE, Passage, passage_probe, rows_within, turn_texts
+from long import PASSAGE, passage_probe, rows_within, share_kept, turn_texts
 
 from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.compaction import compact
@@ -62,36 +62,37 @@ def main() -> None:
     engine = Engine.load(EMBEDDED, device="cpu")
     policy = BudgetPolicy(**saved["policy"])
     compactor = policy.compactor()
-    passages = [Passage(p["turn"], p["kind"], [], p["ends at token"], None) for p in saved["passages"]]
+    passages = saved["passages"]  # each read in turn "turn", its text "text", its "fresh nll" as long.py measured it
     rows_at = {row["tokens read"]: row for row in saved["rows"]}
     marks = [(rows_at[entry["tokens read"]], entry) for entry in saved["detail"] if entry["passages counted"]]
-    turns = turn_texts(engine.tokenizer, args.turn_tokens, max(p.turn for p in passages) + 1)
+    turns = turn_texts(engine.tokenizer, args.turn_tokens, max(p["turn"] for p in passages) + 1)
     began = time.perf_counter()
     one_shot: dict[tuple[int, float, str], float] = {}  # (turn, x window, basis) -> NLL on the compacted cache
     per_passage, turn_length = [], None
     with tempfile.TemporaryDirectory() as home, SessionManager(
             engine, f"sqlite:///{home}/s.db", default_policy=BudgetPolicy(max_live_tokens=engine.max_context - 1)
     ) as manager:
-        for passage, stored in zip(passages, saved["passages"]):
-            context = read_turns(manager, [text for _, text in turns[passage.turn - args.context_turns + 1 : passage.turn]])
+        for passage in passages:
+            turn = passage["turn"]
+            context = read_turns(manager, [text for _, text in turns[turn - args.context_turns + 1 : turn]])
             before = context.cache.logical_length
-            context.chat(turns[passage.turn][1], max_new_tokens=1)
+            context.chat(turns[turn][1], max_new_tokens=1)
             delta = context.cache.token_ids[before:]
             turn_length = turn_length or len(delta)  # a turn with its reply token: the same length each turn
             middle = len(delta) // 2
-            passage.ids = delta[middle - PASSAGE // 2 : middle + PASSAGE // 2]
-            if engine.tokenizer.decode(passage.ids) != stored["text"]:
-                raise SystemExit(f"turn {passage.turn} as read here does not give {args.results}'s passage")
+            ids = delta[middle - PASSAGE // 2 : middle + PASSAGE // 2]
+            if engine.tokenizer.decode(ids) != passage["text"]:
+                raise SystemExit(f"turn {turn} as read here does not give {args.results}'s passage")
             first = before + middle - PASSAGE // 2
             held, messages = context.cache.token_ids, context.messages
-            probe = passage_probe(engine, held, messages, passage.ids)
+            probe = passage_probe(engine, held, messages, ids)
             raw = -probe.logprobs(engine, context.cache).mean().item()
-            row = {"passage": passage.turn, "kind": passage.kind, "context tokens": len(held),
-                   "NLL fresh (long.py)": round(stored["fresh nll"], 4), "NLL raw context": round(raw, 4)}
+            row = {"passage": turn, "kind": passage["kind"], "context tokens": len(held),
+                   "NLL fresh (long.py)": round(passage["fresh nll"], 4), "NLL raw context": round(raw, 4)}
             for mark_row, entry in marks:
-                if passage.turn not in entry["passages counted"]:
+                if turn not in entry["passages counted"]:
                     continue
-                x, key = mark_row["x window"], f"passage {passage.turn}"
+                x, key = mark_row["x window"], f"passage {turn}"
                 never = entry["in-window"]["passage nll"][key]
                 cells = []
                 for basis, per_token in ratios(policy, mark_row, turn_length).items():
@@ -99,26 +100,26 @@ def main() -> None:
                     t0 = time.perf_counter()
                     compacted = compact(engine, context.cache, compactor, target_tokens=target,
                                         keep_recent=args.keep_recent)
-                    one_shot[passage.turn, x, basis] = -probe.logprobs(engine, compacted).mean().item()
-                    cells.append(f"{kept([never], [one_shot[passage.turn, x, basis]], [stored['fresh nll']]):.3f} "
+                    one_shot[turn, x, basis] = -probe.logprobs(engine, compacted).mean().item()
+                    cells.append(f"{share_kept([never], [one_shot[turn, x, basis]], [passage['fresh nll']]):.3f} "
                                  f"({rows_within(compacted, first, first + PASSAGE)})")
-                    print(f"passage {passage.turn} at {x:g}x, {basis}: {target} + {args.keep_recent} of {len(held)} "
-                          f"rows, {time.perf_counter() - t0:.1f} s, NLL {one_shot[passage.turn, x, basis]:.4f}",
+                    print(f"passage {turn} at {x:g}x, {basis}: {target} + {args.keep_recent} of {len(held)} "
+                          f"rows, {time.perf_counter() - t0:.1f} s, NLL {one_shot[turn, x, basis]:.4f}",
                           flush=True)
-                session = kept([never], [entry["session"]["passage nll"][key]], [stored["fresh nll"]])
+                session = share_kept([never], [entry["session"]["passage nll"][key]], [passage["fresh nll"]])
                 row[f"{x:g}x: one-shot {' / '.join(BASES)} (rows kept) / session"] = " / ".join(cells + [f"{session:.3f}"])
             per_passage.append(row)
 
     rows = []
     for mark_row, entry in marks:
         x = mark_row["x window"]
-        counted = [p for p in passages if p.turn in entry["passages counted"]]
-        never = [entry["in-window"]["passage nll"][f"passage {p.turn}"] for p in counted]
-        fresh = [entry["fresh passage nll"][f"passage {p.turn}"] for p in counted]
+        counted = entry["passages counted"]
+        never = [entry["in-window"]["passage nll"][f"passage {turn}"] for turn in counted]
+        fresh = [entry["fresh passage nll"][f"passage {turn}"] for turn in counted]
         session, streaming = entry["session"]["retention"], entry["StreamingLLM"]["retention"]
-        row = {"x window": x, "passages counted": ", ".join(str(p.turn) for p in counted)}
+        row = {"x window": x, "passages counted": ", ".join(map(str, counted))}
         for basis, per_token in ratios(policy, mark_row, turn_length).items():
-            mine = kept(never, [one_shot[p.turn, x, basis] for p in counted], fresh)
+            mine = share_kept(never, [one_shot[turn, x, basis] for turn in counted], fresh)
             row[f"tokens per row, {basis}"] = round(1 / per_token, 1)
             row[f"retention one-shot, {basis}"] = round(mine, 3)
         row.update({"retention session": round(session, 3), "retention StreamingLLM": round(streaming, 3),
@@ -149,11 +150,6 @@ def ratios(policy: BudgetPolicy, mark: dict[str, object], turn_length: int) -> d
     compacted = policy.compaction_target(before, incoming=turn_length)
     return {"session rows": mark["session rows"] / mark["session tokens"],
             "compacted rows": compacted / (before - policy.keep_recent)}
-
-
-def kept(never: list[float], scored: list[float], fresh: list[float]) -> float:
-    """Σ (NLL never − NLL) / Σ (NLL never − NLL fresh): ``long.py``'s retention over these passages."""
-    return sum(n - s for n, s in zip(never, scored)) / sum(n - f for n, f in zip(never, fresh))
 
 
 if __name__ == "__main__":
