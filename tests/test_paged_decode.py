@@ -178,3 +178,11 @@ def test_decode_steps_refuse_bad_input(engine):
     session.token_ids.extend([1] * (engine.max_context - 3))
     with pytest.raises(ContextOverflow):
         decode.step([session], [1])
+
+
+def test_a_compiled_decode_refuses_pools_of_different_block_sizes(engine):
+    """Every layer's slots are computed at once, with one block size: pools that differ are refused up front."""
+    pools = engine.new_pools(blocks=64, block_size=BLOCK)
+    pools[-1] = engine.new_pools(blocks=64, block_size=2 * BLOCK)[-1]
+    with pytest.raises(InvalidInput, match="one block size"):
+        CompiledDecode(engine, pools)
