@@ -18,7 +18,13 @@ ids below the vocabulary):
   tensor costs ~0.6 ms of Python, and compaction's scoring dispatches tens of thousands):
   ``compact(..., ratio=10)``;
 - ``decode step (Engine.stream)``: the engine's own decode loop for one token, run last since a
-  stop inside it can leave the cache half-written.
+  stop inside it can leave the cache half-written;
+- ``paged decode step`` (``--paged-sessions``, default 1 and 32): the same number of tokens
+  held in one block pool per layer (:mod:`agentmem.pool`), split over that many sessions, and
+  one :meth:`Engine.read_paged <agentmem.engine.Engine.read_paged>` forward reading a token
+  into each. Measured apart from the stages above (no per-session cache is live), its peak over
+  the pool's own bytes is what a paged decode step costs beyond the pool ([pool]'s target:
+  at most 1.05x).
 
 Peak live bytes are counted by :class:`agentmem.costs.CostCounter`, by storage lifetime; they include the
 cache's own buffers (made by the prefill), never the weights. Each row also counts the
@@ -54,6 +60,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from agentmem import Engine
 from agentmem.costs import CostCounter
+from agentmem.paged_attention import FLEX_CUDA_BLOCK
+from agentmem.paged_sessions import PagedSession
 
 GIB = 2**30
 REPO = Path(__file__).resolve().parent.parent
@@ -257,6 +265,30 @@ def measure_length(engine: Engine, run: Run, length: int, methods: list[str], co
               lambda: next(engine.stream(cache, [token], max_new_tokens=1)))
 
 
+def measure_paged(engine: Engine, run: Run, length: int, sessions: int) -> None:
+    """One paged decode step of ``sessions`` sessions holding ``length // sessions`` tokens each, in pools
+    with room for exactly that and the step's new rows (blocks of :data:`FLEX_CUDA_BLOCK` slots, what
+    FlexAttention's CUDA kernel tiles by). The rows are reserved, not written: on fake tensors
+    their values do not exist, and a decode step's memory does not depend on them."""
+    held = length // sessions
+    heads = engine.num_kv_heads
+    blocks = 1 + sessions * heads * -(-(held + 1) // FLEX_CUDA_BLOCK)  # the null block, then every head's
+    pools = engine.new_pools(blocks=blocks, block_size=FLEX_CUDA_BLOCK)
+    pool_bytes = sum(pool.blocks * pool.block_nbytes for pool in pools)
+    ids = [(7 + 31 * i) % engine.vocab_size for i in range(held + 1)]
+    paged = [PagedSession.empty(pools, heads, engine.fingerprint) for _ in range(sessions)]
+    for session in paged:
+        for rows in session.rows:
+            rows.reserve([held] * heads)
+            rows.commit([held] * heads)
+        session.token_ids.extend(ids[:held])
+    run.stage(f"paged decode step ({sessions} sessions)", length, pool_bytes,
+              lambda: engine.read_paged(paged, [[ids[held]]] * sessions),
+              extra=lambda: {"pool GiB": pool_bytes / GIB, "pool blocks a layer": blocks})
+    for session in paged:
+        session.release()
+
+
 @contextlib.contextmanager
 def quiet_warnings() -> Iterator[None]:
     """transformers warns once per forward on fake tensors about things that do not matter here."""
@@ -282,7 +314,8 @@ def write(rows: list[dict], findings: list[dict], extra: dict[str, Any]) -> dict
     md = (f"# Peak live device memory on fake CUDA tensors: {extra['shape']}, bf16, beta_mode {extra['beta_mode']}\n\n"
           "Peak live bytes of the storages a stage keeps alive (the cache's buffers included, the weights not), "
           "counted by storage lifetime on `FakeTensorMode` tensors; cache GiB is the cache's own bytes "
-          f"(KV {extra['kv KiB per token']:g} KiB/token). Random weights: memory only, never quality.\n\n"
+          f"(KV {extra['kv KiB per token']:g} KiB/token), for a paged step the block pools' (keys, values, β, "
+          "order and position of every slot). Random weights: memory only, never quality.\n\n"
           f"{table}\n\n## Other measurements\n\n{markdown_table(others)}\n\n## Before the stages\n\n"
           f"{markdown_table(findings)}\n")
     for key in ("machine", "command", "seconds"):
@@ -298,6 +331,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), help="compaction methods to try")
     parser.add_argument("--compact-at", type=int, nargs="*", default=[2048],
                         help="lengths to try compaction at (with every other stage too)")
+    parser.add_argument("--paged-sessions", type=int, nargs="*", default=[1, 32],
+                        help="session counts of the paged decode step at each length (none: no paged stage)")
     args = parser.parse_args()
     if torch.version.cuda is None:
         sys.exit("fake_cuda.py needs the CUDA build of torch (no GPU needed): see docs/gpu.md")
@@ -317,6 +352,11 @@ def main() -> None:
                 run = Run(live)
                 measure_length(engine, run, length, args.methods, length in compact_at)
             rows.extend(run.rows)
+            for sessions in args.paged_sessions:
+                with mode, RealHostMode(mode), CostCounter(memory_of="cuda") as live:
+                    run = Run(live)
+                    measure_paged(engine, run, length, sessions)
+                rows.extend(run.rows)
     extra = {"shape": args.shape, "beta_mode": engine.beta_mode, "kv KiB per token": engine.bytes_per_token / 1024,
              "machine": machine(), "command": command_line(), "seconds": round(time.perf_counter() - started, 1)}
     print(json.dumps(write(rows, findings, extra), indent=2, default=str))

@@ -68,3 +68,21 @@ def test_host_work_runs_for_real_and_device_reads_stop():
         on_device = ids.to("meta")
         with pytest.raises(DataDependentOutputException):
             on_device.sum().item()  # reading device data on the host: a sync on a GPU, a stop here
+
+
+def test_a_paged_step_is_measured_over_pools_holding_its_sessions(tiny_engine):
+    """``fake_cuda.measure_paged`` on a real (CPU) engine: the step reads a token into every session,
+    and its row's reference is the pools' bytes, which its peak includes (they are made in the block)."""
+    from fake_cuda import GIB, Run, measure_paged
+
+    with CostCounter(memory_of="cpu") as live:
+        run = Run(live)
+        measure_paged(tiny_engine, run, length=64, sessions=4)
+    (row,) = run.rows
+    assert row["status"] == "ok" and row["stage"] == "paged decode step (4 sessions)"
+    layers, heads = tiny_engine.num_layers, tiny_engine.num_kv_heads
+    row_bytes = 2 * tiny_engine.head_dim * tiny_engine.dtype.itemsize + 12  # keys, values, β, order, position
+    blocks = 1 + 4 * heads * 1  # 16 tokens and the step's row fit one 128-slot block a head
+    assert row["pool blocks a layer"] == blocks
+    assert row["cache GiB"] == row["pool GiB"] == layers * blocks * 128 * row_bytes / GIB
+    assert row["peak live GiB"] >= row["pool GiB"] and row["aten ops"] > 0
