@@ -9,7 +9,8 @@ forward, decode steps and prompt chunks mixed, every layer's attention one
 
 :meth:`PagedSession.holding` copies a :class:`~agentmem.cache.SessionCache` (compacted or raw,
 re-placed or not) into the pools, which is how a session's rows get there until the engine's
-sessions live in the pool from their first token. A session can also start empty, from a
+sessions live in the pool from their first token; :meth:`PagedSession.compact_to` then takes a
+compaction of those rows in place, writing only the rows it made. A session can also start empty, from a
 prefix its tenant published (:meth:`PagedSession.adopting`, rows shared through a
 :class:`~agentmem.prefixes.PrefixIndex`), or as a fork of another (blocks shared copy-on-write).
 
@@ -23,7 +24,7 @@ must run there too, as a job (``engine.scheduler.call``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +48,7 @@ class PagedSession:
     fingerprint: str  # the model whose rows these are (:meth:`Engine.check_cache <agentmem.engine.Engine.check_cache>`)
     placement: Placement = IDENTITY
     tail_start: int = 0  # the first token held raw: a placement's boundary may not pass it
+    spans: list[tuple[int, int]] = field(default_factory=list)  # the tokens each compacted segment stands for
 
     @property
     def offset(self) -> int:
@@ -82,9 +84,11 @@ class PagedSession:
 
     @property
     def unused_slots(self) -> int:
-        """Slots of its blocks past its rows, over every layer and KV head: under one block each."""
-        return sum(len(blocks) * rows.pool.block_size - length
-                   for rows in self.rows for blocks, length in zip(rows.blocks, rows.lengths))
+        """Slots of its blocks holding none of its rows, over every layer and KV head: past its rows (under
+        one block each) and, after a compaction, hidden between its compacted and raw rows (under two)."""
+        return sum(len(blocks) * rows.pool.block_size - length + first_raw - sum(seg[h] for seg in rows.segments)
+                   for rows in self.rows
+                   for h, (blocks, length, first_raw) in enumerate(zip(rows.blocks, rows.lengths, rows.raw_from)))
 
     @classmethod
     def holding(cls, pools: Sequence[BlockPool], cache: SessionCache) -> PagedSession:
@@ -105,7 +109,8 @@ class PagedSession:
             for held in rows:
                 held.release()
             raise
-        return cls(rows, cache.token_ids, cache.fingerprint, placement, cache.tail_start)
+        return cls(rows, cache.token_ids, cache.fingerprint, placement, cache.tail_start,
+                   [layout.span for layout in cache.layers[0].layouts])
 
     @classmethod
     def empty(cls, pools: Sequence[BlockPool], kv_heads: int, fingerprint: str) -> PagedSession:
@@ -129,7 +134,42 @@ class PagedSession:
         """A second session holding the same rows and tokens, sharing their blocks: the two go on
         apart, a shared block copied only when one of them writes into it."""
         return PagedSession([rows.fork() for rows in self.rows], list(self.token_ids), self.fingerprint,
-                            self.placement, self.tail_start)
+                            self.placement, self.tail_start, list(self.spans))
+
+    def compact_to(self, compacted: SessionCache) -> None:
+        """Hold ``compacted``, the cache this session holds as compacted (:func:`agentmem.compaction.compact`):
+        in every layer its new segments are written where the rows they replace were, and blocks left empty
+        go back (:meth:`PagedRows.compact <agentmem.pool.PagedRows.compact>`). The segments it keeps and the
+        raw rows after the new ones stay where they are: no copy of the session, and the session reads on as
+        ``compacted`` does. Every layer or none: the input is checked and the blocks it takes (copies of
+        shared blocks written into) are checked free first."""
+        layouts = compacted.layers[0].layouts if compacted.layers else []
+        spans = [layout.span for layout in layouts]
+        keep = next((j for j, (mine, theirs) in enumerate(zip(self.spans, spans)) if mine != theirs),
+                    min(len(self.spans), len(spans)))
+        replaced_from = self.spans[keep][0] if keep < len(self.spans) else self.tail_start
+        covered = [replaced_from, *(end for _, end in spans[keep:])]
+        if (compacted.fingerprint != self.fingerprint or compacted.token_ids != self.token_ids
+                or compacted.placement != self.placement or len(compacted.layers) != len(self.rows)
+                or compacted.tail_start < self.tail_start
+                or [start for start, _ in spans[keep:]] != covered[:-1] or covered[-1] != compacted.tail_start):
+            raise InvalidInput("compact_to takes this session's own rows compacted: the same model, tokens and "
+                               "placement, its first segments kept, new ones standing for the tokens from the first "
+                               f"replaced one ({replaced_from}) to the new raw tail ({compacted.tail_start}) in order")
+        dropped = compacted.tail_start - self.tail_start
+        new_rows = [[layout.head_rows for layout in layer.layouts[keep:]] for layer in compacted.layers]
+        needed: dict[int, int] = {}
+        for rows, layer, added in zip(self.rows, compacted.layers, new_rows):
+            if [layout.head_rows for layout in layer.layouts[:keep]] != rows.segments[:keep]:
+                raise InvalidInput("compact_to: a kept segment holds other rows than this session's")
+            needed[id(rows.pool)] = needed.get(id(rows.pool), 0) + rows.blocks_to_compact(keep, added, dropped)
+        short = [rows.pool for rows in self.rows if needed[id(rows.pool)] > rows.pool.free_blocks]
+        if short:
+            raise PoolExhausted(f"compacting the session copies {needed[id(short[0])]} shared blocks, "
+                                f"{short[0].free_blocks} free")
+        for rows, layer in zip(self.rows, compacted.layers):
+            rows.compact(keep, [layer.segment(j) for j in range(keep, len(layer.layouts))], dropped)
+        self.tail_start, self.spans = compacted.tail_start, spans
 
     def replace(self, placement: Placement, inv_freq: torch.Tensor) -> None:
         """Move the session's rows to ``placement`` (:mod:`agentmem.placement`): every layer's keys re-rotated

@@ -32,10 +32,11 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from agentmem.cache import UNKNOWN_POSITION, LayerCache, to_device
+from agentmem.cache import UNKNOWN_POSITION, CompactedSegment, LayerCache, to_device
 from agentmem.errors import InvalidInput, PoolExhausted
 from agentmem.placement import Placement, rotate_by
 
@@ -241,6 +242,10 @@ class PagedRows:
     never written again, and a shared block about to take new rows is copied first (one block per
     KV head at most). ``raw_prefix`` counts the leading rows, on every head, that are raw tokens
     ``0, 1, …`` at their own positions: what a prefix index may share.
+
+    A head's table holds its compacted rows first, packed segment after segment (``segments``: each
+    segment's rows per head), then, from row ``raw_from[h]`` on, its raw rows in token order.
+    Between the two lie hidden slots a compaction left (:meth:`compact`: under two blocks).
     """
 
     def __init__(self, pool: BlockPool, kv_heads: int) -> None:
@@ -250,6 +255,8 @@ class PagedRows:
         self.blocks: list[list[int]] = [[] for _ in range(kv_heads)]  # read only: changed through _set
         self.lengths: list[int] = [0] * kv_heads
         self.raw_prefix = 0
+        self.segments: list[tuple[int, ...]] = []  # per compacted segment held, its rows on each head
+        self.raw_from: list[int] = [0] * kv_heads  # per head, the row of its first raw token
         self._tables = pool.tables(kv_heads)
         self.slot = self._tables.attach()  # this session's row of the device tables
         weakref.finalize(self, self._tables.detach, self.slot)
@@ -263,6 +270,16 @@ class PagedRows:
         else:
             blocks[index] = block
         self._tables.set(self.slot, head, index, block)
+
+    def _retable(self, head: int, blocks: list[int]) -> None:
+        """Head ``head``'s table is now ``blocks``: the entries that differ rewritten, those past its end emptied."""
+        table = self.blocks[head]
+        for index, block in enumerate(blocks):
+            if index == len(table) or table[index] != block:
+                self._set(head, index, block)
+        for index in range(len(blocks), len(table)):
+            self._tables.set(self.slot, head, index, NULL_BLOCK)
+        del table[len(blocks):]
 
     def _drop_from(self, ends: Sequence[int]) -> None:
         """Head ``h`` keeps its first ``ends[h]`` blocks; the table entries past them are emptied."""
@@ -298,6 +315,8 @@ class PagedRows:
                 rows.write(seg.head_rows, keys=seg.keys, values=seg.values, bias=seg.beta, positions=seg.positions,
                            order=torch.full((sum(seg.head_rows),), COMPACTED, device=pool.device))
                 rows.commit(seg.head_rows)
+                rows.segments.append(seg.head_rows)
+            rows.raw_from = list(rows.lengths)
             n, heads = layer.tail_length, layer.num_heads
             step = torch.arange(n, device=pool.device)
             first = tail_start if tail_position is None else tail_position
@@ -317,6 +336,7 @@ class PagedRows:
         twin = PagedRows(self.pool, self.kv_heads)
         twin.take_shared([blocks[: -(-length // size)] for blocks, length in zip(self.blocks, self.lengths)], 0)
         twin.lengths, twin.raw_prefix = list(self.lengths), self.raw_prefix
+        twin.segments, twin.raw_from = list(self.segments), list(self.raw_from)
         return twin
 
     def commit_raw(self, first_token: int, first_position: int, tokens: int) -> None:
@@ -425,6 +445,7 @@ class PagedRows:
         self._drop_from([0] * self.kv_heads)
         self.lengths = [0] * self.kv_heads
         self.raw_prefix = 0
+        self.segments, self.raw_from = [], [0] * self.kv_heads
 
     @property
     def held_blocks(self) -> int:
@@ -448,7 +469,12 @@ class PagedRows:
             raise InvalidInput(f"rows {tuple(keys.shape)}, {tuple(values.shape)}, order {tuple(order.shape)} "
                                f"disagree with head_rows {list(head_rows)}")
         self.reserve(head_rows)
-        slots = self.staged_slots(head_rows)
+        self._write_at(self.staged_slots(head_rows), keys=keys, values=values, order=order, bias=bias,
+                       positions=positions)
+
+    def _write_at(self, slots: torch.Tensor, *, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor,
+                  bias: torch.Tensor | None, positions: torch.Tensor | None) -> None:
+        """Rows written into ``slots`` of blocks this session holds alone (see :meth:`write`)."""
         pool = self.pool
         pool.keys.index_copy_(0, slots, keys.to(pool.device, pool.keys.dtype, non_blocking=True))
         pool.values.index_copy_(0, slots, values.to(pool.device, pool.values.dtype, non_blocking=True))
@@ -465,13 +491,99 @@ class PagedRows:
     def staged_slots(self, head_rows: Sequence[int]) -> torch.Tensor:
         """Slots ``(sum(head_rows),)`` of the next ``head_rows[h]`` rows after each head's committed ones,
         packed head after head; made on the device from the block table (no device value is read)."""
+        return self._slots(self.lengths, head_rows)
+
+    def _slots(self, first: Sequence[int], head_rows: Sequence[int]) -> torch.Tensor:
+        """Slots ``(sum(head_rows),)`` of rows ``first[h] …`` (``head_rows[h]`` of them) of each head, packed
+        head after head, made on the device from the block table."""
         device = self.pool.device
         total = sum(head_rows)
         head = torch.repeat_interleave(torch.arange(self.kv_heads, device=device), to_device(list(head_rows), device),
                                        output_size=total)
         starts = to_device([sum(head_rows[:h]) for h in range(self.kv_heads)], device)
-        row = to_device(self.lengths, device)[head] + torch.arange(total, device=device) - starts[head]
+        row = to_device(list(first), device)[head] + torch.arange(total, device=device) - starts[head]
         return slot_of(self._tables.rows([self.slot], self.width)[0], (head,), row, self.pool.block_size)
+
+    def compact(self, keep: int, new: Sequence[CompactedSegment], dropped: int) -> None:
+        """Replace every compacted segment after the first ``keep`` and the first ``dropped`` raw rows by the
+        segments ``new``, in place: each head's new rows are written where the rows they replace were (after
+        its kept segments' rows), the slots left over are hidden, and blocks left with no row go back to the
+        pool. The raw rows after them are neither moved nor copied, so a compaction writes its new rows and a
+        few slots' order, never the session. A shared block written into is copied first (see
+        :meth:`blocks_to_compact`); the hidden slots left between the compacted and the raw rows fill under
+        two blocks a head. Refuses, changing nothing, what no compaction of these rows can give: a head
+        with more new rows than the rows replaced, or more raw rows dropped than held."""
+        plan = self._compaction_plan(keep, [seg.head_rows for seg in new], dropped)
+        size, heads = self.pool.block_size, self.kv_heads
+        if plan.shared:
+            self._copy_blocks(plan.shared, self.pool.allocate(len(plan.shared)))
+        first = plan.kept
+        for seg in new:  # each segment's rows after the kept ones and the segments before it, head by head
+            self._write_at(self._slots(first, seg.head_rows), keys=seg.keys, values=seg.values, bias=seg.beta,
+                           order=torch.full((sum(seg.head_rows),), COMPACTED, device=self.pool.device),
+                           positions=seg.positions)
+            first = [f + n for f, n in zip(first, seg.head_rows)]
+        # Hide what is left of the replaced rows in blocks that keep rows: the end of the block the new rows
+        # end in, the start of the block the raw rows now start in (one range when that is the same block).
+        after = [min(f, -(-e // size) * size) for e, f in zip(plan.ends, plan.free_ends)]
+        before = [max(a, f // size * size) for a, f in zip(after, plan.free_ends)]
+        hidden = torch.cat([self._slots(plan.ends, [a - e for a, e in zip(after, plan.ends)]),
+                            self._slots(before, [f - b for f, b in zip(plan.free_ends, before)])])
+        if hidden.numel():
+            self.pool.hide(hidden)
+        freed = []
+        for head, (start, stop) in enumerate(plan.removed):
+            if stop > start:
+                freed += self.blocks[head][start:stop]
+                self._retable(head, self.blocks[head][:start] + self.blocks[head][stop:])
+        if freed:
+            self.pool.release(freed)
+        shifts = [(stop - start) * size for start, stop in plan.removed]
+        self.lengths = [length - shift for length, shift in zip(self.lengths, shifts)]
+        self.raw_from = [f - shift for f, shift in zip(plan.free_ends, shifts)]
+        self.segments = self.segments[:keep] + [seg.head_rows for seg in new]
+        if dropped or sum(plan.added):
+            self.raw_prefix = 0  # the first rows are no longer raw tokens 0, 1, … (or no longer all there)
+
+    def blocks_to_compact(self, keep: int, new_rows: Sequence[Sequence[int]], dropped: int) -> int:
+        """Blocks :meth:`compact` takes from the pool (``new_rows``: each new segment's rows per head): a
+        copy of each shared block it writes into. Raises as it would."""
+        return len(self._compaction_plan(keep, new_rows, dropped).shared)
+
+    def _compaction_plan(self, keep: int, new_rows: Sequence[Sequence[int]], dropped: int) -> _CompactionPlan:
+        size, heads = self.pool.block_size, self.kv_heads
+        if not 0 <= keep <= len(self.segments) or any(len(rows) != heads for rows in new_rows):
+            raise InvalidInput(f"a compaction keeps some of the {len(self.segments)} segments held (not {keep}) and "
+                               f"gives each new segment's rows for {heads} KV heads")
+        raw_rows = [length - first for length, first in zip(self.lengths, self.raw_from)]
+        if not 0 <= dropped <= min(raw_rows):
+            raise InvalidInput(f"a compaction drops between 0 and {min(raw_rows)} raw rows (those held), not {dropped}")
+        kept = [sum(seg[h] for seg in self.segments[:keep]) for h in range(heads)]
+        added = [sum(rows[h] for rows in new_rows) for h in range(heads)]
+        ends = [k + a for k, a in zip(kept, added)]
+        free_ends = [first + dropped for first in self.raw_from]
+        if any(e > f for e, f in zip(ends, free_ends)):
+            raise InvalidInput(f"a compaction replaces rows by fewer: heads would hold {added} new rows where "
+                               f"{[f - k for f, k in zip(free_ends, kept)]} are replaced")
+        removed = [(-(-e // size), max(-(-e // size), f // size)) for e, f in zip(ends, free_ends)]
+        touched = [(h, i) for h in range(heads) for i in range(kept[h] // size, -(-free_ends[h] // size))
+                   if not removed[h][0] <= i < removed[h][1]]
+        return _CompactionPlan(kept, added, ends, free_ends, removed, self._shared(touched))
+
+
+@dataclass(frozen=True)
+class _CompactionPlan:
+    """Per head, what :meth:`PagedRows.compact` does: rows kept (``kept``) and added (``added``) at the start
+    of its table, the row its new rows end at (``ends``) and the one its remaining raw rows start at
+    (``free_ends``), the blocks between that hold no row (``removed``: a range of table indices), and
+    the shared blocks it writes into (``shared``: (head, index), copied first)."""
+
+    kept: list[int]
+    added: list[int]
+    ends: list[int]
+    free_ends: list[int]
+    removed: list[tuple[int, int]]
+    shared: list[tuple[int, int]]
 
 
 def slot_of(tables: torch.Tensor, heads: tuple[torch.Tensor, ...], row: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -92,6 +92,24 @@ def written(fn, *args) -> int:
     return mode.written
 
 
+class PoolWrites(WrittenBytes):
+    """Of :class:`WrittenBytes`, what goes into the tensors of ``pools``."""
+
+    def __init__(self, pools: list[BlockPool]) -> None:
+        super().__init__()
+        self.targets = {t.untyped_storage().data_ptr() for pool in pools
+                        for t in (pool.keys, pool.values, pool.bias, pool.order, pool.positions)}
+        self.into_pools = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.written
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func._schema.is_mutable and target is not None and target.untyped_storage().data_ptr() in self.targets:
+            self.into_pools += self.written - before
+        return out
+
+
 class Layer0(torch.nn.Module):
     """What ``session_attention`` reads of the decoder layer calling it."""
 
@@ -253,6 +271,52 @@ def compiled_paged_decode(engine: Engine, ids: list[int], sessions: int, steps: 
             "CUDA graphs skipped": counters["inductor"]["cudagraph_skips"] - skipped}
 
 
+def compaction_in_place(engine: Engine, tokens: int, more: int) -> list[dict[str, object]]:
+    """A session of ``tokens`` tokens of real text held in a pool, compacted twice (4x, 128 recent rows
+    kept, a 16-token protected prefix; the second time after ``more`` tokens, its first segment compacted
+    again): bytes written by :meth:`PagedSession.compact_to` (in place) against a fresh copy of the
+    compacted cache into the pool (:meth:`PagedSession.holding`), over the bytes of the rows the compaction
+    made (their keys, values, β, order and position): what goes into the pool's tensors, and all the tensor
+    work (the copy's and the in-place write's gathers of the compacted cache's packed segments, slots);
+    blocks each holds; and the largest logit difference of the two reading one more token (the copy is
+    the reference)."""
+    ids = engine.tokenizer(stdlib_text())["input_ids"][: tokens + more + 2]
+    blocks = 1 + engine.num_kv_heads * -(-len(ids) // BLOCK)
+    pools, copy_pools = (engine.new_pools(blocks=blocks, block_size=BLOCK) for _ in range(2))
+    cache = engine.prefill(ids[:tokens])
+    session = PagedSession.holding(pools, cache)
+    row_bytes = pools[0].block_nbytes // BLOCK
+    rows = []
+    for i, run in enumerate(([], ids[tokens : tokens + more])):
+        if run:
+            engine.read_paged([session], [run])
+            engine.prefill(run, cache)
+        compacted = compact(engine, cache, "global-eviction", ratio=4, keep_recent=128, protect_prefix=16)
+        new_rows = sum(sum(layout.head_rows) for layer in compacted.layers for layout in layer.layouts
+                       if layout.span not in session.spans)
+        with PoolWrites(pools) as in_place:
+            session.compact_to(compacted)
+        with PoolWrites(copy_pools) as copied:
+            copy = PagedSession.holding(copy_pools, compacted)
+        made_bytes = new_rows * row_bytes
+        token = [[ids[tokens + more + i]]]
+        with torch.inference_mode():
+            mine, reference = (engine.head(engine.read_paged([s], token)[0]) for s in (session, copy))
+        engine.prefill(token[0], compacted)
+        rows.append({"compaction": i + 1, "tokens read": len(compacted.token_ids) - 1,
+                     "rows held": sum(sum(layer.rows_per_head) for layer in compacted.layers),
+                     "rows made": new_rows, "into the pool in place / rows made": in_place.into_pools / made_bytes,
+                     "into the pool by a copy / rows made": copied.into_pools / made_bytes,
+                     "all work in place / rows made": in_place.written / made_bytes,
+                     "all work by a copy / rows made": copied.written / made_bytes,
+                     "blocks in place": sum(r.held_blocks for r in session.rows),
+                     "blocks copy": sum(r.held_blocks for r in copy.rows),
+                     "max |logits in place - copy|": (mine - reference).abs().max().item()})
+        copy.release()
+        cache = compacted
+    return rows
+
+
 def growth(tokens: int) -> list[dict[str, object]]:
     """Bytes moved by the write path while one session appends ``tokens`` tokens one at a time."""
     dtype = torch.bfloat16
@@ -391,6 +455,7 @@ def main() -> None:
         host = [host_work(32, 131072, 128)]
         wide = random_shape_engine("wide-cpu", torch.device("cpu"), torch.float32, 1024)
         model_steps = [model_step(wide, n) for n in args.sessions]
+        in_place = compaction_in_place(wide, 640, 256)
         compiled_host = [compiled_step_host_ops(32, layers) for layers in (2, 4, 8, 32)]
     for row in model_steps:
         for name in ("buffers", "paged"):
@@ -411,6 +476,9 @@ def main() -> None:
     md += ("\n## One decode step of the model: per-session buffers in one shared forward against one pool "
            f"(random {wide.name.removeprefix('random ')} weights: the 8B attention shape, "
            f"{wide.num_layers} layers, float32)\n\n" + markdown_table(model_steps) + "\n")
+    md += ("\n## Compaction in place: bytes a compaction writes into the pool, against a fresh copy of the "
+           f"compacted session (random {wide.name.removeprefix('random ')} weights, {wide.num_layers} layers)\n\n"
+           + markdown_table(in_place) + "\n")
     md += ("\n## Around a compiled decode step: what the host dispatches outside the graph (32 sessions, 8B "
            "attention shape)\n\n" + markdown_table(compiled_host) + "\n")
     md += ("\n## Host work of a step: one layer's block tables and writes, 32 sessions of 128k tokens "
@@ -418,6 +486,7 @@ def main() -> None:
     (RESULTS / "pool.md").write_text(md)
     (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "model step": model_steps,
                                                    "compiled step host ops": compiled_host, "growth": grown,
+                                                   "compaction in place": in_place,
                                                    "shared prompt": prompts,
                                                    "host work": host, **extra}, indent=2, default=str))
     print(md)

@@ -78,3 +78,24 @@ def test_the_host_side_of_a_compiled_step_is_one_op_a_layer():
     assert (four["aten ops"] - two["aten ops"]) / 2 == 1
     assert two["host syncs"] == four["host syncs"] == 0
     assert two["host-built"] == four["host-built"] == 2
+
+
+def test_a_compaction_in_place_writes_its_new_rows_and_a_copy_writes_the_session(tiny_engine):
+    """Into the pool, an in-place compaction writes the rows it made (and a few slots' order); a fresh copy of
+    the compacted session writes every row it holds, the recent rows too; both then read alike."""
+    first, second = pool.compaction_in_place(tiny_engine, 320, 160)
+    for row in (first, second):
+        assert 1 <= row["into the pool in place / rows made"] < 1.1
+        assert row["into the pool by a copy / rows made"] > 1.5  # 128 recent raw rows a head, on top
+        assert row["max |logits in place - copy|"] < 1e-4
+    assert second["rows made"] < second["rows held"]
+
+
+def test_pool_writes_count_only_what_goes_into_the_pools(tiny_engine):
+    pools = tiny_engine.new_pools(blocks=4, block_size=2)
+    slots, row, three = torch.tensor([1, 2]), torch.ones(1, tiny_engine.head_dim), torch.ones(3)
+    with pool.PoolWrites(pools[:1]) as counted:
+        pools[0].order.index_fill_(0, slots, 0)  # 2 slots of int32
+        pools[1].keys.index_copy_(0, slots[:1], row)  # another pool's
+        three + 1  # work outside the pools
+    assert counted.into_pools == 8 and counted.written == 8 + row.nbytes + three.nbytes
