@@ -136,6 +136,17 @@ class PagedSession:
         return PagedSession([rows.fork() for rows in self.rows], list(self.token_ids), self.fingerprint,
                             self.placement, self.tail_start, list(self.spans))
 
+    def truncate(self, length: int) -> None:
+        """Forget the tokens after the first ``length`` (a rewind); they must all still be raw rows, as in
+        :meth:`SessionCache.truncate <agentmem.cache.SessionCache.truncate>`."""
+        drop = len(self.token_ids) - length
+        if drop < 0 or length < self.tail_start:
+            raise InvalidInput(f"cannot truncate a session of {len(self.token_ids)} tokens to {length}: a rewind "
+                               f"drops raw rows only (from token {self.tail_start} on)")
+        for rows in self.rows:
+            rows.drop_last(drop)
+        del self.token_ids[length:]
+
     def compact_to(self, compacted: SessionCache) -> None:
         """Hold ``compacted``, the cache this session holds as compacted (:func:`agentmem.compaction.compact`):
         in every layer its new segments are written where the rows they replace were, and blocks left empty

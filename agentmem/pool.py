@@ -430,6 +430,28 @@ class PagedRows:
             raise InvalidInput(f"cannot commit {list(rows)} rows past what heads {self.lengths} have reserved")
         self.lengths = [length + r for length, r in zip(self.lengths, rows)]
 
+    def drop_last(self, rows: int) -> None:
+        """Forget the last ``rows`` raw rows of every head (a rewind): their slots hidden where this session
+        alone holds the block, the blocks past the rows left given back. In a shared block they stay as
+        they are for its other holders; this session's next write there copies the block first
+        (:meth:`reserve`) and writes its new rows over them, and no query of it sees one before (a raw
+        row is seen from its own token on, and those tokens are read again, into those slots, first)."""
+        if not 0 <= rows <= min(length - first for length, first in zip(self.lengths, self.raw_from)):
+            raise InvalidInput(f"cannot drop {rows} rows: a rewind drops raw rows only, and each head holds "
+                               f"{[length - first for length, first in zip(self.lengths, self.raw_from)]}")
+        size = self.pool.block_size
+        alone = [(h, i) for h, length in enumerate(self.lengths)
+                 for i in range((length - rows) // size, -(-length // size))
+                 if self.pool.holders(self.blocks[h][i]) == 1]
+        if rows and alone:
+            dropped = self._slots([length - rows for length in self.lengths], [rows] * self.kv_heads)
+            private = torch.isin(dropped // size, to_device([self.blocks[h][i] for h, i in alone], self.pool.device))
+            order = self.pool.order  # no boolean indexing: its size would be read back from the device
+            order.index_copy_(0, dropped, torch.where(private, HIDDEN, order[dropped]))
+        self.lengths = [length - rows for length in self.lengths]
+        self.raw_prefix = min(self.raw_prefix, min(self.lengths))
+        self.trim()
+
     def trim(self) -> None:
         """Give back the blocks past each head's committed rows (reserved for rows never committed)."""
         size = self.pool.block_size

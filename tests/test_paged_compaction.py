@@ -132,3 +132,39 @@ def test_in_place_compaction_on_the_embedded_model(engine):
     again = compact(engine, compacted, "am", ratio=4, keep_recent=32, protect_prefix=8)
     session.compact_to(again)
     steps_equal(engine, [session], [again], [[28, 29, 30]])
+
+
+def test_a_rewound_session_reads_as_its_rewound_cache(tiny_engine):
+    """Truncating a pooled session (compacted, and sharing its blocks with a fork) forgets its last tokens:
+    it then reads as its cache truncated alike, its fork unchanged; compacted tokens cannot be dropped."""
+    engine = tiny_engine
+    cache = compact(engine, engine.prefill(ids_of(200, seed=7)), "am", ratio=3, keep_recent=40)
+    pools, (session,) = sessions_of(engine, [cache])
+    engine.read_paged([session], [ids_of(30, seed=8)])
+    alone(engine, cache, ids_of(30, seed=8))
+    fork, forked = session.fork(), cache.clone()
+    used = pools[0].used_blocks
+    for rewound in (session, cache):
+        rewound.truncate(len(cache.token_ids) - 25)
+    assert pools[0].used_blocks <= used
+    with pytest.raises(InvalidInput, match="raw rows"):
+        session.truncate(session.tail_start - 1)
+    steps_equal(engine, [session, fork], [cache, forked], [[9, 10], [11]])
+
+
+def test_a_rewind_hides_the_rows_it_drops_in_blocks_held_alone(tiny_engine):
+    """No slot past a head's rows stays visible in its own blocks (as after a discarded forward); the
+    fork's shared blocks keep the rows it still holds."""
+    from agentmem.pool import HIDDEN
+
+    engine = tiny_engine
+    pools, (session,) = sessions_of(engine, [engine.prefill(ids_of(70, seed=9))])
+    fork = session.fork()
+    engine.read_paged([session], [ids_of(20, seed=10)])  # its own blocks from row 64 on (the shared one copied)
+    session.truncate(75)
+    for rows, forked, pool in zip(session.rows, fork.rows, pools):
+        for blocks, length, shared in zip(rows.blocks, rows.lengths, forked.blocks):
+            assert blocks[length // BLOCK] not in shared
+            slots = blocks[-1] * BLOCK + torch.arange(length % BLOCK, BLOCK)
+            assert (pool.order[slots] == HIDDEN).all()
+    assert [rows.lengths for rows in fork.rows] == [[70] * engine.num_kv_heads] * engine.num_layers
