@@ -17,8 +17,8 @@ prefix its tenant published (:meth:`PagedSession.adopting`, rows shared through 
 Pools are not thread-safe: their host bookkeeping (free blocks, holders, pending table changes)
 takes no lock. Reads change them on the scheduler's thread (:meth:`Engine.read_paged
 <agentmem.engine.Engine.read_paged>`, :class:`~agentmem.paged_decode.CompiledDecode`); whatever else
-changes a pool while other threads read (holding, forking, adopting, moving, releasing a session)
-must run there too, as a job (``engine.scheduler.call``).
+changes a pool while other threads read (holding, forking, adopting, moving, compacting, rewinding,
+releasing a session) must run there too, as a job (``engine.scheduler.call``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ from agentmem.errors import InvalidInput, PoolExhausted
 from agentmem.placement import IDENTITY, Placement, check_boundary
 from agentmem.pool import BlockPool, PagedRows
 from agentmem.prefixes import PrefixIndex
+
+
+# Relative difference allowed between a session's raw keys and the compacted cache's (compact_to): the
+# rounding of two kernels (bf16: ~1e-2) passes, rows read over another history (order 1) do not.
+RAW_ROWS_TOLERANCE = 0.05
 
 
 @dataclass
@@ -156,8 +161,11 @@ class PagedSession:
         shared blocks written into) are checked free first."""
         layouts = compacted.layers[0].layouts if compacted.layers else []
         spans = [layout.span for layout in layouts]
-        keep = next((j for j, (mine, theirs) in enumerate(zip(self.spans, spans)) if mine != theirs),
-                    min(len(self.spans), len(spans)))
+        # A segment is kept when its span and its rows on every head are the same (a compaction of the last
+        # segment alone gives a new one standing for the same span, with fewer rows).
+        keep = next((j for j in range(min(len(self.spans), len(spans))) if self.spans[j] != spans[j] or any(
+            j >= len(layer.layouts) or layer.layouts[j].head_rows != rows.segments[j]
+            for rows, layer in zip(self.rows, compacted.layers))), min(len(self.spans), len(spans)))
         replaced_from = self.spans[keep][0] if keep < len(self.spans) else self.tail_start
         covered = [replaced_from, *(end for _, end in spans[keep:])]
         if (compacted.fingerprint != self.fingerprint or compacted.token_ids != self.token_ids
@@ -168,6 +176,9 @@ class PagedSession:
                                "placement, its first segments kept, new ones standing for the tokens from the first "
                                f"replaced one ({replaced_from}) to the new raw tail ({compacted.tail_start}) in order")
         dropped = compacted.tail_start - self.tail_start
+        if keep == len(self.spans) == len(spans) and not dropped:
+            return  # what it holds already
+        self._check_raw_rows_match(compacted, dropped)
         new_rows = [[layout.head_rows for layout in layer.layouts[keep:]] for layer in compacted.layers]
         needed: dict[int, int] = {}
         for rows, layer, added in zip(self.rows, compacted.layers, new_rows):
@@ -181,6 +192,20 @@ class PagedSession:
         for rows, layer in zip(self.rows, compacted.layers):
             rows.compact(keep, [layer.segment(j) for j in range(keep, len(layer.layouts))], dropped)
         self.tail_start, self.spans = compacted.tail_start, spans
+
+    def _check_raw_rows_match(self, compacted: SessionCache, dropped: int) -> None:
+        """Refuse a compaction of another history of the same tokens (another cache that read them, compacted
+        differently): the raw rows both keep would differ, and this session would read on over rows that are
+        not ``compacted``'s. The last layer's first kept raw row of each head is compared (the first layer's
+        keys depend on the token alone), to a tolerance: the two read them through different kernels."""
+        rows, layer = self.rows[-1], compacted.layers[-1]
+        if not layer.tail_length:
+            return
+        mine = rows.pool.keys[rows.raw_slots(dropped, 1)].float()
+        theirs = layer.tail_keys[:, 0].to(mine.device, torch.float32)
+        if float((mine - theirs).norm()) > RAW_ROWS_TOLERANCE * float(theirs.norm()):
+            raise InvalidInput("compact_to: the compacted cache's raw rows are not this session's (a compaction of "
+                               "another cache that read the same tokens?)")
 
     def replace(self, placement: Placement, inv_freq: torch.Tensor) -> None:
         """Move the session's rows to ``placement`` (:mod:`agentmem.placement`): every layer's keys re-rotated

@@ -526,6 +526,10 @@ class PagedRows:
         row = to_device(list(first), device)[head] + torch.arange(total, device=device) - starts[head]
         return slot_of(self._tables.rows([self.slot], self.width)[0], (head,), row, self.pool.block_size)
 
+    def raw_slots(self, skip: int, rows: int) -> torch.Tensor:
+        """Slots ``(kv_heads * rows,)`` of each head's raw rows ``skip …`` (``rows`` of them), head after head."""
+        return self._slots([first + skip for first in self.raw_from], [rows] * self.kv_heads)
+
     def compact(self, keep: int, new: Sequence[CompactedSegment], dropped: int) -> None:
         """Replace every compacted segment after the first ``keep`` and the first ``dropped`` raw rows by the
         segments ``new``, in place: each head's new rows are written where the rows they replace were (after

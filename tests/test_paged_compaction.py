@@ -54,14 +54,16 @@ def test_a_session_compacted_in_place_reads_as_its_compacted_cache(tiny_engine, 
         cache = compacted
 
 
-def test_a_fork_keeps_its_rows_when_its_parent_compacts(tiny_engine):
+@pytest.mark.parametrize("keep_recent", [24, 20])
+def test_a_fork_keeps_its_rows_when_its_parent_compacts(tiny_engine, keep_recent):
     """Parent and fork share every block; the parent compacts in place (a shared block it writes is copied
-    first), and then both read as their own caches do: the fork as the uncompacted one."""
+    first: the block its raw rows now start in, on a block boundary or not), and then both read as their
+    own caches do: the fork as the uncompacted one."""
     engine = tiny_engine
     cache = engine.prefill(ids_of(200, seed=2))
     pools, (parent,) = sessions_of(engine, [cache])
     child = parent.fork()
-    compacted = compact(engine, cache, "am", ratio=3, keep_recent=24)
+    compacted = compact(engine, cache, "am", ratio=3, keep_recent=keep_recent)
     parent.compact_to(compacted)
     steps_equal(engine, [parent, child], [compacted, cache.clone()], [[40, 41], [50, 51, 52]])
 
@@ -77,7 +79,12 @@ def test_a_refused_compaction_changes_nothing(tiny_engine):
     compacted = compact(engine, cache, "global-eviction", ratio=4, keep_recent=16)
     other = compact(engine, engine.prefill(ids_of(160, seed=4)), "global-eviction", ratio=4, keep_recent=16)
     with pytest.raises(InvalidInput, match="compact_to"):
-        fork.compact_to(other)
+        fork.compact_to(other)  # other tokens
+    elsewhere = engine.prefill(ids_of(150, seed=3))  # the same tokens read after another history
+    elsewhere = compact(engine, elsewhere, "global-eviction", ratio=2, keep_recent=16)
+    engine.prefill(ids_of(160, seed=3)[150:], elsewhere)
+    with pytest.raises(InvalidInput, match="not this session's"):
+        fork.compact_to(compact(engine, elsewhere, "global-eviction", ratio=4, keep_recent=8))
     hog = pools[-1].allocate(pools[-1].free_blocks)
     tables = [[list(b) for b in rows.blocks] for rows in fork.rows]
     keys = pools[0].keys.clone()
@@ -168,3 +175,78 @@ def test_a_rewind_hides_the_rows_it_drops_in_blocks_held_alone(tiny_engine):
             slots = blocks[-1] * BLOCK + torch.arange(length % BLOCK, BLOCK)
             assert (pool.order[slots] == HIDDEN).all()
     assert [rows.lengths for rows in fork.rows] == [[70] * engine.num_kv_heads] * engine.num_layers
+
+
+def test_compacting_the_last_segment_alone(tiny_engine):
+    """Nothing read since the last compaction: the next one compacts that segment alone into one standing
+    for the same tokens with fewer rows, which the session takes in place too."""
+    engine = tiny_engine
+    cache = engine.prefill(ids_of(300, seed=11))
+    _, (session,) = sessions_of(engine, [cache])
+    first = compact(engine, cache, "global-eviction", ratio=4, keep_recent=40, protect_prefix=6)
+    session.compact_to(first)
+    again = compact(engine, first, "global-eviction", ratio=4, keep_recent=40, protect_prefix=6)
+    assert [layout.span for layout in again.layers[0].layouts] == session.spans
+    session.compact_to(again)
+    assert session.rows[0].segments == [layout.head_rows for layout in again.layers[0].layouts]
+    steps_equal(engine, [session], [again], [[5, 6, 7]])
+
+
+def test_a_session_on_a_published_prompt_compacts_and_the_prompt_stays_shared(tiny_engine):
+    """A session that adopted its tenant's published prompt compacts with the prompt protected (its rows
+    become an identity segment, the shared blocks copied before being written): it reads as its compacted
+    cache, it publishes nothing of its compacted rows, and a later session adopting the prompt reads as
+    one that read everything itself."""
+    from agentmem.prefixes import PrefixIndex
+
+    engine = tiny_engine
+    pools = engine.new_pools(blocks=512, block_size=BLOCK)
+    index = PrefixIndex(pools)
+    prompt = ids_of(70, seed=12)
+    first = PagedSession.empty(pools, engine.num_kv_heads, engine.fingerprint)
+    engine.read_paged([first], [prompt])
+    first.publish(index, "tenant")
+    conversation = prompt + ids_of(150, seed=13)
+    session = PagedSession.adopting(index, "tenant", conversation, engine.num_kv_heads, engine.fingerprint)
+    cache = engine.new_cache()
+    engine.read_paged([session], [conversation[session.next_token:]])
+    alone(engine, cache, conversation)
+    compacted = compact(engine, cache, "am", ratio=4, keep_recent=32, protect_prefix=64)
+    session.compact_to(compacted)
+    assert session.publish(index, "tenant") == 0
+    steps_equal(engine, [session], [compacted], [[5, 6, 7]])
+    later = PagedSession.adopting(index, "tenant", conversation, engine.num_kv_heads, engine.fingerprint)
+    assert later.next_token == 64  # the prompt's 4 full blocks
+    steps_equal(engine, [later], [engine.new_cache()], [conversation[64:]], first_reference_runs=[conversation])
+
+
+def test_a_replaced_session_compacts_in_place(tiny_engine):
+    """A compacted session re-placed (keys at squeezed positions) reads on and compacts again."""
+    from agentmem.placement import placement_for, replace_positions
+
+    engine = tiny_engine
+    cache = compact(engine, engine.prefill(ids_of(320, seed=14)), "global-eviction", ratio=4, keep_recent=64,
+                    protect_prefix=4)
+    moved = replace_positions(engine, cache, placement_for(cache, protect=4, room=40))
+    _, (session,) = sessions_of(engine, [moved])
+    engine.read_paged([session], [ids_of(50, seed=15)])
+    alone(engine, moved, ids_of(50, seed=15))
+    compacted = compact(engine, moved, "am", ratio=3, keep_recent=20, protect_prefix=4)
+    session.compact_to(compacted)
+    steps_equal(engine, [session], [compacted], [[5, 6, 7]])
+
+
+def test_a_protected_prefix_past_the_compacted_rows(tiny_engine):
+    """A protected prefix reaching into the raw rows: every segment is kept, the protected raw rows become
+    an identity segment after them, and the rest of the span a new segment."""
+    engine = tiny_engine
+    cache = engine.prefill(ids_of(300, seed=16))
+    _, (session,) = sessions_of(engine, [cache])
+    first = compact(engine, cache, "global-eviction", ratio=4, keep_recent=100, protect_prefix=6)
+    session.compact_to(first)
+    engine.read_paged([session], [ids_of(40, seed=17)])
+    alone(engine, first, ids_of(40, seed=17))
+    second = compact(engine, first, "am", ratio=4, keep_recent=30, protect_prefix=250)
+    assert len(second.layers[0].layouts) == 4  # both kept, the identity segment, the new one
+    session.compact_to(second)
+    steps_equal(engine, [session], [second], [[5, 6, 7]])

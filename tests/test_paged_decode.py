@@ -37,7 +37,7 @@ def reference_logits(engine: Engine, sessions: list[PagedSession], tokens: list[
 
 def test_compiled_steps_equal_uncompiled_reads_with_one_graph_per_bucket(engine):
     """64 greedy decode steps of ragged sessions (compacted, raw, re-placed) in the 8-session bucket:
-    a session joins, one leaves, one is compacted (its rows replaced), one is re-placed (keys
+    a session joins, one leaves, one is compacted (in place), one is re-placed (keys
     re-rotated in place). Each step's logits equal the same sessions read uncompiled, and the
     bucket's graph is made once and never again (its first call is traced twice: a guard on
     transformers' kernel context fails once)."""
@@ -62,11 +62,10 @@ def test_compiled_steps_equal_uncompiled_reads_with_one_graph_per_bucket(engine)
             sessions.pop(1).release()
             references.pop(1).release()
             tokens.pop(1)
-        if step == 30:  # compacts: its rows replaced by a compacted copy of what it read
+        if step == 30:  # compacts in place: a compaction of what it read written over its rows
             cache = compact(engine, engine.prefill(references[0].token_ids), "global-eviction", ratio=3, keep_recent=8)
-            for group, group_pools in ((sessions, pools), (references, _pools(references))):
-                group[0].release()
-                group[0] = PagedSession.holding(group_pools, cache)
+            for group in (sessions, references):
+                group[0].compact_to(cache)
         if step == 40:  # moves: every layer's keys re-rotated in place
             with torch.inference_mode():  # as the scheduler's thread runs it
                 for group in (sessions, references):
