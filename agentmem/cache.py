@@ -22,7 +22,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,6 +36,8 @@ SEGMENT_PARTS = ("keys", "values", "beta", "scores", "positions")  # a segment's
 # in bf16 a fitted β would be rounded to steps of ~0.016 (its weight off by ~1.6%); it is one number
 # per row, so keeping it exact costs little.
 PART_DTYPES: dict[str, torch.dtype] = {"beta": torch.float32, "scores": torch.float32, "positions": torch.int32}
+# What reading a stored form whose tensors disagree with its layout raises (torch's and Python's own).
+STORED_FORM_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError)
 UNKNOWN_POSITION = -1  # a padding slot, or a row made without a position
 # Tokens per exported block of the raw tail. A spill after a turn changes only the last block and
 # the ones after it, so a store rewrites those (LMCache stores 256-token chunks too).
@@ -576,9 +578,7 @@ class SessionCache:
 
         ``SessionCache.from_tensors(*cache.to_tensors())`` rebuilds the cache bit-exactly.
         """
-        exports, meta = self.export()
-        return {name: export.write(torch.empty(export.shape, dtype=export.dtype, device="cpu"))
-                for name, export in exports.items()}, meta
+        return materialise(*self.export())
 
     def export(self) -> tuple[dict[str, TensorExport], dict[str, Any]]:
         """What :meth:`to_tensors` returns, unmaterialised: each tensor's shape, dtype and a writer.
@@ -586,9 +586,7 @@ class SessionCache:
         An encoder lays every tensor straight into its place in one output buffer (one copy of
         the rows, converted on the way), instead of materialising them and serialising copies.
         """
-        exports = {"token_ids": TensorExport(
-            (self.logical_length,), torch.int64,
-            lambda out: out.copy_(torch.tensor(self._token_ids, dtype=torch.int64, device="cpu")))}  # out: host
+        exports = {"token_ids": token_log_export(self._token_ids)}
         layers_meta = []
         for i, layer in enumerate(self.layers):
             for j, layout in enumerate(layer.layouts):
@@ -600,32 +598,17 @@ class SessionCache:
                 if (stored := layer.queries[j]) is not None:
                     exports[f"layers.{i}.segments.{j}.queries"] = TensorExport(
                         tuple(stored.queries.shape), self.dtype, functools.partial(_copy_into, stored.queries))
-            layers_meta.append({"segments": [_segment_meta(s, q) for s, q in zip(layer.layouts, layer.queries)],
+            layers_meta.append({"segments": [segment_meta(s, q) for s, q in zip(layer.layouts, layer.queries)],
                                 "tail_length": layer.tail_length})
         tail = self.layers[0].tail_length
         if any(layer.tail_length != tail for layer in self.layers):
             raise InvalidInput(f"layers hold raw tails of {[layer.tail_length for layer in self.layers]} tokens; "
                                "every layer must hold the same")
-        for b, start in enumerate(range(0, max(1, tail), TAIL_BLOCK)):  # an empty tail is one empty block
-            rows = slice(start, min(tail, start + TAIL_BLOCK))
-            for part in ("keys", "values"):
-                exports[f"tail.{b}.{part}"] = TensorExport(
-                    (self.num_layers, self.num_kv_heads, rows.stop - rows.start, self.head_dim), self.dtype,
-                    functools.partial(self._write_tail_block, part, rows))
-        meta = {
-            "format_version": CACHE_FORMAT_VERSION,
-            "fingerprint": self.fingerprint,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "logical_length": self.logical_length,
-            "tail_block": TAIL_BLOCK,
-            "layers": layers_meta,
-        }
-        if not self.placement.is_identity:  # absent otherwise: a cache never re-placed exports as before
-            meta["placement"] = self.placement.as_list()
-        return exports, meta
+        exports.update(tail_exports(tail, (self.num_layers, self.num_kv_heads, self.head_dim), self.dtype,
+                                    self._write_tail_block))
+        return exports, stored_meta(fingerprint=self.fingerprint, dtype=self.dtype, num_kv_heads=self.num_kv_heads,
+                                    head_dim=self.head_dim, tokens=self.logical_length, placement=self.placement,
+                                    layers=layers_meta)
 
     def _write_tail_block(self, part: str, rows: slice, out: torch.Tensor) -> torch.Tensor:
         """Fill ``out`` (layers, kv_heads, tokens, head_dim) with the tail's ``rows`` of every layer."""
@@ -653,58 +636,91 @@ class SessionCache:
             return cls._from_tensors(tensors, meta, torch.device(device), dtype)
         except (CorruptSessionError, torch.OutOfMemoryError):  # no room on the device is not damage
             raise
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+        except STORED_FORM_ERRORS as exc:
             raise CorruptSessionError(f"cache tensors do not match their layout: {brief(exc)}") from exc
         finally:
             wait_for_copies(device)  # the sources may be freed once we return
 
     @classmethod
     def _from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict[str, Any], device, dtype) -> SessionCache:
-        if meta.get("format_version") != CACHE_FORMAT_VERSION:
-            raise CorruptSessionError(f"unknown cache format version {meta.get('format_version')!r}")
-        heads, head_dim = int(meta["num_kv_heads"]), int(meta["head_dim"])
-        token_ids = tensors["token_ids"]
-        if token_ids.dim() != 1 or token_ids.numel() != int(meta["logical_length"]):
-            raise CorruptSessionError("token log length disagrees with the logical length")
-        layers = []
-        for i, layer_meta in enumerate(meta["layers"]):
-            segments = []
-            for j, seg_meta in enumerate(layer_meta["segments"]):
-                head_rows = tuple(int(r) for r in seg_meta["head_rows"])
-                if len(head_rows) != heads:
-                    raise CorruptSessionError(f"layer {i} segment {j} has {len(head_rows)} heads, expected {heads}")
-                name = f"layers.{i}.segments.{j}."
-                parts = {p: tensors[name + p] for p in SEGMENT_PARTS}  # moved by LayerCache's copy
-                if name + "queries" in tensors:  # kept only by compactions that re-read the new text alone
-                    parts.update(queries=tensors[name + "queries"], queries_at=int(seg_meta["queries_at"]))
-                    if parts["queries"].shape[1:2] != (int(seg_meta["queries"]),):
-                        raise CorruptSessionError(f"layer {i} segment {j} queries have shape "
-                                                  f"{tuple(parts['queries'].shape)}, its layout says {seg_meta['queries']}")
-                if parts["keys"].shape != (sum(head_rows), head_dim):
-                    raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
-                try:
-                    segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]),
-                                                     refresh_cursor=seg_meta.get("refresh_cursor", 0), **parts))
-                except InvalidInput as exc:
-                    raise CorruptSessionError(f"layer {i} segment {j}: {brief(exc)}") from exc
-            tail_k, tail_v = _stored_tail(tensors, meta, i)  # converted and moved by LayerCache's copy
-            expected = (heads, int(layer_meta["tail_length"]), head_dim)
-            for keys, values in zip(tail_k, tail_v):
-                if keys.shape[::2] != expected[::2] or keys.shape != values.shape:
-                    raise CorruptSessionError(f"layer {i} tail piece has shape {tuple(keys.shape)}, expected {expected}")
-            if sum(keys.shape[1] for keys in tail_k) != expected[1]:
-                raise CorruptSessionError(f"layer {i} tail holds {sum(k.shape[1] for k in tail_k)} tokens, "
-                                          f"its layout says {expected[1]}")
-            layers.append(LayerCache(segments, tail_k, tail_v, dtype=dtype, device=device))
-        if len(layers) != int(meta["num_layers"]):
-            raise CorruptSessionError(f"{len(layers)} layers stored, layout says {meta['num_layers']}")
-        try:
-            placement = Placement(*(int(v) for v in meta["placement"])) if "placement" in meta else IDENTITY
-        except InvalidInput as exc:
-            raise CorruptSessionError(f"stored placement: {brief(exc)}") from exc
-        if placement.boundary > int(meta["logical_length"]) - int(meta["layers"][0]["tail_length"]):
-            raise CorruptSessionError(f"placement {placement.as_list()} reaches into the raw tail")
-        return cls(layers, token_ids.tolist(), str(meta["fingerprint"]), placement)
+        stored = parse_stored(tensors, meta)
+        layers = [LayerCache(segments, tail_k, tail_v, dtype=dtype, device=device)
+                  for segments, tail_k, tail_v in stored.layers]  # the rows converted and moved by LayerCache's copy
+        return cls(layers, stored.token_ids, stored.fingerprint, stored.placement)
+
+
+@dataclass
+class StoredRows:
+    """A stored session's rows as its tensors hold them (not moved or converted), checked against its layout:
+    per layer, its compacted segments and its raw tail in pieces ``(kv_heads, n, head_dim)`` (the stored
+    blocks'), with the session's token log, model fingerprint and placement. What a session cache and a
+    pooled session (:meth:`~agentmem.paged_sessions.PagedSession.restoring`) are rebuilt from."""
+
+    token_ids: list[int]
+    fingerprint: str
+    placement: Placement
+    num_kv_heads: int
+    head_dim: int
+    layers: list[tuple[list[CompactedSegment], list[torch.Tensor], list[torch.Tensor]]]
+
+    @property
+    def tail_start(self) -> int:
+        return len(self.token_ids) - sum(piece.shape[1] for piece in self.layers[0][1]) if self.layers else 0
+
+
+def parse_stored(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> StoredRows:
+    """``tensors`` and ``meta`` (:meth:`SessionCache.export`'s) checked against each other: raises
+    :class:`CorruptSessionError` when a tensor is missing or its shape disagrees with ``meta``; nothing
+    is guessed."""
+    if meta.get("format_version") != CACHE_FORMAT_VERSION:
+        raise CorruptSessionError(f"unknown cache format version {meta.get('format_version')!r}")
+    heads, head_dim = int(meta["num_kv_heads"]), int(meta["head_dim"])
+    token_ids = tensors["token_ids"]
+    if token_ids.dim() != 1 or token_ids.numel() != int(meta["logical_length"]):
+        raise CorruptSessionError("token log length disagrees with the logical length")
+    layers = []
+    for i, layer_meta in enumerate(meta["layers"]):
+        segments = []
+        for j, seg_meta in enumerate(layer_meta["segments"]):
+            head_rows = tuple(int(r) for r in seg_meta["head_rows"])
+            if len(head_rows) != heads:
+                raise CorruptSessionError(f"layer {i} segment {j} has {len(head_rows)} heads, expected {heads}")
+            name = f"layers.{i}.segments.{j}."
+            parts = {p: tensors[name + p] for p in SEGMENT_PARTS}
+            if name + "queries" in tensors:  # kept only by compactions that re-read the new text alone
+                parts.update(queries=tensors[name + "queries"], queries_at=int(seg_meta["queries_at"]))
+                if parts["queries"].shape[1:2] != (int(seg_meta["queries"]),):
+                    raise CorruptSessionError(f"layer {i} segment {j} queries have shape "
+                                              f"{tuple(parts['queries'].shape)}, its layout says {seg_meta['queries']}")
+            if parts["keys"].shape != (sum(head_rows), head_dim):
+                raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
+            try:
+                segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]),
+                                                 refresh_cursor=seg_meta.get("refresh_cursor", 0), **parts))
+            except InvalidInput as exc:
+                raise CorruptSessionError(f"layer {i} segment {j}: {brief(exc)}") from exc
+        tail_k, tail_v = _stored_tail(tensors, meta, i)
+        expected = (heads, int(layer_meta["tail_length"]), head_dim)
+        for keys, values in zip(tail_k, tail_v):
+            if keys.shape[::2] != expected[::2] or keys.shape != values.shape:
+                raise CorruptSessionError(f"layer {i} tail piece has shape {tuple(keys.shape)}, expected {expected}")
+        if sum(keys.shape[1] for keys in tail_k) != expected[1]:
+            raise CorruptSessionError(f"layer {i} tail holds {sum(k.shape[1] for k in tail_k)} tokens, "
+                                      f"its layout says {expected[1]}")
+        layers.append((segments, tail_k, tail_v))
+    if len(layers) != int(meta["num_layers"]):
+        raise CorruptSessionError(f"{len(layers)} layers stored, layout says {meta['num_layers']}")
+    if any(len(segments) != len(layers[0][0]) or [seg.span for seg in segments] != [seg.span for seg in layers[0][0]]
+           or sum(k.shape[1] for k in tail_k) != sum(k.shape[1] for k in layers[0][1])
+           for segments, tail_k, _ in layers):
+        raise CorruptSessionError("layers disagree on their segments' spans or raw tail")
+    try:
+        placement = Placement(*(int(v) for v in meta["placement"])) if "placement" in meta else IDENTITY
+    except InvalidInput as exc:
+        raise CorruptSessionError(f"stored placement: {brief(exc)}") from exc
+    if placement.boundary > int(meta["logical_length"]) - int(meta["layers"][0]["tail_length"]):
+        raise CorruptSessionError(f"placement {placement.as_list()} reaches into the raw tail")
+    return StoredRows(token_ids.tolist(), str(meta["fingerprint"]), placement, heads, head_dim, layers)
 
 
 @dataclass(frozen=True)
@@ -720,7 +736,61 @@ def _copy_into(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(source, non_blocking=True)
 
 
-def _segment_meta(layout: SegmentLayout, stored: SegmentQueries | None) -> dict[str, Any]:
+def materialise(exports: dict[str, TensorExport],
+                meta: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An export's tensors written into host tensors (``to_tensors``)."""
+    return {name: export.write(torch.empty(export.shape, dtype=export.dtype, device="cpu"))
+            for name, export in exports.items()}, meta
+
+
+def token_log_export(token_ids: Sequence[int]) -> TensorExport:
+    return TensorExport((len(token_ids),), torch.int64,  # out: host
+                        lambda out: out.copy_(torch.tensor(token_ids, dtype=torch.int64, device="cpu")))
+
+
+def tail_exports(tail: int, shape: tuple[int, int, int], dtype: torch.dtype,
+                 write: Callable[[str, slice, torch.Tensor], torch.Tensor]) -> dict[str, TensorExport]:
+    """The raw tail's exports, blocks of :data:`TAIL_BLOCK` tokens across layers: ``shape`` is (layers,
+    KV heads, head_dim), ``write(part, rows, out)`` fills ``out`` with the tail's ``rows`` of every layer."""
+    layers, heads, head_dim = shape
+    exports = {}
+    for b, start in enumerate(range(0, max(1, tail), TAIL_BLOCK)):  # an empty tail is one empty block
+        rows = slice(start, min(tail, start + TAIL_BLOCK))
+        for part in ("keys", "values"):
+            exports[f"tail.{b}.{part}"] = TensorExport((layers, heads, rows.stop - rows.start, head_dim), dtype,
+                                                       functools.partial(write, part, rows))
+    return exports
+
+
+def stored_meta(*, fingerprint: str, dtype: torch.dtype, num_kv_heads: int, head_dim: int, tokens: int,
+                placement: Placement, layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The layout stored beside a session's tensors (``layers``: each layer's segments and tail length)."""
+    meta = {
+        "format_version": CACHE_FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "dtype": str(dtype).removeprefix("torch."),
+        "num_layers": len(layers),
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "logical_length": tokens,
+        "tail_block": TAIL_BLOCK,
+        "layers": layers,
+    }
+    if not placement.is_identity:  # absent otherwise: a cache never re-placed exports as before
+        meta["placement"] = placement.as_list()
+    return meta
+
+
+class SegmentShape(Protocol):
+    """What a segment's stored layout is made of: a :class:`SegmentLayout`, or a pooled session's segment."""
+
+    head_rows: tuple[int, ...]
+    span: tuple[int, int]
+    refresh_cursor: int
+
+
+def segment_meta(layout: SegmentShape, stored: SegmentQueries | None) -> dict[str, Any]:
+    """A segment's stored layout: its rows per head, span, refresh cursor and kept queries' count."""
     meta = {"head_rows": list(layout.head_rows), "span": list(layout.span)}
     if layout.refresh_cursor:
         meta["refresh_cursor"] = layout.refresh_cursor

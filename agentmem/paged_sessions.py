@@ -23,13 +23,17 @@ releasing a session) must run there too, as a job (``engine.scheduler.call``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from agentmem.cache import SessionCache
-from agentmem.errors import InvalidInput, PoolExhausted
+from agentmem.cache import (PART_DTYPES, SEGMENT_PARTS, STORED_FORM_ERRORS, SessionCache, TensorExport, materialise,
+                            parse_stored, segment_meta, stored_meta, tail_exports, token_log_export)
+from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, PoolExhausted, brief
+from agentmem.host_memory import wait_for_copies
 from agentmem.placement import IDENTITY, Placement, check_boundary
 from agentmem.pool import BlockPool, PagedRows
 from agentmem.prefixes import PrefixIndex
@@ -53,7 +57,11 @@ class PagedSession:
     fingerprint: str  # the model whose rows these are (:meth:`Engine.check_cache <agentmem.engine.Engine.check_cache>`)
     placement: Placement = IDENTITY
     tail_start: int = 0  # the first token held raw: a placement's boundary may not pass it
-    spans: list[tuple[int, int]] = field(default_factory=list)  # the tokens each compacted segment stands for
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The tokens each compacted segment held stands for, in order."""
+        return [seg.span for seg in self.rows[0].segments] if self.rows else []
 
     @property
     def offset(self) -> int:
@@ -91,7 +99,8 @@ class PagedSession:
     def unused_slots(self) -> int:
         """Slots of its blocks holding none of its rows, over every layer and KV head: past its rows (under
         one block each) and, after a compaction, hidden between its compacted and raw rows (under two)."""
-        return sum(len(blocks) * rows.pool.block_size - length + first_raw - sum(seg[h] for seg in rows.segments)
+        return sum(len(blocks) * rows.pool.block_size - length + first_raw
+                   - sum(seg.head_rows[h] for seg in rows.segments)
                    for rows in self.rows
                    for h, (blocks, length, first_raw) in enumerate(zip(rows.blocks, rows.lengths, rows.raw_from)))
 
@@ -114,8 +123,81 @@ class PagedSession:
             for held in rows:
                 held.release()
             raise
-        return cls(rows, cache.token_ids, cache.fingerprint, placement, cache.tail_start,
-                   [layout.span for layout in cache.layers[0].layouts])
+        return cls(rows, cache.token_ids, cache.fingerprint, placement, cache.tail_start)
+
+    @classmethod
+    def restoring(cls, pools: Sequence[BlockPool], tensors: dict[str, torch.Tensor],
+                  meta: dict[str, Any]) -> PagedSession:
+        """A session stored by :meth:`export` or :meth:`SessionCache.export <agentmem.cache.SessionCache.export>`
+        (the same form) written straight into ``pools``: each stored segment and raw tail block goes into the
+        session's blocks, with no session cache built on the way. Raises :class:`CorruptSessionError` as
+        :meth:`SessionCache.from_tensors <agentmem.cache.SessionCache.from_tensors>` does, and
+        :class:`InvalidInput` for rows of another shape than the pools'; on any failure no block stays taken."""
+        rows: list[PagedRows] = []
+        try:
+            stored = parse_stored(tensors, meta)
+            if len(pools) != len(stored.layers) or any(pool.keys.shape[1] != stored.head_dim for pool in pools):
+                raise InvalidInput(f"a stored session of {len(stored.layers)} layers of head_dim {stored.head_dim} "
+                                   f"needs a pool of that head_dim per layer, got {len(pools)} pools")
+            for pool, (segments, tail_keys, tail_values) in zip(pools, stored.layers):
+                rows.append(PagedRows.holding_rows(pool, stored.num_kv_heads, segments, tail_keys, tail_values,
+                                                   tail_start=stored.tail_start,
+                                                   tail_position=stored.tail_start - stored.placement.offset))
+        except BaseException as exc:
+            for held in rows:
+                held.release()
+            if isinstance(exc, (AgentMemError, torch.OutOfMemoryError)) or not isinstance(exc, STORED_FORM_ERRORS):
+                raise  # ours (no room in a pool is not damage), or not a sign of damage
+            raise CorruptSessionError(f"cache tensors do not match their layout: {brief(exc)}") from exc
+        finally:
+            wait_for_copies(pools[0].device if pools else "cpu")  # the stored tensors may be freed once we return
+        return cls(rows, stored.token_ids, stored.fingerprint, stored.placement, stored.tail_start)
+
+    def export(self) -> tuple[dict[str, TensorExport], dict[str, Any]]:
+        """What :meth:`SessionCache.export <agentmem.cache.SessionCache.export>` gives for the same rows (the
+        stored form every store writes, so a session spilled from the pool resumes either way): each
+        segment's rows gathered from its blocks, the raw tail in stored blocks across layers."""
+        exports = {"token_ids": token_log_export(self.token_ids)}
+        layers = []
+        for i, rows in enumerate(self.rows):
+            pool, first = rows.pool, [0] * rows.kv_heads
+            parts = {"keys": pool.keys, "values": pool.values, "beta": pool.bias, "scores": pool.scores,
+                     "positions": pool.positions}
+            for j, seg in enumerate(rows.segments):
+                slots = rows.rows_slots(first, seg.head_rows)
+                for part in SEGMENT_PARTS:
+                    exports[f"layers.{i}.segments.{j}.{part}"] = TensorExport(
+                        (sum(seg.head_rows), self.head_dim) if part in ("keys", "values") else (sum(seg.head_rows),),
+                        PART_DTYPES.get(part, self.dtype), functools.partial(_gather_into, parts[part], slots))
+                if seg.queries is not None:
+                    queries = seg.queries.queries
+                    exports[f"layers.{i}.segments.{j}.queries"] = TensorExport(
+                        tuple(queries.shape), self.dtype, functools.partial(_gather_into, queries, None))
+                first = [f + n for f, n in zip(first, seg.head_rows)]
+            layers.append({"segments": [segment_meta(seg, seg.queries) for seg in rows.segments],
+                           "tail_length": self.next_token - self.tail_start})
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim)
+        exports.update(tail_exports(self.next_token - self.tail_start, shape, self.dtype, self._write_tail_block))
+        return exports, stored_meta(fingerprint=self.fingerprint, dtype=self.dtype, num_kv_heads=self.num_kv_heads,
+                                    head_dim=self.head_dim, tokens=self.next_token, placement=self.placement,
+                                    layers=layers)
+
+    def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """:meth:`export` written into host tensors: what :meth:`SessionCache.to_tensors
+        <agentmem.cache.SessionCache.to_tensors>` gives for the same rows, bit for bit."""
+        return materialise(*self.export())
+
+    def _write_tail_block(self, part: str, tokens: slice, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (layers, kv_heads, tokens, head_dim) with the raw rows ``tokens`` (from the tail's start)."""
+        for rows, into in zip(self.rows, out):
+            slots = rows.raw_slots(tokens.start, tokens.stop - tokens.start)
+            source = rows.pool.keys if part == "keys" else rows.pool.values
+            into.copy_(source[slots].view(into.shape), non_blocking=True)
+        return out
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rows[0].pool.keys.dtype
 
     @classmethod
     def empty(cls, pools: Sequence[BlockPool], kv_heads: int, fingerprint: str) -> PagedSession:
@@ -139,7 +221,7 @@ class PagedSession:
         """A second session holding the same rows and tokens, sharing their blocks: the two go on
         apart, a shared block copied only when one of them writes into it."""
         return PagedSession([rows.fork() for rows in self.rows], list(self.token_ids), self.fingerprint,
-                            self.placement, self.tail_start, list(self.spans))
+                            self.placement, self.tail_start)
 
     def truncate(self, length: int) -> None:
         """Forget the tokens after the first ``length`` (a rewind); they must all still be raw rows, as in
@@ -164,7 +246,7 @@ class PagedSession:
         # A segment is kept when its span and its rows on every head are the same (a compaction of the last
         # segment alone gives a new one standing for the same span, with fewer rows).
         keep = next((j for j in range(min(len(self.spans), len(spans))) if self.spans[j] != spans[j] or any(
-            j >= len(layer.layouts) or layer.layouts[j].head_rows != rows.segments[j]
+            j >= len(layer.layouts) or layer.layouts[j].head_rows != rows.segments[j].head_rows
             for rows, layer in zip(self.rows, compacted.layers))), min(len(self.spans), len(spans)))
         replaced_from = self.spans[keep][0] if keep < len(self.spans) else self.tail_start
         covered = [replaced_from, *(end for _, end in spans[keep:])]
@@ -182,7 +264,7 @@ class PagedSession:
         new_rows = [[layout.head_rows for layout in layer.layouts[keep:]] for layer in compacted.layers]
         needed: dict[int, int] = {}
         for rows, layer, added in zip(self.rows, compacted.layers, new_rows):
-            if [layout.head_rows for layout in layer.layouts[:keep]] != rows.segments[:keep]:
+            if [layout.head_rows for layout in layer.layouts[:keep]] != [seg.head_rows for seg in rows.segments[:keep]]:
                 raise InvalidInput("compact_to: a kept segment holds other rows than this session's")
             needed[id(rows.pool)] = needed.get(id(rows.pool), 0) + rows.blocks_to_compact(keep, added, dropped)
         short = [rows.pool for rows in self.rows if needed[id(rows.pool)] > rows.pool.free_blocks]
@@ -191,7 +273,7 @@ class PagedSession:
                                 f"{short[0].free_blocks} free")
         for rows, layer in zip(self.rows, compacted.layers):
             rows.compact(keep, [layer.segment(j) for j in range(keep, len(layer.layouts))], dropped)
-        self.tail_start, self.spans = compacted.tail_start, spans
+        self.tail_start = compacted.tail_start
 
     def _check_raw_rows_match(self, compacted: SessionCache, dropped: int) -> None:
         """Refuse a compaction of another history of the same tokens (another cache that read them, compacted
@@ -229,3 +311,8 @@ class PagedSession:
         """Give every block back to its pool (the session is gone)."""
         for rows in self.rows:
             rows.release()
+
+
+def _gather_into(source: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``source``'s rows ``index`` (all of it when ``None``) copied into ``out`` (any device or dtype)."""
+    return out.copy_(source if index is None else source[index], non_blocking=True)

@@ -21,7 +21,10 @@ Every tensor is flat over slots, so that one indexed read or write serves any se
 - ``positions`` int32 ``(slots,)``: the token position the row stands for (a raw row's token
   index; a compacted row's as its compaction recorded it; -1 where unknown). Where its key sits
   in RoPE positions is the session's :class:`~agentmem.placement.Placement` of this position,
-  so a re-placement (:meth:`PagedRows.replace`) re-rotates keys from it and never compounds.
+  so a re-placement (:meth:`PagedRows.replace`) re-rotates keys from it and never compounds;
+- ``scores`` float32 ``(slots,)``: what a compacted row scored when its compaction chose it
+  (:class:`~agentmem.cache.CompactedSegment`), which a later compaction and the stored form
+  keep. Raw rows have none: their slots' values mean nothing and are never read.
 
 Block :data:`NULL_BLOCK` is never handed out: zeros, hidden. A table shorter than another is
 padded with it, so a gather of padded tables reads finite zeros that attention never weighs.
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentmem.cache import UNKNOWN_POSITION, CompactedSegment, LayerCache, to_device
+from agentmem.cache import UNKNOWN_POSITION, CompactedSegment, LayerCache, SegmentQueries, to_device
 from agentmem.errors import InvalidInput, PoolExhausted
 from agentmem.placement import Placement, rotate_by
 
@@ -62,6 +65,7 @@ class BlockPool:
         self.bias = torch.zeros(slots, dtype=torch.float32, device=device)
         self.order = torch.full((slots,), HIDDEN, dtype=torch.int32, device=device)
         self.positions = torch.full((slots,), UNKNOWN_POSITION, dtype=torch.int32, device=device)
+        self.scores = torch.full((slots,), -math.inf, dtype=torch.float32, device=device)
         self.block_size = block_size
         self.blocks = blocks
         self._free = list(range(blocks - 1, NULL_BLOCK, -1))  # popped from the end: lowest ids first
@@ -100,8 +104,8 @@ class BlockPool:
 
     @property
     def block_nbytes(self) -> int:
-        """Device bytes of one block: its keys, values, β, order and position."""
-        row = 2 * self.keys.shape[1] * self.keys.element_size() + 4 + 4 + 4
+        """Device bytes of one block: its keys, values, β, order, position and score."""
+        row = 2 * self.keys.shape[1] * self.keys.element_size() + 4 + 4 + 4 + 4
         return self.block_size * row
 
     def allocate(self, count: int) -> list[int]:
@@ -243,8 +247,8 @@ class PagedRows:
     KV head at most). ``raw_prefix`` counts the leading rows, on every head, that are raw tokens
     ``0, 1, …`` at their own positions: what a prefix index may share.
 
-    A head's table holds its compacted rows first, packed segment after segment (``segments``: each
-    segment's rows per head), then, from row ``raw_from[h]`` on, its raw rows in token order.
+    A head's table holds its compacted rows first, packed segment after segment (``segments``: what
+    each one stands for), then, from row ``raw_from[h]`` on, its raw rows in token order.
     Between the two lie hidden slots a compaction left (:meth:`compact`: under two blocks).
     """
 
@@ -255,7 +259,7 @@ class PagedRows:
         self.blocks: list[list[int]] = [[] for _ in range(kv_heads)]  # read only: changed through _set
         self.lengths: list[int] = [0] * kv_heads
         self.raw_prefix = 0
-        self.segments: list[tuple[int, ...]] = []  # per compacted segment held, its rows on each head
+        self.segments: list[HeldSegment] = []  # the compacted segments held, in order
         self.raw_from: list[int] = [0] * kv_heads  # per head, the row of its first raw token
         self._tables = pool.tables(kv_heads)
         self.slot = self._tables.attach()  # this session's row of the device tables
@@ -308,23 +312,36 @@ class PagedRows:
         ``tail_start`` is the session's token index of the tail's first row, ``tail_position`` the RoPE
         position its key was rotated for (default the same; a re-placed cache's differs).
         """
-        rows = cls(pool, layer.num_heads)
+        segments = [layer.segment(j) for j in range(len(layer.layouts))]
+        return cls.holding_rows(pool, layer.num_heads, segments, [layer.tail_keys], [layer.tail_values],
+                                tail_start=tail_start, tail_position=tail_position)
+
+    @classmethod
+    def holding_rows(cls, pool: BlockPool, kv_heads: int, segments: Sequence[CompactedSegment],
+                     tail_keys: Sequence[torch.Tensor], tail_values: Sequence[torch.Tensor], *, tail_start: int,
+                     tail_position: int | None = None) -> PagedRows:
+        """A layer's rows written into ``pool``: ``segments`` (packed, on any device), then a raw tail given in
+        pieces ``(kv_heads, n, head_dim)`` (a stored tail's blocks), as :meth:`holding`. On failure no block
+        stays taken."""
+        rows = cls(pool, kv_heads)
         try:
-            for j in range(len(layer.layouts)):
-                seg = layer.segment(j)
+            for seg in segments:
                 rows.write(seg.head_rows, keys=seg.keys, values=seg.values, bias=seg.beta, positions=seg.positions,
-                           order=torch.full((sum(seg.head_rows),), COMPACTED, device=pool.device))
+                           order=torch.full((sum(seg.head_rows),), COMPACTED, device=pool.device), scores=seg.scores)
                 rows.commit(seg.head_rows)
-                rows.segments.append(seg.head_rows)
+                rows.segments.append(HeldSegment.of(seg, pool.device))
             rows.raw_from = list(rows.lengths)
-            n, heads = layer.tail_length, layer.num_heads
-            step = torch.arange(n, device=pool.device)
             first = tail_start if tail_position is None else tail_position
-            rows.write([n] * heads, keys=layer.tail_keys.reshape(-1, layer.tail_keys.shape[-1]),
-                       values=layer.tail_values.reshape(-1, layer.tail_values.shape[-1]),
-                       order=(tail_start + step).repeat(heads), positions=(tail_start + step).repeat(heads))
-            rows.note_raw(tail_start, first, n)
-            rows.commit([n] * heads)
+            read = 0
+            for keys, values in zip(tail_keys, tail_values, strict=True):
+                n = keys.shape[1]
+                step = torch.arange(tail_start + read, tail_start + read + n, device=pool.device)
+                rows.write([n] * kv_heads, keys=keys.reshape(-1, keys.shape[-1]),
+                           values=values.reshape(-1, values.shape[-1]), order=step.repeat(kv_heads),
+                           positions=step.repeat(kv_heads))
+                rows.note_raw(tail_start + read, first + read, n)
+                rows.commit([n] * kv_heads)
+                read += n
         except BaseException:  # no room (or anything else): the blocks taken so far go back
             rows.release()
             raise
@@ -378,7 +395,7 @@ class PagedRows:
         pool = self.pool
         old = [self.blocks[h][i] for h, i in places]
         source, target = pool.slots_of(old), pool.slots_of(private)
-        for part in (pool.keys, pool.values, pool.bias, pool.order, pool.positions):
+        for part in (pool.keys, pool.values, pool.bias, pool.order, pool.positions, pool.scores):
             part.index_copy_(0, target, part[source])
         for (h, i), block in zip(places, private):
             self._set(h, i, block)
@@ -444,7 +461,7 @@ class PagedRows:
                  for i in range((length - rows) // size, -(-length // size))
                  if self.pool.holders(self.blocks[h][i]) == 1]
         if rows and alone:
-            dropped = self._slots([length - rows for length in self.lengths], [rows] * self.kv_heads)
+            dropped = self.rows_slots([length - rows for length in self.lengths], [rows] * self.kv_heads)
             private = torch.isin(dropped // size, to_device([self.blocks[h][i] for h, i in alone], self.pool.device))
             order = self.pool.order  # no boolean indexing: its size would be read back from the device
             order.index_copy_(0, dropped, torch.where(private, HIDDEN, order[dropped]))
@@ -479,12 +496,13 @@ class PagedRows:
         return max(map(len, self.blocks))
 
     def write(self, head_rows: Sequence[int], *, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor,
-              bias: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+              bias: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              scores: torch.Tensor | None = None) -> None:
         """Stage rows packed head after head (``head_rows[h]`` of head ``h``) after each head's committed rows.
 
         ``keys``/``values`` ``(R, head_dim)``, ``order``/``positions`` int ``(R,)`` (positions default
-        to unknown), ``bias`` float ``(R,)`` (default 0: raw rows) with ``R = sum(head_rows)``, on any
-        device. Reserves the blocks it needs first.
+        to unknown), ``bias`` float ``(R,)`` (default 0: raw rows) and ``scores`` (compacted rows';
+        raw rows have none) with ``R = sum(head_rows)``, on any device. Reserves the blocks it needs first.
         """
         total = sum(head_rows)
         if keys.shape[0] != total or values.shape != keys.shape or order.shape != (total,):
@@ -492,10 +510,10 @@ class PagedRows:
                                f"disagree with head_rows {list(head_rows)}")
         self.reserve(head_rows)
         self._write_at(self.staged_slots(head_rows), keys=keys, values=values, order=order, bias=bias,
-                       positions=positions)
+                       positions=positions, scores=scores)
 
     def _write_at(self, slots: torch.Tensor, *, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor,
-                  bias: torch.Tensor | None, positions: torch.Tensor | None) -> None:
+                  bias: torch.Tensor | None, positions: torch.Tensor | None, scores: torch.Tensor | None) -> None:
         """Rows written into ``slots`` of blocks this session holds alone (see :meth:`write`)."""
         pool = self.pool
         pool.keys.index_copy_(0, slots, keys.to(pool.device, pool.keys.dtype, non_blocking=True))
@@ -509,13 +527,15 @@ class PagedRows:
             pool.positions.index_fill_(0, slots, UNKNOWN_POSITION)
         else:
             pool.positions.index_copy_(0, slots, positions.to(pool.device, torch.int32, non_blocking=True))
+        if scores is not None:
+            pool.scores.index_copy_(0, slots, scores.to(pool.device, torch.float32, non_blocking=True))
 
     def staged_slots(self, head_rows: Sequence[int]) -> torch.Tensor:
         """Slots ``(sum(head_rows),)`` of the next ``head_rows[h]`` rows after each head's committed ones,
         packed head after head; made on the device from the block table (no device value is read)."""
-        return self._slots(self.lengths, head_rows)
+        return self.rows_slots(self.lengths, head_rows)
 
-    def _slots(self, first: Sequence[int], head_rows: Sequence[int]) -> torch.Tensor:
+    def rows_slots(self, first: Sequence[int], head_rows: Sequence[int]) -> torch.Tensor:
         """Slots ``(sum(head_rows),)`` of rows ``first[h] …`` (``head_rows[h]`` of them) of each head, packed
         head after head, made on the device from the block table."""
         device = self.pool.device
@@ -528,7 +548,7 @@ class PagedRows:
 
     def raw_slots(self, skip: int, rows: int) -> torch.Tensor:
         """Slots ``(kv_heads * rows,)`` of each head's raw rows ``skip …`` (``rows`` of them), head after head."""
-        return self._slots([first + skip for first in self.raw_from], [rows] * self.kv_heads)
+        return self.rows_slots([first + skip for first in self.raw_from], [rows] * self.kv_heads)
 
     def compact(self, keep: int, new: Sequence[CompactedSegment], dropped: int) -> None:
         """Replace every compacted segment after the first ``keep`` and the first ``dropped`` raw rows by the
@@ -545,16 +565,16 @@ class PagedRows:
             self._copy_blocks(plan.shared, self.pool.allocate(len(plan.shared)))
         first = plan.kept
         for seg in new:  # each segment's rows after the kept ones and the segments before it, head by head
-            self._write_at(self._slots(first, seg.head_rows), keys=seg.keys, values=seg.values, bias=seg.beta,
+            self._write_at(self.rows_slots(first, seg.head_rows), keys=seg.keys, values=seg.values, bias=seg.beta,
                            order=torch.full((sum(seg.head_rows),), COMPACTED, device=self.pool.device),
-                           positions=seg.positions)
+                           positions=seg.positions, scores=seg.scores)
             first = [f + n for f, n in zip(first, seg.head_rows)]
         # Hide what is left of the replaced rows in blocks that keep rows: the end of the block the new rows
         # end in, the start of the block the raw rows now start in (one range when that is the same block).
         after = [min(f, -(-e // size) * size) for e, f in zip(plan.ends, plan.free_ends)]
         before = [max(a, f // size * size) for a, f in zip(after, plan.free_ends)]
-        hidden = torch.cat([self._slots(plan.ends, [a - e for a, e in zip(after, plan.ends)]),
-                            self._slots(before, [f - b for f, b in zip(plan.free_ends, before)])])
+        hidden = torch.cat([self.rows_slots(plan.ends, [a - e for a, e in zip(after, plan.ends)]),
+                            self.rows_slots(before, [f - b for f, b in zip(plan.free_ends, before)])])
         if hidden.numel():
             self.pool.hide(hidden)
         freed = []
@@ -567,7 +587,7 @@ class PagedRows:
         shifts = [(stop - start) * size for start, stop in plan.removed]
         self.lengths = [length - shift for length, shift in zip(self.lengths, shifts)]
         self.raw_from = [f - shift for f, shift in zip(plan.free_ends, shifts)]
-        self.segments = self.segments[:keep] + [seg.head_rows for seg in new]
+        self.segments = self.segments[:keep] + [HeldSegment.of(seg, self.pool.device) for seg in new]
         if dropped or sum(plan.added):
             self.raw_prefix = 0  # the first rows are no longer raw tokens 0, 1, … (or no longer all there)
 
@@ -584,7 +604,7 @@ class PagedRows:
         raw_rows = [length - first for length, first in zip(self.lengths, self.raw_from)]
         if not 0 <= dropped <= min(raw_rows):
             raise InvalidInput(f"a compaction drops between 0 and {min(raw_rows)} raw rows (those held), not {dropped}")
-        kept = [sum(seg[h] for seg in self.segments[:keep]) for h in range(heads)]
+        kept = [sum(seg.head_rows[h] for seg in self.segments[:keep]) for h in range(heads)]
         added = [sum(rows[h] for rows in new_rows) for h in range(heads)]
         ends = [k + a for k, a in zip(kept, added)]
         free_ends = [first + dropped for first in self.raw_from]
@@ -595,6 +615,22 @@ class PagedRows:
         touched = [(h, i) for h in range(heads) for i in range(kept[h] // size, -(-free_ends[h] // size))
                    if not removed[h][0] <= i < removed[h][1]]
         return _CompactionPlan(kept, added, ends, free_ends, removed, self._shared(touched))
+
+
+@dataclass(frozen=True)
+class HeldSegment:
+    """A compacted segment a session holds in its pool, beside its rows there: what the stored form and a
+    later compaction read of it (:class:`~agentmem.cache.CompactedSegment` less its rows)."""
+
+    head_rows: tuple[int, ...]
+    span: tuple[int, int]
+    refresh_cursor: int = 0
+    queries: SegmentQueries | None = None  # the reference-query sample it kept (on the device, outside the pool)
+
+    @classmethod
+    def of(cls, seg: CompactedSegment, device: torch.device) -> HeldSegment:
+        queries = None if seg.queries is None else SegmentQueries(seg.queries.to(device), seg.queries_at)
+        return cls(tuple(seg.head_rows), tuple(seg.span), seg.refresh_cursor, queries)
 
 
 @dataclass(frozen=True)

@@ -315,7 +315,7 @@ def write(rows: list[dict], findings: list[dict], extra: dict[str, Any]) -> dict
           "Peak live bytes of the storages a stage keeps alive (the cache's buffers included, the weights not), "
           "counted by storage lifetime on `FakeTensorMode` tensors; cache GiB is the cache's own bytes "
           f"(KV {extra['kv KiB per token']:g} KiB/token), for a paged step the block pools' (keys, values, β, "
-          "order and position of every slot). Random weights: memory only, never quality.\n\n"
+          "order, position and score of every slot). Random weights: memory only, never quality.\n\n"
           f"{table}\n\n## Other measurements\n\n{markdown_table(others)}\n\n## Before the stages\n\n"
           f"{markdown_table(findings)}\n")
     for key in ("machine", "command", "seconds"):

@@ -276,7 +276,7 @@ def compaction_in_place(engine: Engine, tokens: int, more: int) -> list[dict[str
     kept, a 16-token protected prefix; the second time after ``more`` tokens, its first segment compacted
     again): bytes written by :meth:`PagedSession.compact_to` (in place) against a fresh copy of the
     compacted cache into the pool (:meth:`PagedSession.holding`), over the bytes of the rows the compaction
-    made (their keys, values, β, order and position): what goes into the pool's tensors, and all the tensor
+    made (their keys, values, β, order, position and score): what goes into the pool's tensors, and all the tensor
     work (the copy's and the in-place write's gathers of the compacted cache's packed segments, slots);
     blocks each holds; and the largest logit difference of the two reading one more token (the copy is
     the reference)."""

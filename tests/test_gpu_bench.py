@@ -81,7 +81,7 @@ def test_a_paged_step_is_measured_over_pools_holding_its_sessions(tiny_engine):
     (row,) = run.rows
     assert row["status"] == "ok" and row["stage"] == "paged decode step (4 sessions)"
     layers, heads = tiny_engine.num_layers, tiny_engine.num_kv_heads
-    row_bytes = 2 * tiny_engine.head_dim * tiny_engine.dtype.itemsize + 12  # keys, values, β, order, position
+    row_bytes = 2 * tiny_engine.head_dim * tiny_engine.dtype.itemsize + 16  # keys, values, β, order, position, score
     blocks = 1 + 4 * heads * 1  # 16 tokens and the step's row fit one 128-slot block a head
     assert row["pool blocks a layer"] == blocks
     assert row["cache GiB"] == row["pool GiB"] == layers * blocks * 128 * row_bytes / GIB
