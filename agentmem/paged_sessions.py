@@ -199,6 +199,15 @@ class PagedSession:
     def dtype(self) -> torch.dtype:
         return self.rows[0].pool.keys.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.rows[0].pool.device
+
+    @property
+    def logical_length(self) -> int:
+        """Tokens read (as :attr:`SessionCache.logical_length <agentmem.cache.SessionCache.logical_length>`)."""
+        return len(self.token_ids)
+
     @classmethod
     def empty(cls, pools: Sequence[BlockPool], kv_heads: int, fingerprint: str) -> PagedSession:
         """A new session of ``fingerprint``'s model, holding no rows yet."""

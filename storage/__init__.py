@@ -26,12 +26,14 @@ from agentmem.record import CacheStore, LeaseStore, SessionPage, SessionRecord, 
 from agentmem.storage.redis_client import is_redis_url, redact
 
 if TYPE_CHECKING:
-    from agentmem.storage.codec import STORAGE_CHOICES, STORAGE_DTYPES, decode_cache, decoded_nbytes, encode_cache
+    from agentmem.storage.codec import (STORAGE_CHOICES, STORAGE_DTYPES, decode_cache, decode_into_pools,
+                                        decoded_nbytes, encode_cache)
     from agentmem.storage.header import data_offset, read_header, verified_token_ids
 
 # Imported on first use: opening a store, reading a header or a token log needs no torch (the codec does).
 __getattr__ = lazy_attributes(__name__, {
-    **dict.fromkeys(("STORAGE_CHOICES", "STORAGE_DTYPES", "decode_cache", "decoded_nbytes", "encode_cache"),
+    **dict.fromkeys(("STORAGE_CHOICES", "STORAGE_DTYPES", "decode_cache", "decode_into_pools", "decoded_nbytes",
+                     "encode_cache"),
                     "agentmem.storage.codec"),
     **dict.fromkeys(("data_offset", "read_header", "verified_token_ids"), "agentmem.storage.header"),
 })
@@ -47,6 +49,7 @@ __all__ = [
     "StoreUsage",
     "data_offset",
     "decode_cache",
+    "decode_into_pools",
     "decoded_nbytes",
     "default_url",
     "encode_cache",

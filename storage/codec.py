@@ -36,14 +36,16 @@ import json
 import math
 import struct
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import xxhash
 
 from agentmem.cache import SessionCache, TensorExport, buffer_nbytes
+from agentmem.paged_sessions import PagedSession
+from agentmem.pool import BlockPool
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch, brief
 from agentmem.host_memory import wait_for_copies
 from agentmem.record import Allocate
@@ -74,10 +76,14 @@ _SAFETENSORS_NAMES = {dtype: name for name, dtype in _TENSOR_DTYPES.items()}
 _SCALE_SUFFIX = ".int8_scale"
 _PADDING = "padding."  # name prefix of alignment gaps in the data region
 _MIN_HEADER_ROOM = 4096
+T = TypeVar("T")
 
 
-def encode_cache(cache: SessionCache, *, dtype: str = "auto", into: Allocate = bytearray) -> bytearray | memoryview:
+def encode_cache(cache: SessionCache | PagedSession, *, dtype: str = "auto",
+                 into: Allocate = bytearray) -> bytearray | memoryview:
     """Serialise ``cache`` for a store, its rows converted to the storage ``dtype``, into ``into(nbytes)``.
+    A pooled session is serialised as the session cache of the same rows is (:meth:`PagedSession.export
+    <agentmem.paged_sessions.PagedSession.export>`), read from its blocks.
 
     The layout (names, shapes, offsets) is known before a row is read, so the output is
     allocated once and every tensor is copied once, straight from the cache's buffer into its
@@ -229,6 +235,27 @@ def decode_cache(
     and :class:`CorruptSessionError` for anything damaged; it never returns a guess.
     ``dtype`` defaults to the dtype the cache had when it was encoded.
     """
+    def build(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> SessionCache:
+        return SessionCache.from_tensors(tensors, header["layout"], device=device, dtype=_cache_dtype(header, dtype))
+
+    return _decode(blob, fingerprint, build)
+
+
+def decode_into_pools(blob: bytes | bytearray | memoryview, pools: Sequence[BlockPool], *,
+                      fingerprint: str | None = None) -> PagedSession:
+    """A pooled session rebuilt from :func:`encode_cache` output straight into ``pools`` (one per layer;
+    :meth:`PagedSession.restoring <agentmem.paged_sessions.PagedSession.restoring>`), with every check
+    :func:`decode_cache` makes; on failure no block stays taken. The rows take the pools' dtype."""
+    return _decode(blob, fingerprint, lambda header, tensors: PagedSession.restoring(pools, tensors, header["layout"]),
+                   discard=PagedSession.release)
+
+
+def _decode(blob: bytes | bytearray | memoryview, fingerprint: str | None,
+            build: Callable[[dict[str, Any], dict[str, torch.Tensor]], T],
+            discard: Callable[[T], object] = lambda built: None) -> T:
+    """``build(header, tensors)`` of a checked blob: its header, its layout against the header, its
+    checksum. The checksum is verified on another core while ``build`` parses the tensors and copies
+    them into place; what it built is returned only once the checksum has matched (else ``discard``-ed)."""
     try:
         header = read_header(blob)
         if fingerprint is not None and header.get("fingerprint") != fingerprint:
@@ -240,37 +267,34 @@ def decode_cache(
             raise CorruptSessionError(
                 f"session data is {len(data)} bytes, header says {header.get('data_bytes')}: truncated"
             )
-        # The checksum is verified on other cores while the tensors are parsed and copied into
-        # place; the cache is returned only once it has matched.
         with ThreadPoolExecutor(max_workers=1) as pool:
             intact = pool.submit(data_intact, header, data)
             try:
-                cache = _build(header, blob, device, dtype)
+                layout = header["layout"]
+                if not isinstance(layout, dict) or any(
+                    layout.get(key) != header[key] for key in ("fingerprint", "logical_length")
+                ):
+                    raise CorruptSessionError("session layout disagrees with its header")
+                built = build(header, _dequantize(_read_tensors(blob, header)))
             except Exception as exc:
                 if not intact.result():
                     raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged") from exc
                 raise
             if not intact.result():
+                discard(built)
                 raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged")
-        return cache
+        return built
     except AgentMemError:
         raise
     except Exception as exc:  # any parser failure on damaged bytes becomes our typed error
         raise CorruptSessionError(f"session blob could not be decoded: {brief(exc)}") from exc
 
 
-def _build(header: dict[str, Any], blob: bytes | bytearray | memoryview, device,
-           dtype: torch.dtype | None) -> SessionCache:
+def _cache_dtype(header: dict[str, Any], dtype: torch.dtype | None) -> torch.dtype:
     target = dtype or getattr(torch, str(header["cache_dtype"]))
     if not isinstance(target, torch.dtype) or not target.is_floating_point:
         raise CorruptSessionError(f"invalid cache dtype {header['cache_dtype']!r}")
-    layout = header["layout"]
-    if not isinstance(layout, dict) or any(
-        layout.get(key) != header[key] for key in ("fingerprint", "logical_length")
-    ):
-        raise CorruptSessionError("session layout disagrees with its header")
-    tensors = _dequantize(_read_tensors(blob, header))
-    return SessionCache.from_tensors(tensors, layout, device=device, dtype=target)
+    return target
 
 
 def _read_tensors(blob: bytes | bytearray | memoryview, header: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -82,3 +82,29 @@ def test_a_damaged_or_mismatched_stored_session_takes_no_block(tiny_engine):
     with pytest.raises(PoolExhausted):
         PagedSession.restoring(tight, tensors, meta)
     assert [pool.used_blocks for pool in pools + tight] == [0] * (2 * engine.num_layers)
+
+
+def test_a_pooled_session_spills_to_a_store_and_resumes_into_another_pool(tiny_engine, tmp_path):
+    """Encoded from its blocks (the bytes a store keeps, the same as its cache's), written to and read from
+    a SQLite store, decoded straight into fresh pools: it reads on as its cache; damaged bytes are refused
+    with no block taken."""
+    from agentmem.record import SessionRecord
+    from agentmem.storage import decode_into_pools, encode_cache, open_store
+
+    engine = tiny_engine
+    cache = compact(engine, engine.prefill(ids_of(300, seed=24)), "am", ratio=3, keep_recent=40, protect_prefix=4)
+    _, (session,) = sessions_of(engine, [cache])
+    blob = encode_cache(session)
+    assert bytes(blob) == bytes(encode_cache(cache))
+    store = open_store(f"sqlite:///{tmp_path / 'sessions.db'}")
+    store.put("tenant", "s1", SessionRecord(tenant="tenant", session_id="s1", model_fingerprint=engine.fingerprint,
+                                             logical_length=session.logical_length, blob=blob))
+    pools = engine.new_pools(blocks=1024, block_size=BLOCK)
+    resumed = decode_into_pools(store.get("tenant", "s1").blob, pools, fingerprint=engine.fingerprint)
+    steps_equal(engine, [resumed], [cache], [[5, 6, 7]])
+    resumed.release()
+    damaged = bytearray(blob)
+    damaged[-100] ^= 0xFF
+    with pytest.raises(CorruptSessionError):
+        decode_into_pools(damaged, pools)
+    assert pools[0].used_blocks == 0
