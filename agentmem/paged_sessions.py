@@ -26,17 +26,21 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agentmem.cache import (PART_DTYPES, SEGMENT_PARTS, STORED_FORM_ERRORS, SessionCache, TensorExport, materialise,
                             parse_stored, segment_meta, stored_meta, tail_exports, token_log_export)
+from agentmem.compaction import Compactor, compact
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, PoolExhausted, brief
 from agentmem.host_memory import wait_for_copies
 from agentmem.placement import IDENTITY, Placement, check_boundary
 from agentmem.pool import BlockPool, PagedRows
 from agentmem.prefixes import PrefixIndex
+
+if TYPE_CHECKING:
+    from agentmem.engine import Engine
 
 
 # Relative difference allowed between a session's raw keys and the compacted cache's (compact_to): the
@@ -181,6 +185,21 @@ class PagedSession:
         return exports, stored_meta(fingerprint=self.fingerprint, dtype=self.dtype, num_kv_heads=self.num_kv_heads,
                                     head_dim=self.head_dim, tokens=self.next_token, placement=self.placement,
                                     layers=layers)
+
+    def to_cache(self) -> SessionCache:
+        """A session cache holding a copy of this session's rows, on its device: what a compaction reads
+        until the compactor reads its span from blocks (:meth:`compact`). Transiently two copies of the
+        rows beside the pool (the packed export, then the cache's buffers)."""
+        exports, meta = self.export()
+        tensors = {name: export.write(torch.empty(export.shape, dtype=export.dtype, device=self.device))
+                   for name, export in exports.items()}
+        return SessionCache.from_tensors(tensors, meta, device=self.device)
+
+    def compact(self, engine: Engine, compactor: Compactor | str = "am", **settings: Any) -> None:
+        """Compact this session as :func:`agentmem.compaction.compact` (same ``compactor`` and ``settings``)
+        compacts its rows, the result taken in place (:meth:`compact_to`). The compactor reads a copy of
+        the rows (:meth:`to_cache`), which it frees when done."""
+        self.compact_to(compact(engine, self.to_cache(), compactor, **settings))
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """:meth:`export` written into host tensors: what :meth:`SessionCache.to_tensors

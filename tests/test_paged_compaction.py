@@ -251,3 +251,19 @@ def test_a_protected_prefix_past_the_compacted_rows(tiny_engine):
     assert len(second.layers[0].layouts) == 4  # both kept, the identity segment, the new one
     session.compact_to(second)
     steps_equal(engine, [session], [second], [[5, 6, 7]])
+
+
+@pytest.mark.parametrize("method", ["global-eviction", "am"])
+def test_a_pooled_session_compacts_itself_as_its_cache_would_be(tiny_engine, method):
+    """``PagedSession.compact`` (the compactor reading a copy of its rows) keeps what compacting its cache
+    keeps, bit for bit (the stored forms equal), and reads on as that cache."""
+    from test_paged_store import stored_equal
+
+    engine = tiny_engine
+    cache = engine.prefill(ids_of(300, seed=18))
+    _, (session,) = sessions_of(engine, [cache])
+    settings = {"ratio": 4, "keep_recent": 40, "protect_prefix": 6}
+    session.compact(engine, method, **settings)
+    compacted = compact(engine, cache, method, **settings)
+    stored_equal(session.to_tensors(), compacted.to_tensors())
+    steps_equal(engine, [session], [compacted], [[5, 6, 7]])
