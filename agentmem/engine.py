@@ -119,9 +119,10 @@ class Engine:
 
     # ----------------------------------------------------------------------------- reading
 
-    def prefill(self, token_ids: Sequence[int], cache: SessionCache | None = None, *, chunk_size: int | None = None,
-                cancelled: threading.Event | None = None) -> SessionCache:
-        """Read ``token_ids`` into ``cache`` (a new one if ``None``) at its logical positions.
+    def prefill(self, token_ids: Sequence[int], cache: SessionCache | PagedSession | None = None, *,
+                chunk_size: int | None = None, cancelled: threading.Event | None = None) -> SessionCache | PagedSession:
+        """Read ``token_ids`` into ``cache`` (a new one if ``None``; or a session held in block pools) at its
+        logical positions.
 
         The tokens are read by the scheduler, sharing forwards with other sessions' turns, in
         chunks of at most its ``step_tokens`` (or ``chunk_size``, if smaller), which bounds the
@@ -203,13 +204,13 @@ class Engine:
 
     # ---------------------------------------------------------------------------- writing
 
-    def generate(self, cache: SessionCache, prompt_ids: Sequence[int], **kwargs: Any) -> list[int]:
+    def generate(self, cache: SessionCache | PagedSession, prompt_ids: Sequence[int], **kwargs: Any) -> list[int]:
         """Read ``prompt_ids`` then generate; returns the new tokens. See :meth:`stream`."""
         return list(self.stream(cache, prompt_ids, **kwargs))
 
     def stream(
         self,
-        cache: SessionCache,
+        cache: SessionCache | PagedSession,
         prompt_ids: Sequence[int],
         *,
         max_new_tokens: int,
@@ -236,8 +237,8 @@ class Engine:
         sampling = GREEDY if temperature == 0 else Sampling.of(temperature, top_p, top_k, seed)
         return self._decode_loop(cache, ids, max_new_tokens, sampling, stop_strings(stop), cancelled)
 
-    def _decode_loop(self, cache: SessionCache, prompt: list[int], max_new_tokens: int, sampling: Sampling,
-                     stop: list[str], cancelled: threading.Event | None) -> Iterator[int]:
+    def _decode_loop(self, cache: SessionCache | PagedSession, prompt: list[int], max_new_tokens: int,
+                     sampling: Sampling, stop: list[str], cancelled: threading.Event | None) -> Iterator[int]:
         """Read the prompt, then each token chosen, until a stop; every read through the scheduler.
 
         The read of a token also chooses the next one (the scheduler samples the rows of its
@@ -373,10 +374,20 @@ class Engine:
         runs = [self.check_tokens(run, session) for session, run in zip(sessions, tokens)]
         return self.scheduler.call(lambda: self._read_paged(sessions, runs, batch_slots))
 
-    @torch.inference_mode()
     def _read_paged(self, sessions: Sequence[PagedSession], runs: list[list[int]],
                     batch_slots: int | None) -> torch.Tensor:
-        """:meth:`read_paged`'s forward, on the scheduler's thread."""
+        """:meth:`read_paged`'s forward, on the scheduler's thread, and the tokens logged."""
+        hidden = self.commit_paged(sessions, runs, batch_slots=batch_slots)
+        for session, run in zip(sessions, runs):
+            session.extend_log(run)
+        return hidden
+
+    @torch.inference_mode()
+    def commit_paged(self, sessions: Sequence[PagedSession], runs: Sequence[Sequence[int]], *,
+                     batch_slots: int | None = None) -> torch.Tensor:
+        """One forward reading ``runs[b]`` (host ids, checked) into ``sessions[b]``, committing the rows (the
+        caller logs the ids): the pooled sessions' :meth:`commit_rows`, every layer's attention one call. If
+        the forward fails, no session changes and no block stays taken."""
         forward = PagedForward([s.rows for s in sessions], list(itertools.accumulate(map(len, runs), initial=0)),
                                [s.next_token for s in sessions], first_position=[s.next_position for s in sessions],
                                beta_mode=None if self.beta_mode == "fold" else self.beta_mode, batch_slots=batch_slots)
@@ -390,8 +401,6 @@ class Engine:
             forward.discard()
             raise
         forward.commit()
-        for session, run in zip(sessions, runs):
-            session.token_ids.extend(run)
         return out.last_hidden_state
 
     def _run(self, input_ids: torch.Tensor, first_position: int, forward_pass: ForwardPass) -> torch.Tensor:

@@ -83,6 +83,10 @@ class PagedSession:
     def head_dim(self) -> int:
         return self.rows[0].pool.keys.shape[-1]
 
+    def extend_log(self, token_ids: Sequence[int]) -> None:
+        """Record tokens whose rows every layer has just committed."""
+        self.token_ids.extend(token_ids)
+
     @property
     def next_token(self) -> int:
         """The session's index of the next token read: how many it has read."""

@@ -12,7 +12,10 @@ Two kinds of work reach the scheduler:
 - **Reads** (:meth:`Scheduler.read`): tokens read into a session's cache and logged. The reads
   waiting are packed into one forward (:meth:`Engine.commit_rows
   <agentmem.engine.Engine.commit_rows>`: each session's tokens attend over its own cache, ragged
-  lengths and compacted rows with β included, never copied into one padded tensor). A read that
+  lengths and compacted rows with β included, never copied into one padded tensor). Sessions held
+  in block pools (:class:`~agentmem.paged_sessions.PagedSession`) are read the same way, in a
+  forward of their own (:meth:`Engine.commit_paged <agentmem.engine.Engine.commit_paged>`: one
+  attention call per layer for all of them) when both kinds wait. A read that
   asks for a token gets it: one LM-head product over the last hidden state of every such read in
   the forward, one sampling call (:func:`agentmem.sampling.sample_rows`, each row its own
   settings) and one copy of the tokens to the host.
@@ -68,6 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from agentmem.attention import BiasRows
 from agentmem.cache import SessionCache, to_device
 from agentmem.errors import InvalidInput, SchedulerStopped, TurnCancelled, brief, check_cancelled
+from agentmem.paged_sessions import PagedSession
 from agentmem.sampling import Sampling, sample_rows
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,9 @@ class Model(Protocol):
                     bias_rows: Sequence[BiasRows]) -> torch.Tensor:
         """One forward reading ``tokens[b]`` into ``caches[b]``, committing the rows; final hidden states."""
 
+    def commit_paged(self, sessions: Sequence[PagedSession], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The same for sessions held in block pools (one attention call per layer for all of them)."""
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states."""
 
@@ -90,9 +97,9 @@ class Model(Protocol):
 class PendingRead:
     """A turn's tokens waiting to be read; a prompt's may take several forwards (``done`` counts them)."""
 
-    cache: SessionCache
+    cache: SessionCache | PagedSession
     ids: list[int]
-    bias_rows: BiasRows
+    bias_rows: BiasRows  # a session cache's β rows (a pooled session's attention needs none)
     step: bool  # a decode step: scheduled before prompts
     sampling: Sampling | None  # how to choose the token after the last one; None: no token wanted
     cancelled: threading.Event | None = None  # set when the read's turn is cancelled
@@ -181,7 +188,7 @@ class Scheduler:
             with self._changed:
                 self._decoding += 1
 
-    def read(self, cache: SessionCache, ids: Sequence[int], bias_rows: BiasRows, *, step: bool = False,
+    def read(self, cache: SessionCache | PagedSession, ids: Sequence[int], bias_rows: BiasRows, *, step: bool = False,
              sampling: Sampling | None = None, cancelled: threading.Event | None = None) -> int | None:
         """Read ``ids`` (host token ids, checked by the caller) into ``cache`` in the next shared
         forwards, logging each as its row is committed; with ``sampling``, the token it chooses to
@@ -329,12 +336,19 @@ class Scheduler:
         only a read failing alone gets the error."""
         if not batch:
             return
+        pooled = [(r, n) for r, n in batch if isinstance(r.cache, PagedSession)]
+        if pooled and len(pooled) < len(batch):  # two layouts, two forwards: each commits all of its reads or none
+            self._run([(r, n) for r, n in batch if not isinstance(r.cache, PagedSession)])
+            self._run(pooled)
+            return
         began = time.monotonic()
         try:
             with callers_modes([r for r, _ in batch]):
-                hidden = self.engine.commit_rows([r.cache for r, _ in batch],
-                                                 [r.ids[r.done : r.done + n] for r, n in batch],
-                                                 [r.bias_rows for r, _ in batch])
+                runs = [r.ids[r.done : r.done + n] for r, n in batch]
+                if pooled:
+                    hidden = self.engine.commit_paged([r.cache for r, _ in batch], runs)
+                else:
+                    hidden = self.engine.commit_rows([r.cache for r, _ in batch], runs, [r.bias_rows for r, _ in batch])
         except Exception as exc:  # noqa: BLE001 - isolated below; the failing read's turn gets it
             if len(batch) > 1:
                 middle = len(batch) // 2
