@@ -32,10 +32,10 @@ padded with it, so a gather of padded tables reads finite zeros that attention n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -424,6 +424,10 @@ class PagedRows:
             pool.keys.index_copy_(0, slots, rotate_by(pool.keys[slots], shift, inv_freq).to(pool.keys.dtype))
         if not new.is_identity:  # rows from the protected prefix on no longer sit at their own positions
             self.raw_prefix = min(self.raw_prefix, new.protect)
+        shift = old.offset - new.offset  # kept reference queries move with the newest rows they were read at
+        self.segments = [seg if seg.queries is None or not shift else
+                         dataclasses.replace(seg, queries=SegmentQueries(seg.queries.queries, seg.queries.at + shift))
+                         for seg in self.segments]
 
     def blocks_to_replace(self, old: Placement, new: Placement) -> int:
         """Blocks :meth:`replace` takes from the pool: a copy of each shared block whose keys move."""
@@ -617,7 +621,7 @@ class PagedRows:
         return _CompactionPlan(kept, added, ends, free_ends, removed, self._shared(touched))
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class HeldSegment:
     """A compacted segment a session holds in its pool, beside its rows there: what the stored form and a
     later compaction read of it (:class:`~agentmem.cache.CompactedSegment` less its rows)."""
@@ -633,7 +637,7 @@ class HeldSegment:
         return cls(tuple(seg.head_rows), tuple(seg.span), seg.refresh_cursor, queries)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _CompactionPlan:
     """Per head, what :meth:`PagedRows.compact` does: rows kept (``kept``) and added (``added``) at the start
     of its table, the row its new rows end at (``ends``) and the one its remaining raw rows start at

@@ -108,3 +108,15 @@ def test_a_pooled_session_spills_to_a_store_and_resumes_into_another_pool(tiny_e
     with pytest.raises(CorruptSessionError):
         decode_into_pools(damaged, pools)
     assert pools[0].used_blocks == 0
+
+
+def test_a_pooled_session_moved_stores_as_its_cache_moved(tiny_engine):
+    """Re-placed in place, a pooled session holding kept reference queries stores what its cache re-placed
+    does: keys rotated alike and the queries' marks moved with them."""
+    engine = tiny_engine
+    cache = varied(engine)[1]  # compacted, its segment keeping reference queries
+    _, (session,) = sessions_of(engine, [cache])
+    placement = placement_for(cache, protect=4, room=(cache.tail_start - 4) // 2)
+    moved = replace_positions(engine, cache, placement)
+    session.replace(placement, engine.model.base_model.rotary_emb.inv_freq)
+    stored_equal(session.to_tensors(), moved.to_tensors())
