@@ -692,8 +692,9 @@ def parse_stored(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Stor
                 if parts["queries"].shape[1:2] != (int(seg_meta["queries"]),):
                     raise CorruptSessionError(f"layer {i} segment {j} queries have shape "
                                               f"{tuple(parts['queries'].shape)}, its layout says {seg_meta['queries']}")
-            if parts["keys"].shape != (sum(head_rows), head_dim):
-                raise CorruptSessionError(f"layer {i} segment {j} keys have shape {tuple(parts['keys'].shape)}")
+            if parts["keys"].shape != (sum(head_rows), head_dim) or parts["values"].shape != parts["keys"].shape:
+                raise CorruptSessionError(f"layer {i} segment {j} keys and values have shapes "
+                                          f"{tuple(parts['keys'].shape)}, {tuple(parts['values'].shape)}")
             try:
                 segments.append(CompactedSegment(head_rows=head_rows, span=tuple(seg_meta["span"]),
                                                  refresh_cursor=seg_meta.get("refresh_cursor", 0), **parts))

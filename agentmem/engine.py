@@ -352,10 +352,14 @@ class Engine:
         return out.last_hidden_state
 
     def new_pools(self, *, blocks: int, block_size: int) -> list[BlockPool]:
-        """One block pool per layer, in the model's dtype on its device: what :class:`PagedSession` s
-        are held in (:mod:`agentmem.paged_sessions`)."""
-        return [BlockPool(blocks=blocks, block_size=block_size, head_dim=self.head_dim, dtype=self.dtype,
-                          device=self.device) for _ in range(self.num_layers)]
+        """One block pool per layer, in the model's dtype on its device, for sessions of this model's KV heads
+        (a session of another count is refused): what :class:`PagedSession` s are held in
+        (:mod:`agentmem.paged_sessions`)."""
+        pools = [BlockPool(blocks=blocks, block_size=block_size, head_dim=self.head_dim, dtype=self.dtype,
+                           device=self.device) for _ in range(self.num_layers)]
+        for pool in pools:
+            pool.tables(self.num_kv_heads)
+        return pools
 
     def read_paged(self, sessions: Sequence[PagedSession], tokens: Sequence[Sequence[int]], *,
                    batch_slots: int | None = None) -> torch.Tensor:
@@ -369,8 +373,6 @@ class Engine:
         if not sessions or len(sessions) != len(tokens):
             raise InvalidInput(f"a paged forward reads one run of tokens per session: {len(sessions)} sessions, "
                                f"{len(tokens)} runs")
-        if len({id(s) for s in sessions}) != len(sessions):
-            raise InvalidInput("a paged forward reads one run of tokens per session: a session appears twice")
         runs = [self.check_tokens(run, session) for session, run in zip(sessions, tokens)]
         return self.scheduler.call(lambda: self._read_paged(sessions, runs, batch_slots))
 
@@ -388,6 +390,8 @@ class Engine:
         """One forward reading ``runs[b]`` (host ids, checked) into ``sessions[b]``, committing the rows (the
         caller logs the ids): the pooled sessions' :meth:`commit_rows`, every layer's attention one call. If
         the forward fails, no session changes and no block stays taken."""
+        if len({id(s) for s in sessions}) != len(sessions):  # two runs would write the same rows
+            raise InvalidInput("a paged forward reads one run of tokens per session: a session appears twice")
         forward = PagedForward([s.rows for s in sessions], list(itertools.accumulate(map(len, runs), initial=0)),
                                [s.next_token for s in sessions], first_position=[s.next_position for s in sessions],
                                beta_mode=None if self.beta_mode == "fold" else self.beta_mode, batch_slots=batch_slots)

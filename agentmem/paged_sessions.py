@@ -26,21 +26,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from agentmem.cache import (PART_DTYPES, SEGMENT_PARTS, STORED_FORM_ERRORS, SessionCache, TensorExport, materialise,
                             parse_stored, segment_meta, stored_meta, tail_exports, token_log_export)
-from agentmem.compaction import Compactor, compact
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, PoolExhausted, brief
 from agentmem.host_memory import wait_for_copies
 from agentmem.placement import IDENTITY, Placement, check_boundary
 from agentmem.pool import BlockPool, PagedRows
 from agentmem.prefixes import PrefixIndex
-
-if TYPE_CHECKING:
-    from agentmem.engine import Engine
 
 
 # Relative difference allowed between a session's raw keys and the compacted cache's (compact_to): the
@@ -140,7 +136,8 @@ class PagedSession:
         (the same form) written straight into ``pools``: each stored segment and raw tail block goes into the
         session's blocks, with no session cache built on the way. Raises :class:`CorruptSessionError` as
         :meth:`SessionCache.from_tensors <agentmem.cache.SessionCache.from_tensors>` does, and
-        :class:`InvalidInput` for rows of another shape than the pools'; on any failure no block stays taken."""
+        :class:`InvalidInput` for rows of another shape than the pools'; on any failure no block stays taken.
+        It changes the pools: run it on the scheduler's thread (``engine.scheduler.call``)."""
         rows: list[PagedRows] = []
         try:
             stored = parse_stored(tensors, meta)
@@ -192,18 +189,12 @@ class PagedSession:
 
     def to_cache(self) -> SessionCache:
         """A session cache holding a copy of this session's rows, on its device: what a compaction reads
-        until the compactor reads its span from blocks (:meth:`compact`). Transiently two copies of the
-        rows beside the pool (the packed export, then the cache's buffers)."""
+        until the compactor reads its span from blocks (:func:`agentmem.compaction.compact_in_place`).
+        Transiently two copies of the rows beside the pool (the packed export, then the cache's buffers)."""
         exports, meta = self.export()
         tensors = {name: export.write(torch.empty(export.shape, dtype=export.dtype, device=self.device))
                    for name, export in exports.items()}
         return SessionCache.from_tensors(tensors, meta, device=self.device)
-
-    def compact(self, engine: Engine, compactor: Compactor | str = "am", **settings: Any) -> None:
-        """Compact this session as :func:`agentmem.compaction.compact` (same ``compactor`` and ``settings``)
-        compacts its rows, the result taken in place (:meth:`compact_to`). The compactor reads a copy of
-        the rows (:meth:`to_cache`), which it frees when done."""
-        self.compact_to(compact(engine, self.to_cache(), compactor, **settings))
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """:meth:`export` written into host tensors: what :meth:`SessionCache.to_tensors

@@ -329,7 +329,7 @@ class PagedRows:
                 rows.write(seg.head_rows, keys=seg.keys, values=seg.values, bias=seg.beta, positions=seg.positions,
                            order=torch.full((sum(seg.head_rows),), COMPACTED, device=pool.device), scores=seg.scores)
                 rows.commit(seg.head_rows)
-                rows.segments.append(HeldSegment.of(seg, pool.device))
+                rows.segments.append(HeldSegment.of(seg, pool))
             rows.raw_from = list(rows.lengths)
             first = tail_start if tail_position is None else tail_position
             read = 0
@@ -591,7 +591,7 @@ class PagedRows:
         shifts = [(stop - start) * size for start, stop in plan.removed]
         self.lengths = [length - shift for length, shift in zip(self.lengths, shifts)]
         self.raw_from = [f - shift for f, shift in zip(plan.free_ends, shifts)]
-        self.segments = self.segments[:keep] + [HeldSegment.of(seg, self.pool.device) for seg in new]
+        self.segments = self.segments[:keep] + [HeldSegment.of(seg, self.pool) for seg in new]
         if dropped or sum(plan.added):
             self.raw_prefix = 0  # the first rows are no longer raw tokens 0, 1, … (or no longer all there)
 
@@ -632,8 +632,11 @@ class HeldSegment:
     queries: SegmentQueries | None = None  # the reference-query sample it kept (on the device, outside the pool)
 
     @classmethod
-    def of(cls, seg: CompactedSegment, device: torch.device) -> HeldSegment:
-        queries = None if seg.queries is None else SegmentQueries(seg.queries.to(device), seg.queries_at)
+    def of(cls, seg: CompactedSegment, pool: BlockPool) -> HeldSegment:
+        """What ``seg`` is, less its rows; its queries copied (never a view of the caller's tensors) into the
+        pool's device and dtype, as a session cache keeps them."""
+        queries = None if seg.queries is None else SegmentQueries(
+            seg.queries.to(pool.device, pool.keys.dtype, copy=True), seg.queries_at)
         return cls(tuple(seg.head_rows), tuple(seg.span), seg.refresh_cursor, queries)
 
 

@@ -337,11 +337,12 @@ class Scheduler:
         if not batch:
             return
         pooled = [(r, n) for r, n in batch if isinstance(r.cache, PagedSession)]
+        began = time.monotonic()
         if pooled and len(pooled) < len(batch):  # two layouts, two forwards: each commits all of its reads or none
             self._run([(r, n) for r, n in batch if not isinstance(r.cache, PagedSession)])
             self._run(pooled)
+            self._last_forward_seconds = time.monotonic() - began  # what this batch's turns waited for
             return
-        began = time.monotonic()
         try:
             with callers_modes([r for r, _ in batch]):
                 runs = [r.ids[r.done : r.done + n] for r, n in batch]

@@ -242,12 +242,16 @@ def decode_cache(
 
 
 def decode_into_pools(blob: bytes | bytearray | memoryview, pools: Sequence[BlockPool], *,
-                      fingerprint: str | None = None) -> PagedSession:
-    """A pooled session rebuilt from :func:`encode_cache` output straight into ``pools`` (one per layer;
-    :meth:`PagedSession.restoring <agentmem.paged_sessions.PagedSession.restoring>`), with every check
-    :func:`decode_cache` makes; on failure no block stays taken. The rows take the pools' dtype."""
-    return _decode(blob, fingerprint, lambda header, tensors: PagedSession.restoring(pools, tensors, header["layout"]),
-                   discard=PagedSession.release)
+                      fingerprint: str) -> PagedSession:
+    """A pooled session of the model ``fingerprint`` rebuilt from :func:`encode_cache` output straight into
+    ``pools`` (one per layer; :meth:`PagedSession.restoring <agentmem.paged_sessions.PagedSession.restoring>`),
+    with every check :func:`decode_cache` makes; on failure no block stays taken. The rows take the pools'
+    dtype. It changes the pools: run it on the scheduler's thread (``engine.scheduler.call``)."""
+    def build(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> PagedSession:
+        _cache_dtype(header, None)  # checked as decode_cache checks it, though the pools' dtype is taken
+        return PagedSession.restoring(pools, tensors, header["layout"])
+
+    return _decode(blob, fingerprint, build, discard=PagedSession.release)
 
 
 def _decode(blob: bytes | bytearray | memoryview, fingerprint: str | None,
@@ -284,7 +288,7 @@ def _decode(blob: bytes | bytearray | memoryview, fingerprint: str | None,
                 discard(built)
                 raise CorruptSessionError("session data checksum mismatch: the stored bytes are damaged")
         return built
-    except AgentMemError:
+    except (AgentMemError, torch.OutOfMemoryError):  # no room on the device is not damage
         raise
     except Exception as exc:  # any parser failure on damaged bytes becomes our typed error
         raise CorruptSessionError(f"session blob could not be decoded: {brief(exc)}") from exc

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agentmem import Engine
-from agentmem.compaction import compact
+from agentmem.compaction import compact, compact_in_place
 from agentmem.errors import InvalidInput, PoolExhausted
 from agentmem.paged_sessions import PagedSession
 from helpers import wide_model
@@ -255,7 +255,7 @@ def test_a_protected_prefix_past_the_compacted_rows(tiny_engine):
 
 @pytest.mark.parametrize("method", ["global-eviction", "am"])
 def test_a_pooled_session_compacts_itself_as_its_cache_would_be(tiny_engine, method):
-    """``PagedSession.compact`` (the compactor reading a copy of its rows) keeps what compacting its cache
+    """``compact_in_place`` (the compactor reading a copy of its rows) keeps what compacting its cache
     keeps, bit for bit (the stored forms equal), and reads on as that cache."""
     from test_paged_store import stored_equal
 
@@ -263,7 +263,7 @@ def test_a_pooled_session_compacts_itself_as_its_cache_would_be(tiny_engine, met
     cache = engine.prefill(ids_of(300, seed=18))
     _, (session,) = sessions_of(engine, [cache])
     settings = {"ratio": 4, "keep_recent": 40, "protect_prefix": 6}
-    session.compact(engine, method, **settings)
+    compact_in_place(engine, session, method, **settings)
     compacted = compact(engine, cache, method, **settings)
     stored_equal(session.to_tensors(), compacted.to_tensors())
     steps_equal(engine, [session], [compacted], [[5, 6, 7]])

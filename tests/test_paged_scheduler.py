@@ -65,3 +65,35 @@ def test_a_failing_pooled_read_fails_alone(tiny_engine):
     assert full.token_ids == made[0].token_ids
     with pytest.raises(InvalidInput, match="vocabulary"):
         engine.prefill([engine.vocab_size], other)  # checked before it reaches the scheduler
+
+
+def test_two_reads_of_one_pooled_session_waiting_together_run_one_after_the_other(tiny_engine):
+    """Two turns' reads of the same pooled session queued behind a job (so one forward could take both): they
+    are read one after the other, never into the same rows; the session then reads as a cache that read
+    its tokens in the order they were logged."""
+    import threading
+    import time
+
+    from agentmem.attention import BiasRows
+    from test_paged_engine import alone, steps_equal
+
+    engine = tiny_engine
+    cache = caches(engine)[0]
+    _, (session,) = sessions_of(engine, [cache])
+    held = len(session.token_ids)
+    gate = threading.Event()
+    blocker = threading.Thread(target=lambda: engine.scheduler.call(gate.wait))
+    blocker.start()
+    time.sleep(0.2)  # the scheduler is inside the job: both reads wait together
+    readers = [threading.Thread(target=engine.scheduler.read, args=(session, run, BiasRows()))
+               for run in ([7, 8, 9], [11, 12])]
+    for reader in readers:
+        reader.start()
+    time.sleep(0.2)
+    gate.set()
+    for thread in (blocker, *readers):
+        thread.join(30)
+    logged = session.token_ids[held:]
+    assert logged in ([7, 8, 9, 11, 12], [11, 12, 7, 8, 9])
+    alone(engine, cache, logged)
+    steps_equal(engine, [session], [cache], [[5]])

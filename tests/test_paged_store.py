@@ -51,12 +51,16 @@ def test_a_pooled_session_stores_as_its_session_cache_does(tiny_engine):
 
 def test_a_stored_session_resumes_into_the_pool_and_reads_as_its_cache(tiny_engine):
     """Each stored form written straight into a pool holds the rows a copy of the rebuilt cache would
-    (its own export equal), and reads on as the cache rebuilt from the same tensors."""
+    (its own export equal, whatever becomes of the tensors it was given), and reads on as the cache
+    rebuilt from the same tensors."""
     engine = tiny_engine
     pools = engine.new_pools(blocks=1024, block_size=BLOCK)
     for cache in varied(engine):
         stored = cache.to_tensors()
-        session = PagedSession.restoring(pools, *stored)
+        given = {name: tensor.clone() for name, tensor in stored[0].items()}
+        session = PagedSession.restoring(pools, given, stored[1])
+        for tensor in given.values():  # the stored tensors may be reused once it returns: nothing aliases them
+            tensor.zero_()
         stored_equal(session.to_tensors(), stored)
         rebuilt = SessionCache.from_tensors(*stored)
         steps_equal(engine, [session], [rebuilt], [[5, 6, 7]])
@@ -106,7 +110,7 @@ def test_a_pooled_session_spills_to_a_store_and_resumes_into_another_pool(tiny_e
     damaged = bytearray(blob)
     damaged[-100] ^= 0xFF
     with pytest.raises(CorruptSessionError):
-        decode_into_pools(damaged, pools)
+        decode_into_pools(damaged, pools, fingerprint=engine.fingerprint)
     assert pools[0].used_blocks == 0
 
 
@@ -120,3 +124,21 @@ def test_a_pooled_session_moved_stores_as_its_cache_moved(tiny_engine):
     moved = replace_positions(engine, cache, placement)
     session.replace(placement, engine.model.base_model.rotary_emb.inv_freq)
     stored_equal(session.to_tensors(), moved.to_tensors())
+
+
+def test_a_session_of_another_model_shape_is_refused_and_the_pools_stay_usable(tiny_engine, tokenizer):
+    """A stored session with another KV-head count (same layers and head_dim) cannot go into this model's
+    pools: a typed refusal, no block taken, and the pools then hold this model's sessions."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from agentmem import Engine
+    from helpers import TINY
+
+    torch.manual_seed(0)
+    other = Engine(AutoModelForCausalLM.from_config(LlamaConfig(**dict(TINY, num_key_value_heads=4))), tokenizer)
+    pools = tiny_engine.new_pools(blocks=256, block_size=BLOCK)
+    with pytest.raises(InvalidInput, match="KV heads"):
+        PagedSession.restoring(pools, *other.prefill(ids_of(40, seed=25)).to_tensors())
+    assert pools[0].used_blocks == 0
+    cache = tiny_engine.prefill(ids_of(40, seed=26))
+    steps_equal(tiny_engine, [PagedSession.holding(pools, cache)], [cache.clone()], [[5]])

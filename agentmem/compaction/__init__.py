@@ -21,6 +21,7 @@ from agentmem.compaction.scoring import GlobalSelection, ScoringCompactor
 from agentmem.compaction.span import plan_span
 from agentmem.compaction.summary import Summary, SummaryThenAM
 from agentmem.errors import CompactionUnreachable, InvalidInput
+from agentmem.paged_sessions import PagedSession
 
 if TYPE_CHECKING:
     from agentmem.engine import Engine
@@ -41,6 +42,7 @@ __all__ = [
     "Window",
     "check_reachable",
     "compact",
+    "compact_in_place",
     "reach",
 ]
 
@@ -130,3 +132,13 @@ def check_reachable(cache: SessionCache, *, target_tokens: int, keep_recent: int
             f"are not above the {target_tokens} asked for (compacted before, or too short to shrink); "
             "ask for a higher ratio or lower keep_recent", rows=found.rows, kept_rows=found.kept)
     return found
+
+
+def compact_in_place(engine: Engine, session: PagedSession, compactor: Compactor | str = "am", **settings) -> None:
+    """Compact a session held in block pools as :func:`compact` (same ``compactor`` and ``settings``) compacts
+    its rows, the result taken in place (:meth:`PagedSession.compact_to
+    <agentmem.paged_sessions.PagedSession.compact_to>`, on the scheduler's thread). The compactor reads a
+    copy of the rows (:meth:`PagedSession.to_cache <agentmem.paged_sessions.PagedSession.to_cache>`),
+    freed when it is done."""
+    compacted = compact(engine, session.to_cache(), compactor, **settings)
+    engine.scheduler.call(lambda: session.compact_to(compacted))
