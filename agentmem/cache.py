@@ -509,6 +509,11 @@ class SessionCache:
         return len(self._token_ids) - self.layers[0].tail_length
 
     @property
+    def tail_length(self) -> int:
+        """Tokens held raw, from :attr:`tail_start` on."""
+        return self.layers[0].tail_length
+
+    @property
     def next_position(self) -> int:
         """RoPE position of the next token read: ``logical_length`` less the placement's offset."""
         return len(self._token_ids) - self.placement.offset
@@ -597,7 +602,7 @@ class SessionCache:
                         PART_DTYPES.get(part, self.dtype), functools.partial(layer.gather, j, part))
                 if (stored := layer.queries[j]) is not None:
                     exports[f"layers.{i}.segments.{j}.queries"] = TensorExport(
-                        tuple(stored.queries.shape), self.dtype, functools.partial(_copy_into, stored.queries))
+                        tuple(stored.queries.shape), self.dtype, functools.partial(copy_into, stored.queries))
             layers_meta.append({"segments": [segment_meta(s, q) for s, q in zip(layer.layouts, layer.queries)],
                                 "tail_length": layer.tail_length})
         tail = self.layers[0].tail_length
@@ -733,7 +738,8 @@ class TensorExport:
     write: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _copy_into(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def copy_into(source: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``source`` copied into ``out`` (any device or dtype): a :class:`TensorExport`'s writer of a whole tensor."""
     return out.copy_(source, non_blocking=True)
 
 

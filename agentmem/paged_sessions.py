@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from agentmem.cache import (PART_DTYPES, SEGMENT_PARTS, STORED_FORM_ERRORS, SessionCache, TensorExport, materialise,
-                            parse_stored, segment_meta, stored_meta, tail_exports, token_log_export)
+from agentmem.cache import (PART_DTYPES, SEGMENT_PARTS, STORED_FORM_ERRORS, SessionCache, TensorExport, copy_into,
+                            materialise, parse_stored, segment_meta, stored_meta, tail_exports, token_log_export)
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, PoolExhausted, brief
 from agentmem.host_memory import wait_for_copies
 from agentmem.placement import IDENTITY, Placement, check_boundary
@@ -57,6 +57,8 @@ class PagedSession:
     fingerprint: str  # the model whose rows these are (:meth:`Engine.check_cache <agentmem.engine.Engine.check_cache>`)
     placement: Placement = IDENTITY
     tail_start: int = 0  # the first token held raw: a placement's boundary may not pass it
+    # What the last compaction did (:class:`~agentmem.compaction.CompactionStats`), as a compacted cache has it.
+    compaction_stats: Any = field(default=None, compare=False, repr=False)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -100,13 +102,47 @@ class PagedSession:
         return sum(rows.held_blocks * rows.pool.block_nbytes for rows in self.rows)
 
     @property
+    def allocated_nbytes(self) -> int:
+        """:attr:`held_nbytes`: what the session's rows take in a budget counting blocks (as
+        :attr:`SessionCache.allocated_nbytes <agentmem.cache.SessionCache.allocated_nbytes>` is its buffers')."""
+        return self.held_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its rows as stored packed (:attr:`SessionCache.nbytes <agentmem.cache.SessionCache.nbytes>`):
+        keys and values, and a compacted row's float32 β and score and int32 position; kept queries besides."""
+        row = self.head_dim * self.dtype.itemsize
+        compacted = sum(sum(rows.compacted_rows) for rows in self.rows)
+        queries = sum(seg.queries.queries.nbytes for rows in self.rows for seg in rows.segments
+                      if seg.queries is not None)
+        return (2 * row * sum(sum(rows.raw_rows) for rows in self.rows) + (2 * row + 12) * compacted + queries)
+
+    @property
+    def physical_length(self) -> int:
+        """Rows held per layer and KV head, averaged (:attr:`SessionCache.physical_length
+        <agentmem.cache.SessionCache.physical_length>`): what a live-token budget counts."""
+        if not self.rows:
+            return 0
+        held = sum(sum(rows.compacted_rows) + sum(rows.raw_rows) for rows in self.rows)
+        return -(-held // (self.num_layers * self.num_kv_heads))
+
+    @property
+    def tail_length(self) -> int:
+        """Tokens held raw, from :attr:`tail_start` on."""
+        return self.next_token - self.tail_start
+
+    def bytes_to_append(self, tokens: int) -> int:
+        """Device bytes of the blocks a read of ``tokens`` more tokens takes from the pools (0 when they fit
+        the blocks held), a shared block the rows go into counted as the copy it becomes."""
+        return sum(rows.blocks_to_append(tokens) * rows.pool.block_nbytes for rows in self.rows)
+
+    @property
     def unused_slots(self) -> int:
         """Slots of its blocks holding none of its rows, over every layer and KV head: past its rows (under
         one block each) and, after a compaction, hidden between its compacted and raw rows (under two)."""
-        return sum(len(blocks) * rows.pool.block_size - length + first_raw
-                   - sum(seg.head_rows[h] for seg in rows.segments)
+        return sum(len(blocks) * rows.pool.block_size - raw - compacted
                    for rows in self.rows
-                   for h, (blocks, length, first_raw) in enumerate(zip(rows.blocks, rows.lengths, rows.raw_from)))
+                   for blocks, raw, compacted in zip(rows.blocks, rows.raw_rows, rows.compacted_rows))
 
     @classmethod
     def holding(cls, pools: Sequence[BlockPool], cache: SessionCache) -> PagedSession:
@@ -177,7 +213,7 @@ class PagedSession:
                 if seg.queries is not None:
                     queries = seg.queries.queries
                     exports[f"layers.{i}.segments.{j}.queries"] = TensorExport(
-                        tuple(queries.shape), self.dtype, functools.partial(_gather_into, queries, None))
+                        tuple(queries.shape), self.dtype, functools.partial(copy_into, queries))
                 first = [f + n for f, n in zip(first, seg.head_rows)]
             layers.append({"segments": [segment_meta(seg, seg.queries) for seg in rows.segments],
                            "tail_length": self.next_token - self.tail_start})
@@ -295,6 +331,7 @@ class PagedSession:
         for rows, layer in zip(self.rows, compacted.layers):
             rows.compact(keep, [layer.segment(j) for j in range(keep, len(layer.layouts))], dropped)
         self.tail_start = compacted.tail_start
+        self.compaction_stats = compacted.compaction_stats
 
     def _check_raw_rows_match(self, compacted: SessionCache, dropped: int) -> None:
         """Refuse a compaction of another history of the same tokens (another cache that read them, compacted
@@ -334,6 +371,6 @@ class PagedSession:
             rows.release()
 
 
-def _gather_into(source: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """``source``'s rows ``index`` (all of it when ``None``) copied into ``out`` (any device or dtype)."""
-    return out.copy_(source if index is None else source[index], non_blocking=True)
+def _gather_into(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``source``'s rows ``index`` copied into ``out`` (any device or dtype)."""
+    return out.copy_(source[index], non_blocking=True)

@@ -153,7 +153,7 @@ class BudgetPolicy(BaseModel):
         """The compactor this policy's sessions use: its ``method`` with its ``queries``, ``reread``,
         :attr:`refresh`, ``score`` and ``history_bands``, as a session runs it (:meth:`~agentmem.compaction.Compactor.for_session`:
         a session compacts again and again, so AM never fits its attention sinks); sessions run it
-        through :func:`agentmem.session.compact_under`, with :meth:`compaction_target`."""
+        through :func:`agentmem.layouts.compact_settings`, with :meth:`compaction_target`."""
         from agentmem.compaction.methods import named
 
         bands = {"history_bands": self.history_bands} if self.history_bands > 1 else {}  # only methods that take them

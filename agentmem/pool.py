@@ -105,8 +105,12 @@ class BlockPool:
     @property
     def block_nbytes(self) -> int:
         """Device bytes of one block: its keys, values, β, order, position and score."""
-        row = 2 * self.keys.shape[1] * self.keys.element_size() + 4 + 4 + 4 + 4
-        return self.block_size * row
+        return self.block_bytes(self.block_size, self.keys.shape[1], self.keys.dtype)
+
+    @staticmethod
+    def block_bytes(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Device bytes of a block of ``block_size`` slots of ``head_dim`` keys and values in ``dtype``."""
+        return block_size * (2 * head_dim * dtype.itemsize + 4 + 4 + 4 + 4)
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` free blocks, all or none: host bookkeeping only (free blocks are already hidden)."""
@@ -372,22 +376,44 @@ class PagedRows:
     def kv_heads(self) -> int:
         return len(self.blocks)
 
+    @property
+    def compacted_rows(self) -> list[int]:
+        """Per KV head, the rows of its compacted segments."""
+        return [sum(seg.head_rows[h] for seg in self.segments) for h in range(self.kv_heads)]
+
+    @property
+    def raw_rows(self) -> list[int]:
+        """Per KV head, its raw rows (those from ``raw_from[h]`` on)."""
+        return [length - first for length, first in zip(self.lengths, self.raw_from)]
+
+    def blocks_to_append(self, rows: int) -> int:
+        """Blocks :meth:`reserve` takes for ``rows`` more rows on every head: what a read of that many tokens
+        takes from the pool."""
+        missing, shared = self._reserve_plan([rows] * self.kv_heads)
+        return sum(missing) + len(shared)
+
     def reserve(self, rows: Sequence[int]) -> None:
         """Make room for ``rows[h]`` more rows after each head's ``lengths[h]``: all the blocks at once, or none."""
-        if len(rows) != self.kv_heads or any(r < 0 for r in rows):
-            raise InvalidInput(f"rows {list(rows)} must be {self.kv_heads} non-negative counts, one per KV head")
+        missing, shared = self._reserve_plan(rows)
         size = self.pool.block_size
-        missing = [max(0, -(-(length + r) // size) - len(blocks))
-                   for length, r, blocks in zip(self.lengths, rows, self.blocks)]
-        # A shared block that the new rows go into (the partly filled last one) is copied first.
-        shared = [h for h, (r, length, blocks) in enumerate(zip(rows, self.lengths, self.blocks))
-                  if r and length % size and self.pool.holders(blocks[length // size]) > 1]
         taken = iter(self.pool.allocate(sum(missing) + len(shared)))
         for head, count in enumerate(missing):
             for _ in range(count):
                 self._set(head, len(self.blocks[head]), next(taken))
         if shared:
             self._copy_blocks([(h, self.lengths[h] // size) for h in shared], [next(taken) for _ in shared])
+
+    def _reserve_plan(self, rows: Sequence[int]) -> tuple[list[int], list[int]]:
+        """For :meth:`reserve`: the blocks each head lacks for ``rows[h]`` more rows, and the heads whose
+        partly filled last block is shared (copied before the new rows go into it)."""
+        if len(rows) != self.kv_heads or any(r < 0 for r in rows):
+            raise InvalidInput(f"rows {list(rows)} must be {self.kv_heads} non-negative counts, one per KV head")
+        size = self.pool.block_size
+        missing = [max(0, -(-(length + r) // size) - len(blocks))
+                   for length, r, blocks in zip(self.lengths, rows, self.blocks)]
+        shared = [h for h, (r, length, blocks) in enumerate(zip(rows, self.lengths, self.blocks))
+                  if r and length % size and self.pool.holders(blocks[length // size]) > 1]
+        return missing, shared
 
     def _copy_blocks(self, places: list[tuple[int, int]], private: list[int]) -> None:
         """Stop sharing the blocks at ``places`` (head, index in its table): each is copied into its ``private``
@@ -457,9 +483,9 @@ class PagedRows:
         they are for its other holders; this session's next write there copies the block first
         (:meth:`reserve`) and writes its new rows over them, and no query of it sees one before (a raw
         row is seen from its own token on, and those tokens are read again, into those slots, first)."""
-        if not 0 <= rows <= min(length - first for length, first in zip(self.lengths, self.raw_from)):
+        if not 0 <= rows <= min(self.raw_rows):
             raise InvalidInput(f"cannot drop {rows} rows: a rewind drops raw rows only, and each head holds "
-                               f"{[length - first for length, first in zip(self.lengths, self.raw_from)]}")
+                               f"{self.raw_rows}")
         size = self.pool.block_size
         alone = [(h, i) for h, length in enumerate(self.lengths)
                  for i in range((length - rows) // size, -(-length // size))
@@ -564,7 +590,7 @@ class PagedRows:
         two blocks a head. Refuses, changing nothing, what no compaction of these rows can give: a head
         with more new rows than the rows replaced, or more raw rows dropped than held."""
         plan = self._compaction_plan(keep, [seg.head_rows for seg in new], dropped)
-        size, heads = self.pool.block_size, self.kv_heads
+        size = self.pool.block_size
         if plan.shared:
             self._copy_blocks(plan.shared, self.pool.allocate(len(plan.shared)))
         first = plan.kept
@@ -605,9 +631,9 @@ class PagedRows:
         if not 0 <= keep <= len(self.segments) or any(len(rows) != heads for rows in new_rows):
             raise InvalidInput(f"a compaction keeps some of the {len(self.segments)} segments held (not {keep}) and "
                                f"gives each new segment's rows for {heads} KV heads")
-        raw_rows = [length - first for length, first in zip(self.lengths, self.raw_from)]
-        if not 0 <= dropped <= min(raw_rows):
-            raise InvalidInput(f"a compaction drops between 0 and {min(raw_rows)} raw rows (those held), not {dropped}")
+        if not 0 <= dropped <= min(self.raw_rows):
+            raise InvalidInput(f"a compaction drops between 0 and {min(self.raw_rows)} raw rows (those held), "
+                               f"not {dropped}")
         kept = [sum(seg.head_rows[h] for seg in self.segments[:keep]) for h in range(heads)]
         added = [sum(rows[h] for rows in new_rows) for h in range(heads)]
         ends = [k + a for k, a in zip(kept, added)]

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from agentmem.cache import SessionCache
 from agentmem.checkpoint import Checkpointer
 from agentmem.errors import (
     AgentMemError,
@@ -33,6 +32,7 @@ from agentmem.errors import (
 )
 from agentmem.host_memory import read_buffer_for
 from agentmem.keys import SessionKey
+from agentmem.layouts import Rows
 from agentmem.leases import LeaseKeeper
 from agentmem.ledger import DeviceLedger
 from agentmem.metrics import Metrics
@@ -42,7 +42,7 @@ from agentmem.record import SessionRecord
 from agentmem.registry import Registry
 from agentmem.session import Session, SessionHost
 from agentmem.spill import Spiller
-from agentmem.storage import data_offset, decode_cache, decoded_nbytes, encode_cache, read_header
+from agentmem.storage import data_offset, encode_cache, read_header
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Residency:
     def __init__(self, host: SessionHost, registry: Registry, ledger: DeviceLedger | None, spiller: Spiller,
                  leases: LeaseKeeper, quota: StoreQuota, metrics: Metrics, lease_wait: float) -> None:
         self.host, self.engine, self.registry, self.ledger, self.spiller = host, host.engine, registry, ledger, spiller
+        self.layout = host.layout
         self.leases, self.quota, self.metrics = leases, quota, metrics
         self.lease_wait = lease_wait
         self.checkpoints = Checkpointer(self._store, on_store_error=functools.partial(metrics.add, "store_errors"),
@@ -87,10 +88,11 @@ class Residency:
                 raise
             parked = self.registry.spilled(key)
             unstored = parked if parked is not None and parked.version == 0 else None  # spilled before any write
-            return self.adopt(key, self.engine.new_cache(), [], leased=True, revive=unstored)
+            return self.adopt(key, self.layout.empty(), [], leased=True, revive=unstored)
         except BaseException:
             self.leases.release(tenant, session_id)
             raise
+        cache = session = None
         try:
             # Room is reserved before the cache is decoded onto the device, so loaders that
             # wait for room hold no memory the budget does not count.
@@ -101,6 +103,8 @@ class Residency:
                                 rebuilt=rebuild and cache.logical_length == 0 and bool(record.messages))
                 self._register(session)
         except BaseException:
+            if cache is not None:
+                self._let_go(cache, session)
             self.leases.release(tenant, session_id)
             raise
         self.metrics.add("resumes")
@@ -108,23 +112,29 @@ class Residency:
 
     def _decoded_nbytes(self, record: SessionRecord, rebuild: bool) -> int:
         try:
-            return decoded_nbytes(read_header(record.blob), self.engine.dtype)
+            return self.layout.decoded_nbytes(read_header(record.blob))
         except CorruptSessionError as exc:
             if rebuild:
                 return 0  # _decode finds the damage again and rebuilds
             raise self._damaged(record, exc) from exc
 
-    def _decode(self, record: SessionRecord, rebuild: bool) -> SessionCache:
+    def _decode(self, record: SessionRecord, rebuild: bool) -> Rows:
         """The record's cache on the engine's device; an empty one when it is damaged and ``rebuild``."""
-        engine = self.engine
         try:
-            return decode_cache(record.blob, fingerprint=engine.fingerprint, device=engine.device, dtype=engine.dtype)
+            return self.layout.decode(record.blob)
         except CorruptSessionError as exc:
             if not rebuild:
                 raise self._damaged(record, exc) from exc
             log.warning("session %s/%s: its stored cache is damaged (%s); rebuilding it from its %d stored messages, "
                         "re-read at its next turn", record.tenant, record.session_id, exc, len(record.messages))
-            return engine.new_cache()
+            return self.layout.empty()
+
+    def _let_go(self, cache: Rows, session: Session | None) -> None:
+        """``cache`` was to be ``session``'s (if that was made) and it did not go live: its rows go back."""
+        if session is not None and session.cache is cache:
+            session.unload()
+        else:
+            self.layout.release(cache)
 
     @staticmethod
     def _damaged(record: SessionRecord, exc: CorruptSessionError) -> CorruptSessionError:
@@ -135,33 +145,48 @@ class Residency:
             f"{record.session_id} --rebuild --tenant {record.tenant}) to re-read the conversation, or delete it "
             f"(agentmem sessions delete {record.session_id} --tenant {record.tenant})")
 
-    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]], *,
+    def adopt(self, key: SessionKey, cache: Rows, messages: list[dict[str, Any]], *,
               leased: bool = False, revive: Session | None = None) -> Session:
         """A new live session holding ``cache``: ``revive``, a handle callers still hold, if given
-        (a session spilled before anything of it was stored), else a new object.
+        (a session spilled before anything of it was stored), else a new object. ``cache`` is the
+        session's from then on: its rows go back if the session does not go live.
 
         Unless the caller holds its lease already (a load that found nothing stored), it takes the
         lease and refuses an ID the store holds (or a write behind is storing): a new session
         there would be refused at its first spill, or dropped by an eviction, with all its turns.
         """
+        session = revive
+        try:
+            if not leased:
+                self._take_new(key)
+            try:
+                if session is None:
+                    session = Session(self.host, key, cache, messages, 0, time.time())
+                else:
+                    session.restore(cache, messages, 0, 0)
+                return self._register(session)
+            except BaseException:
+                self.leases.release(*key)  # taken for this adoption, here or by the loader
+                raise
+        except BaseException:
+            self._let_go(cache, session)
+            raise
+
+    def _take_new(self, key: SessionKey) -> None:
+        """Take the lease of ``key`` for a new session, refusing an ID live, being resumed or stored."""
         tenant, session_id = key
         if self.registry.get(key) is not None:
             raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists")
-        if not leased:
-            if self.registry.busy(key):  # being loaded here: its loader holds the lease
-                raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists (being resumed)")
-            self.spiller.wait(key)
-            self.leases.take(tenant, session_id, self.lease_wait)
+        if self.registry.busy(key):  # being loaded here: its loader holds the lease
+            raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists (being resumed)")
+        self.spiller.wait(key)
+        self.leases.take(tenant, session_id, self.lease_wait)
         try:
-            if not leased and self._stored(key):
+            if self._stored(key):
                 raise InvalidInput(f"session {session_id!r} of tenant {tenant!r} already exists (stored); "
                                    "choose another id, or delete it first")
-            if revive is None:
-                return self._register(Session(self.host, key, cache, messages, 0, time.time()))
-            revive.restore(cache, messages, 0, 0)
-            return self._register(revive)
         except BaseException:
-            self.leases.release(tenant, session_id)  # taken for this adoption, here or by the loader
+            self.leases.release(tenant, session_id)
             raise
 
     def _stored(self, key: SessionKey) -> bool:
@@ -289,7 +314,7 @@ class Residency:
         The cache goes first, so the live bytes counted never exceed what is held; waiters
         for room look again.
         """
-        session.unload(self.engine.new_cache())
+        session.unload()
         unregister(session)
         if self.ledger is not None:
             self.ledger.freed()

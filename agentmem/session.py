@@ -24,9 +24,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from agentmem.cache import SessionCache
 from agentmem.chat import HeldText, encode, fewest_tokens
-from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine, stop_strings
 from agentmem.errors import (
     BudgetExceeded,
@@ -36,7 +34,8 @@ from agentmem.errors import (
     RequestTooLarge,
 )
 from agentmem.keys import SessionKey
-from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, placement_room, replace_positions
+from agentmem.layouts import Rows, SessionLayout
+from agentmem.placement import SINK_TOKENS, placement_for, placement_margin, placement_room
 from agentmem.policy import BudgetPolicy
 from agentmem.reply_text import ReplyText, cut_at_stop
 
@@ -82,6 +81,7 @@ class SessionHost(Protocol):
     """What a :class:`Session` needs from whoever keeps it live (the :class:`~agentmem.sessions.SessionManager`)."""
 
     engine: Engine
+    layout: SessionLayout  # where the session's rows live, and what changes them there
 
     def policy_for(self, tenant: str) -> BudgetPolicy:
         """The budget policy of ``tenant``'s sessions."""
@@ -93,15 +93,18 @@ class SessionHost(Protocol):
     def room(self, need: int, session: Session) -> AbstractContextManager[None]:
         """Hold ``need`` bytes of the device budget while ``session``'s cache grows by up to that much."""
 
-    def compact(self, cache: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0) -> SessionCache:
+    def compact(self, cache: Rows, policy: BudgetPolicy, protect: int, incoming: int = 0, *,
+                must_change: bool = False) -> Rows:
         """``cache`` compacted under ``policy``, its first ``protect`` tokens kept raw, room left for
-        ``incoming`` tokens about to be read; the one place sessions compact."""
+        ``incoming`` tokens about to be read (:meth:`SessionLayout.compact
+        <agentmem.layouts.SessionLayout.compact>`); the one place sessions compact."""
 
     def turn_done(self, session: Session, usage: Usage) -> None:
         """``session`` finished a turn that cost ``usage`` (called under its lock)."""
 
-    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
-        """A new live session ``key`` holding ``cache`` and ``messages`` (a fork)."""
+    def adopt(self, key: SessionKey, cache: Rows, messages: list[dict[str, Any]]) -> Session:
+        """A new live session ``key`` holding ``cache`` and ``messages`` (a fork); ``cache`` is its from
+        then on, released if the adoption fails."""
 
 
 class Session:
@@ -113,7 +116,7 @@ class Session:
     :attr:`dirty` while the store holds an older revision, and only then is a spill a write.
     """
 
-    def __init__(self, host: SessionHost, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]],
+    def __init__(self, host: SessionHost, key: SessionKey, cache: Rows, messages: list[dict[str, Any]],
                  version: int, created_at: float) -> None:
         self._host, self.key = host, SessionKey(*key)
         self.cache, self._messages, self.version, self.created_at = cache, messages, version, created_at
@@ -246,12 +249,12 @@ class Session:
         released, so that making room for it may spill this one."""
         with self.lock:
             self._host.begin_turn(self)
-            cache, messages = self.cache.clone(), self.messages
+            cache, messages = self._host.layout.fork(self.cache), self.messages
         return self._host.adopt(SessionKey(self.tenant, new_id), cache, messages)
 
     # ------------------------------------------------------------------------ what its keeper does
 
-    def restore(self, cache: SessionCache, messages: list[dict[str, Any]], version: int, stored_bytes: int, *,
+    def restore(self, cache: Rows, messages: list[dict[str, Any]], version: int, stored_bytes: int, *,
                 rebuilt: bool = False) -> None:
         """Take the state of a stored copy (a resume), replacing what this object held; ``rebuilt``:
         its cache was damaged and starts empty, so the copy to store is no longer the stored one."""
@@ -265,9 +268,11 @@ class Session:
         self.version, self.stored_bytes = version, stored_bytes
         self._stored_revision = self.revision if revision is None else revision
 
-    def unload(self, empty: SessionCache) -> None:
-        """Let go of the cache's device memory (spilled or dropped); ``empty`` stands in until a resume."""
-        self.cache = empty
+    def unload(self) -> None:
+        """Let go of the cache's device memory (spilled or dropped); an empty cache stands in until a resume."""
+        layout = self._host.layout
+        layout.release(self.cache)
+        self.cache = layout.empty()
 
     # ------------------------------------------------------------------------ internals
 
@@ -320,9 +325,9 @@ class Session:
         if keep_tokens == held:
             return
         if keep_tokens:
-            self.cache.truncate(keep_tokens)
+            self._host.layout.truncate(self.cache, keep_tokens)
         else:
-            self.cache = self.engine.new_cache()
+            self.unload()
         usage.dropped_tokens += held - keep_tokens
 
     def _tokens_shown(self, generated: list[int], text: str) -> int:
@@ -338,7 +343,7 @@ class Session:
         Rows already compacted stay: the next turn then re-reads from the divergence, as for any edit."""
         cut = replied_from + shown
         if cut < self.cache.logical_length and self._kept_by_rewind(cut) == cut:
-            self.cache.truncate(cut)
+            self._host.layout.truncate(self.cache, cut)
 
     def _check_turn(self, kept: int, reading: int, max_new_tokens: int, conversation: list[dict[str, Any]],
                     tools: list[Mapping[str, Any]] | None) -> None:
@@ -463,13 +468,13 @@ class Session:
             return
         window, margin = self.engine.max_context, placement_margin(self.engine)
         protect = max(SINK_TOKENS, self._system_tokens(conversation))
-        needed = protect + placement_room(self.engine, protect) + self.cache.layers[0].tail_length + incoming
+        needed = protect + placement_room(self.engine, protect) + self.cache.tail_length + incoming
         if needed > window - margin:
             self._compact(usage, conversation, incoming=incoming)  # the tail is shorter after it
-        room = placement_room(self.engine, protect, tail=self.cache.layers[0].tail_length)
+        room = placement_room(self.engine, protect, tail=self.cache.tail_length)
         placement = placement_for(self.cache, protect=protect, room=room)
         if placement.offset > self.cache.placement.offset:
-            self.cache = replace_positions(self.engine, self.cache, placement)
+            self.cache = self._host.layout.replace(self.cache, placement)
             usage.replacements += 1
 
     def _compact(self, usage: Usage, conversation: list[dict[str, Any]], incoming: int = 0) -> None:
@@ -493,16 +498,14 @@ class Session:
         with self.lock:
             self._host.begin_turn(self)
             policy = self.policy.with_overrides(**overrides)
-            protect = self._system_tokens()
-            check_reachable(self.cache, target_tokens=policy.compaction_target(self.cache.logical_length, protect),
-                            keep_recent=policy.keep_recent, protect_prefix=protect)
-            event = self._compact_with(policy, protect)
+            event = self._compact_with(policy, self._system_tokens(), must_change=True)
             self.revision += 1
             return event
 
-    def _compact_with(self, policy: BudgetPolicy, protect: int, incoming: int = 0) -> dict[str, Any]:
+    def _compact_with(self, policy: BudgetPolicy, protect: int, incoming: int = 0, *,
+                      must_change: bool = False) -> dict[str, Any]:
         before, began = self.cache.physical_length, time.perf_counter()
-        self.cache = self._host.compact(self.cache, policy, protect, incoming)
+        self.cache = self._host.compact(self.cache, policy, protect, incoming, must_change=must_change)
         stats = self.cache.compaction_stats
         return {
             "rows_before": before, "rows_after": self.cache.physical_length,
@@ -549,19 +552,10 @@ class Session:
             if ended or _stopped(engine, produced, sampling.get("stop")):
                 return
             if len(produced) < max_new_tokens:
-                self.cache.truncate(self.cache.logical_length - 1)
+                self._host.layout.truncate(self.cache, self.cache.logical_length - 1)
                 prompt = [produced[-1]]
                 if step == budget_room:  # the budget cut the round; one cut by the window re-places next
                     self._compact(usage, conversation)
-
-
-def compact_under(policy: BudgetPolicy, engine: Engine, cache: SessionCache, protect: int,
-                  incoming: int = 0) -> SessionCache:
-    """``cache`` compacted as ``policy`` says: its compactor, down to its target for a session that
-    has read ``cache.logical_length`` tokens, ``protect`` of them a protected prefix, and is about
-    to read ``incoming`` more. The one place a session's compaction takes its settings from."""
-    return compact(engine, cache, policy.compactor(), keep_recent=policy.keep_recent, protect_prefix=protect,
-                   target_tokens=policy.compaction_target(cache.logical_length, protect, incoming))
 
 
 def _stopped(engine: Engine, ids: list[int], stop: Sequence[str] | None) -> bool:

@@ -27,12 +27,12 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from agentmem.cache import SessionCache
 from agentmem.engine import Engine
 from agentmem.errors import AgentMemError, InvalidInput, SessionBusy
 from agentmem.host_memory import read_buffer_for
 from agentmem.host_tier import HostTier
 from agentmem.keys import SessionKey
+from agentmem.layouts import DEFAULT_BLOCK_SIZE, BlockPools, OwnBuffers, Rows, SessionLayout
 from agentmem.leases import LeaseKeeper, process_owner
 from agentmem.ledger import DeviceLedger
 from agentmem.metrics import Metrics, prometheus_text
@@ -41,7 +41,7 @@ from agentmem.quota import StoreQuota
 from agentmem.record import CacheStore, check_key, check_tenant
 from agentmem.registry import Registry
 from agentmem.residency import Residency
-from agentmem.session import DEFAULT_MAX_NEW_TOKENS, Reply, Session, Usage, compact_under
+from agentmem.session import DEFAULT_MAX_NEW_TOKENS, Reply, Session, Usage
 from agentmem.spill import Spiller
 from agentmem.storage import open_store
 
@@ -61,6 +61,12 @@ class SessionManager:
     :meth:`session` waits for another process to release a session before raising
     :class:`SessionBusy`. ``host_budget_bytes`` enables the host-memory tier
     (:mod:`agentmem.host_tier`).
+
+    ``pooled=True`` holds the sessions' rows in block pools (:class:`~agentmem.layouts.BlockPools`, blocks of
+    ``block_size`` slots) made once at ``device_budget_bytes``, which it then needs: the pools are the
+    device budget, a block shared by forks counted once. Otherwise each session holds buffers of its own
+    (:class:`~agentmem.layouts.OwnBuffers`). Stateless sessions (:meth:`ephemeral`) hold their own buffers
+    either way: they are never released, only dropped.
     """
 
     def __init__(
@@ -74,15 +80,21 @@ class SessionManager:
         lease_seconds: float = 30.0,
         lease_wait: float = 0.0,
         host_budget_bytes: int | None = None,
+        pooled: bool = False,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         if device_budget_bytes is not None and device_budget_bytes <= 0:
             raise InvalidInput(f"device_budget_bytes must be positive, got {device_budget_bytes}")
         if host_budget_bytes is not None and host_budget_bytes <= 0:
             raise InvalidInput(f"host_budget_bytes must be positive, got {host_budget_bytes}")
+        if pooled and device_budget_bytes is None:
+            raise InvalidInput("pooled sessions need device_budget_bytes: the block pools are made at that size")
         if not lease_seconds > 0 or not lease_wait >= 0:
             raise InvalidInput(f"lease_seconds must be positive and lease_wait non-negative, got {lease_seconds}, "
                                f"{lease_wait}")
         self.engine = engine
+        self.layout: SessionLayout = (BlockPools(engine, device_budget_bytes, block_size=block_size) if pooled
+                                      else OwnBuffers(engine))
         self.store: CacheStore = open_store(store) if store is None or isinstance(store, str) else store
         self.policies = dict(policies or {})
         self.default_policy = default_policy or BudgetPolicy()
@@ -90,7 +102,8 @@ class SessionManager:
         self.owner = process_owner()
         self.metrics = Metrics()
         self._registry = Registry()
-        ledger = None if device_budget_bytes is None else DeviceLedger(device_budget_bytes, self._registry.live_bytes)
+        ledger = None if device_budget_bytes is None else DeviceLedger(
+            device_budget_bytes, functools.partial(self.layout.live_bytes, self._registry.live_bytes))
         host = None if host_budget_bytes is None else HostTier(host_budget_bytes,
                                                                 lambda tenant: self.policy_for(tenant).max_host_bytes)
         count_store_error = functools.partial(self.metrics.add, "store_errors")
@@ -140,7 +153,8 @@ class SessionManager:
         listed; it holds device memory only through its turn's room in the device budget, and is
         gone once the caller drops it."""
         key = SessionKey(check_tenant(tenant), f"ephemeral-{uuid.uuid4().hex}")
-        return Session(_EphemeralHost(self), key, self.engine.new_cache(), [], 0, time.time())
+        host = _EphemeralHost(self)
+        return Session(host, key, host.layout.empty(), [], 0, time.time())
 
     def spill(self, tenant: str, session_id: str, *, durable: bool = True) -> int:
         """Drop the session from the device; returns the version it is stored as.
@@ -203,6 +217,8 @@ class SessionManager:
                     continue  # a resume under way made it live as another handle: lock that one
                 self._residency.checkpoints.discard(key, "the session was deleted")  # none lands after it
                 live = self._registry.forget(key)
+                if live is not None:
+                    live.unload()  # its rows go back now (pool blocks are not freed by the collector)
                 self._spiller.discard(key)
                 removed = self.store.delete(tenant, session_id)
                 self._leases.release(tenant, session_id)
@@ -250,7 +266,7 @@ class SessionManager:
         scheduler = self.engine.scheduler.counts()
         gauges = {
             "live_sessions": len(live),
-            "live_bytes": sum(s.cache.allocated_nbytes for s in live),
+            "live_bytes": self.layout.live_bytes(lambda: sum(s.cache.allocated_nbytes for s in live)),
             "live_row_bytes": sum(s.cache.nbytes for s in live),
             "live_tokens": sum(s.cache.physical_length for s in live),
             "logical_tokens": sum(s.cache.logical_length for s in live),
@@ -314,7 +330,7 @@ class _SessionHost:
 
     def __init__(self, manager: SessionManager) -> None:
         self._manager = manager
-        self.engine = manager.engine
+        self.engine, self.layout = manager.engine, manager.layout
 
     def policy_for(self, tenant: str) -> BudgetPolicy:
         return self._manager.policy_for(tenant)
@@ -342,10 +358,11 @@ class _SessionHost:
         """Hold ``need`` bytes of the device budget while ``session``'s cache grows by up to that much."""
         return self._manager._residency.room(need, session.key)
 
-    def compact(self, cache: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0) -> SessionCache:
+    def compact(self, cache: Rows, policy: BudgetPolicy, protect: int, incoming: int = 0, *,
+                must_change: bool = False) -> Rows:
         """``cache`` compacted as ``policy`` says (its compactor and target), counted."""
         self._manager.metrics.add("compactions")
-        return compact_under(policy, self.engine, cache, protect, incoming)
+        return self.layout.compact(cache, policy, protect, incoming, must_change=must_change)
 
     def turn_done(self, session: Session, usage: Usage) -> None:
         """Count the turn, store it as the policy says, then spill idle sessions if the device budget
@@ -359,7 +376,7 @@ class _SessionHost:
             self._manager.metrics.add(name, getattr(usage, name))  # compactions are counted where they happen
         self._manager.metrics.add("turns")
 
-    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
+    def adopt(self, key: SessionKey, cache: Rows, messages: list[dict[str, Any]]) -> Session:
         """A new live session holding ``cache`` and ``messages`` (a fork), within the device budget."""
         session = self._manager._residency.adopt(check_key(*key), cache, messages)
         self._manager._residency.enforce(keep=session)
@@ -368,7 +385,12 @@ class _SessionHost:
 
 class _EphemeralHost(_SessionHost):
     """The host of :meth:`SessionManager.ephemeral` sessions: the manager's engine, policies, device
-    budget and counters, without its registry, leases or store."""
+    budget and counters, without its registry, leases or store. Their rows are buffers of their own
+    whatever the manager's layout: nothing releases a dropped session's pool blocks."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        super().__init__(manager)
+        self.layout = OwnBuffers(manager.engine)
 
     def begin_turn(self, session: Session) -> None:
         session.last_used = time.monotonic()
@@ -376,5 +398,5 @@ class _EphemeralHost(_SessionHost):
     def turn_done(self, session: Session, usage: Usage) -> None:
         self._count(usage)
 
-    def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
+    def adopt(self, key: SessionKey, cache: Rows, messages: list[dict[str, Any]]) -> Session:
         raise InvalidInput("a stateless session cannot be forked: it is not kept")

@@ -49,7 +49,7 @@ from agentmem import BudgetPolicy, Engine
 from agentmem.compaction import compact
 from agentmem.compaction.scoring import REREAD
 from agentmem.models import EMBEDDED
-from agentmem.session import compact_under
+from agentmem.layouts import OwnBuffers
 from common import (RESULTS, command_line, commands_after, machine, model_label, pyplot, save_figure, stdlib_text,
                     write_results)
 
@@ -176,7 +176,7 @@ def read_online(engine: Engine, ids: list[int], policy: BudgetPolicy,
         turn = ids[start : start + TURN]
         if cache.physical_length + len(turn) > policy.max_live_tokens:
             began = time.perf_counter()
-            cache = compact_under(policy, engine, cache, protect=0, incoming=len(turn))  # as a session compacts
+            cache = OwnBuffers(engine).compact(cache, policy, protect=0, incoming=len(turn))  # as a session compacts
             seconds.append(time.perf_counter() - began)
             schedule.append((cache.logical_length, policy.compaction_target(cache.logical_length, incoming=len(turn))))
             last = (cache.logical_length, cache.physical_length)

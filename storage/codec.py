@@ -222,6 +222,21 @@ def decoded_nbytes(header: dict[str, Any], dtype: torch.dtype) -> int:
         raise CorruptSessionError(f"session blob layout is damaged: {brief(exc)}") from exc
 
 
+def pooled_nbytes(header: dict[str, Any], block_size: int, block_nbytes: int) -> int:
+    """Bytes of the pool blocks the blob's session takes once decoded into block pools
+    (:func:`decode_into_pools`): per layer and KV head, its compacted and raw rows packed into blocks of
+    ``block_size`` slots, ``block_nbytes`` bytes each. Sizes a resume against the device budget before
+    anything is decoded."""
+    try:
+        layout = header["layout"]
+        heads = int(layout["num_kv_heads"])
+        return block_nbytes * sum(
+            -(-(sum(int(seg["head_rows"][h]) for seg in layer["segments"]) + int(layer["tail_length"])) // block_size)
+            for layer in layout["layers"] for h in range(heads))
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CorruptSessionError(f"session blob layout is damaged: {brief(exc)}") from exc
+
+
 def decode_cache(
     blob: bytes | bytearray | memoryview,
     *,

@@ -11,7 +11,8 @@ from agentmem import BudgetPolicy, Engine
 from agentmem.cache import SessionCache
 from agentmem.errors import SessionBusy
 from agentmem.keys import SessionKey
-from agentmem.session import Session, Usage, compact_under
+from agentmem.layouts import OwnBuffers
+from agentmem.session import Session, Usage
 from helpers import tiny_model
 from test_sessions import filler
 
@@ -20,7 +21,7 @@ class FakeHost:
     """Everything a session asks of its keeper, recorded; compaction is the real one."""
 
     def __init__(self, engine: Engine, policy: BudgetPolicy) -> None:
-        self.engine, self.policy = engine, policy
+        self.engine, self.policy, self.layout = engine, policy, OwnBuffers(engine)
         self.turns: list[Usage] = []
         self.rooms: list[int] = []
         self.compactions: list[dict[str, int]] = []
@@ -41,9 +42,10 @@ class FakeHost:
         self.rooms.append(need)
         yield
 
-    def compact(self, cache: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0) -> SessionCache:
+    def compact(self, cache: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0, *,
+                must_change: bool = False) -> SessionCache:
         self.compactions.append({"rows": cache.physical_length, "protect": protect, "incoming": incoming})
-        return compact_under(policy, self.engine, cache, protect, incoming)
+        return self.layout.compact(cache, policy, protect, incoming, must_change=must_change)
 
     def turn_done(self, session: Session, usage: Usage) -> None:
         self.turns.append(usage)
@@ -132,7 +134,7 @@ def test_the_keepers_state_methods(tiny):
     session.mark_stored(3, 1234)
     assert (session.version, session.stored_bytes) == (3, 1234)
     held = session.cache
-    session.unload(tiny.new_cache())
+    session.unload()
     assert session.cache.logical_length == 0
     session.restore(held, [{"role": "user", "content": "x"}], 4, 99)
     assert session.cache is held and session.messages == [{"role": "user", "content": "x"}]

@@ -1,0 +1,191 @@
+"""Where a manager's sessions hold their rows: a buffer of their own each, or blocks of shared pools.
+
+A :class:`~agentmem.session.Session` reads, compacts, moves, rewinds and forks its rows without
+knowing where they are: it asks its host's layout. Two layouts hold them:
+
+- :class:`OwnBuffers` — each session a :class:`~agentmem.cache.SessionCache`, growable tensors of its
+  own. Compaction and re-placement make new caches; nothing is shared, so nothing needs releasing.
+- :class:`BlockPools` — each session a :class:`~agentmem.paged_sessions.PagedSession` in one block pool
+  per layer, made once at the size of the device budget (issue [pool]). Growth takes blocks and never
+  copies a session; compaction writes its new rows where the replaced ones were and re-placement
+  re-rotates keys in place; forks share blocks. Pool bookkeeping is not thread-safe, so every change
+  runs on the scheduler's thread (``engine.scheduler.call``), and blocks go back only when released:
+  the manager releases a session's rows when it unloads it.
+
+Both give the rows the same stored form (:func:`~agentmem.storage.encode_cache`), so a session spilled
+from one resumes in the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from agentmem.cache import SessionCache
+from agentmem.compaction import check_reachable, compact
+from agentmem.engine import Engine
+from agentmem.errors import InvalidInput
+from agentmem.paged_sessions import PagedSession
+from agentmem.placement import Placement, replace_positions
+from agentmem.policy import BudgetPolicy
+from agentmem.pool import BlockPool
+from agentmem.storage import decode_cache, decode_into_pools, decoded_nbytes, pooled_nbytes
+
+Rows = SessionCache | PagedSession
+
+T = TypeVar("T")
+DEFAULT_BLOCK_SIZE = 16  # slots per block: a session wastes under one block per layer and KV head
+
+
+class SessionLayout(Protocol):
+    """What a session does to its rows, done where they live."""
+
+    engine: Engine
+
+    def empty(self) -> Rows:
+        """A new session's rows: none."""
+
+    def fork(self, rows: Rows) -> Rows:
+        """A second session's rows, holding what ``rows`` holds; the two go on apart."""
+
+    def truncate(self, rows: Rows, length: int) -> None:
+        """Forget the tokens after the first ``length`` (all raw rows)."""
+
+    def replace(self, rows: Rows, placement: Placement) -> Rows:
+        """``rows`` moved to ``placement`` (:mod:`agentmem.placement`)."""
+
+    def compact(self, rows: Rows, policy: BudgetPolicy, protect: int, incoming: int = 0, *,
+                must_change: bool = False) -> Rows:
+        """``rows`` compacted under ``policy`` (see :func:`compact_settings`); with ``must_change``,
+        :class:`~agentmem.errors.CompactionUnreachable` instead of an unchanged copy."""
+
+    def release(self, rows: Rows) -> None:
+        """The rows are no longer a session's: give back what they hold."""
+
+    def decode(self, blob: bytes | bytearray | memoryview) -> Rows:
+        """A stored session's rows (:func:`~agentmem.storage.encode_cache` output) on the device."""
+
+    def decoded_nbytes(self, header: dict[str, Any]) -> int:
+        """Device bytes :meth:`decode` of a blob with this header takes."""
+
+    def live_bytes(self, sessions_nbytes: Callable[[], int]) -> int:
+        """Device bytes the live sessions hold: what the device budget counts (``sessions_nbytes()``: the sum
+        of their ``allocated_nbytes``, asked for only where that is it)."""
+
+
+def compact_settings(policy: BudgetPolicy, rows: Rows, protect: int, incoming: int = 0) -> dict[str, Any]:
+    """The keyword arguments of :func:`~agentmem.compaction.compact` for a session under ``policy``: its
+    ``keep_recent`` and target for a session that has read ``rows.logical_length`` tokens, ``protect`` of
+    them a protected prefix, about to read ``incoming`` more. The one place a session's compaction takes
+    its settings from."""
+    return {"keep_recent": policy.keep_recent, "protect_prefix": protect,
+            "target_tokens": policy.compaction_target(rows.logical_length, protect, incoming)}
+
+
+def _compacted(engine: Engine, cache: SessionCache, policy: BudgetPolicy, settings: dict[str, Any],
+               must_change: bool) -> SessionCache:
+    """``cache`` compacted by ``policy``'s compactor with ``settings``; with ``must_change``, refused
+    (:func:`~agentmem.compaction.check_reachable`) when that would leave it as it is."""
+    if must_change:
+        check_reachable(cache, **settings)
+    return compact(engine, cache, policy.compactor(), **settings)
+
+
+class OwnBuffers:
+    """Each session's rows in growable tensors of its own (:class:`~agentmem.cache.SessionCache`)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def empty(self) -> SessionCache:
+        return self.engine.new_cache()
+
+    def fork(self, rows: SessionCache) -> SessionCache:
+        return rows.clone()
+
+    def truncate(self, rows: SessionCache, length: int) -> None:
+        rows.truncate(length)
+
+    def replace(self, rows: SessionCache, placement: Placement) -> SessionCache:
+        return replace_positions(self.engine, rows, placement)
+
+    def compact(self, rows: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0, *,
+                must_change: bool = False) -> SessionCache:
+        return _compacted(self.engine, rows, policy, compact_settings(policy, rows, protect, incoming), must_change)
+
+    def release(self, rows: SessionCache) -> None:
+        """Nothing to give back: the buffers go with the last reference to them."""
+
+    def decode(self, blob: bytes | bytearray | memoryview) -> SessionCache:
+        engine = self.engine
+        return decode_cache(blob, fingerprint=engine.fingerprint, device=engine.device, dtype=engine.dtype)
+
+    def decoded_nbytes(self, header: dict[str, Any]) -> int:
+        return decoded_nbytes(header, self.engine.dtype)
+
+    def live_bytes(self, sessions_nbytes: Callable[[], int]) -> int:
+        return sessions_nbytes()
+
+
+class BlockPools:
+    """Every session's rows in one block pool per layer, made here to hold ``budget_bytes``; see the module
+    docstring. The pools' blocks are the device budget: :meth:`live_bytes` counts the blocks handed out, a
+    block shared by forks or a published prefix once."""
+
+    def __init__(self, engine: Engine, budget_bytes: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if block_size < 1:
+            raise InvalidInput(f"block_size must be positive, got {block_size}")
+        self.engine = engine
+        block_nbytes = BlockPool.block_bytes(block_size, engine.head_dim, engine.dtype)
+        blocks = budget_bytes // (block_nbytes * engine.num_layers)
+        if blocks < engine.num_kv_heads:
+            raise InvalidInput(f"a device budget of {budget_bytes} bytes holds {blocks} blocks of {block_size} slots "
+                               f"per layer ({block_nbytes} bytes each, {engine.num_layers} layers): a session needs "
+                               f"one per KV head ({engine.num_kv_heads}); raise the budget or lower block_size")
+        self.pools = engine.new_pools(blocks=blocks + 1, block_size=block_size)  # + the null block
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Device bytes of the blocks sessions can hold (the null block aside)."""
+        return sum((pool.blocks - 1) * pool.block_nbytes for pool in self.pools)
+
+    def empty(self) -> PagedSession:
+        engine = self.engine
+        return PagedSession.empty(self.pools, engine.num_kv_heads, engine.fingerprint)
+
+    def fork(self, rows: PagedSession) -> PagedSession:
+        return self._on_scheduler(rows.fork)
+
+    def truncate(self, rows: PagedSession, length: int) -> None:
+        self._on_scheduler(lambda: rows.truncate(length))
+
+    def replace(self, rows: PagedSession, placement: Placement) -> PagedSession:
+        inv_freq = self.engine.model.base_model.rotary_emb.inv_freq
+        self._on_scheduler(lambda: rows.replace(placement, inv_freq))
+        return rows
+
+    def compact(self, rows: PagedSession, policy: BudgetPolicy, protect: int, incoming: int = 0, *,
+                must_change: bool = False) -> PagedSession:
+        """Compacted in place (:meth:`PagedSession.compact_to
+        <agentmem.paged_sessions.PagedSession.compact_to>`): the compactor reads a copy of the rows
+        (:meth:`PagedSession.to_cache <agentmem.paged_sessions.PagedSession.to_cache>`), freed once it is done."""
+        settings = compact_settings(policy, rows, protect, incoming)
+        compacted = _compacted(self.engine, rows.to_cache(), policy, settings, must_change)
+        self._on_scheduler(lambda: rows.compact_to(compacted))
+        return rows
+
+    def release(self, rows: PagedSession) -> None:
+        self._on_scheduler(rows.release)
+
+    def decode(self, blob: bytes | bytearray | memoryview) -> PagedSession:
+        return self._on_scheduler(lambda: decode_into_pools(blob, self.pools, fingerprint=self.engine.fingerprint))
+
+    def decoded_nbytes(self, header: dict[str, Any]) -> int:
+        return pooled_nbytes(header, self.pools[0].block_size, self.pools[0].block_nbytes)
+
+    def live_bytes(self, sessions_nbytes: Callable[[], int]) -> int:
+        return sum(pool.used_nbytes for pool in self.pools)
+
+    def _on_scheduler(self, run: Callable[[], T]) -> T:
+        """``run()`` on the scheduler's thread, between forwards: the one thread that changes pools."""
+        return self.engine.scheduler.call(run)

@@ -1,0 +1,196 @@
+"""A session manager holding its sessions in block pools (``pooled=True``): the same turns as sessions with
+buffers of their own, every block back in the pool when a session leaves the device."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from agentmem import BudgetPolicy, Engine, SessionManager
+from agentmem.errors import CompactionUnreachable, CorruptSessionError, InvalidInput
+from agentmem.paged_sessions import PagedSession
+from agentmem.storage import data_offset
+from helpers import tiny_model
+from test_sessions import filler
+
+BUDGET = 8 * 2**20
+POLICY = BudgetPolicy(max_live_tokens=256, keep_recent=48, target_ratio=4, method="am-fast")
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer) -> Engine:
+    return Engine(tiny_model("llama"), tokenizer)
+
+
+def pool_used(manager: SessionManager) -> int:
+    return sum(pool.used_blocks for pool in manager.layout.pools)
+
+
+def converse(manager: SessionManager, session_id: str, turns: int, *, first: int = 0) -> list[str]:
+    session = manager.session(session_id, tenant="acme")
+    return [session.chat(filler(first + i), max_new_tokens=6).text for i in range(turns)]
+
+
+def test_pooled_turns_compact_move_and_reply_as_sessions_with_their_own_buffers(tiny, tmp_path):
+    """Compactions in place and re-placements past the 1,024-position window, against the same turns on buffers."""
+    replies, usages = {}, {}
+    for pooled in (False, True):
+        with SessionManager(tiny, f"sqlite:///{tmp_path / f'{pooled}.db'}", default_policy=POLICY,
+                            device_budget_bytes=BUDGET, pooled=pooled) as manager:
+            session = manager.session("s", tenant="acme")
+            replies[pooled], usages[pooled] = [], []
+            for i in range(14):
+                reply = session.chat(filler(i), max_new_tokens=6)
+                replies[pooled].append(reply.text)
+                usages[pooled].append(reply.usage)
+            assert isinstance(session.cache, PagedSession) == pooled
+            if pooled:
+                assert manager.stats()["live_bytes"] == session.cache.held_nbytes == pool_used(manager) * (
+                    manager.layout.pools[0].block_nbytes)
+    assert replies[True] == replies[False]
+    for mine, theirs in zip(usages[True], usages[False]):
+        assert (mine.compactions, mine.replacements, mine.live_tokens, mine.logical_tokens, mine.position) == (
+            theirs.compactions, theirs.replacements, theirs.live_tokens, theirs.logical_tokens, theirs.position)
+    assert sum(u.compactions for u in usages[True]) >= 3 and sum(u.replacements for u in usages[True]) >= 1
+    assert usages[True][-1].logical_tokens > tiny.max_context
+
+
+def test_a_spilled_pooled_session_gives_its_blocks_back_and_resumes_where_it_was_in_either_layout(tiny, tmp_path):
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    with SessionManager(tiny, db, default_policy=POLICY, device_budget_bytes=BUDGET, pooled=True) as manager:
+        before = converse(manager, "s", 5)
+        session = manager.session("s", tenant="acme")
+        assert session.cache.spans and pool_used(manager) > 0  # compacted, in the pool
+        stored = session.cache.to_tensors()
+        manager.spill("acme", "s")
+        assert pool_used(manager) == 0
+        resumed = manager.session("s", tenant="acme")
+        assert isinstance(resumed.cache, PagedSession) and pool_used(manager) > 0
+        again = resumed.cache.to_tensors()
+        assert again[1] == stored[1] and all(again[0][k].equal(v) for k, v in stored[0].items())
+        after_pooled = converse(manager, "s", 2, first=5)
+        manager.delete("acme", "s")
+        assert pool_used(manager) == 0
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'b.db'}", default_policy=POLICY) as manager:
+        assert converse(manager, "s", 7) == before + after_pooled  # the same turns on buffers
+    with SessionManager(tiny, db, default_policy=POLICY, device_budget_bytes=BUDGET, pooled=True) as manager:
+        converse(manager, "t", 5)
+    with SessionManager(tiny, db, default_policy=POLICY) as manager:  # stored from the pool, resumed on buffers
+        assert converse(manager, "t", 2, first=5) == after_pooled
+
+
+def test_the_pools_are_the_device_budget(tiny, tmp_path):
+    """Sessions past what the pools hold spill the least recently used; the pool never runs out."""
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'one.db'}", default_policy=POLICY, device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        converse(manager, "s", 3)
+        one = manager.session("s", tenant="acme").cache.held_nbytes
+    per_block = tiny.num_layers * manager.layout.pools[0].block_nbytes
+    budget = -(-5 * one // 2 // per_block) * per_block  # two and a half sessions
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=POLICY, device_budget_bytes=budget,
+                        pooled=True) as manager:
+        assert manager.layout.capacity_bytes == budget
+        for i in range(6):
+            converse(manager, f"s{i}", 3)
+            assert manager.stats()["live_bytes"] <= budget
+        live = {entry["session_id"] for entry in manager.list("acme") if entry["live"]}
+        assert {"s4", "s5"} <= live and len(live) <= 3 and manager.stats()["spills"] >= 3
+        assert manager.stats()["live_bytes"] == sum(pool.used_nbytes for pool in manager.layout.pools)
+
+
+def test_a_fork_shares_its_parents_blocks_and_goes_on_alone(tiny, tmp_path):
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=POLICY, device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        parent = manager.session("p", tenant="acme")
+        parent.chat(filler(0), max_new_tokens=6)
+        held = pool_used(manager)
+        fork = parent.fork("f")
+        assert pool_used(manager) == held  # every block shared, none copied
+        fork_reply = fork.chat(filler(1), max_new_tokens=6).text
+        parent_reply = parent.chat(filler(2), max_new_tokens=6).text
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'b.db'}", default_policy=POLICY) as manager:
+        parent = manager.session("p", tenant="acme")
+        parent.chat(filler(0), max_new_tokens=6)
+        assert parent.fork("f").chat(filler(1), max_new_tokens=6).text == fork_reply
+        assert parent.chat(filler(2), max_new_tokens=6).text == parent_reply
+
+
+def test_an_edited_history_rewinds_the_pooled_rows(tiny, tmp_path):
+    replies = {}
+    for pooled in (False, True):
+        with SessionManager(tiny, f"sqlite:///{tmp_path / f'{pooled}.db'}", device_budget_bytes=BUDGET,
+                            pooled=pooled) as manager:
+            session = manager.session("s", tenant="acme")
+            session.chat(filler(0), max_new_tokens=6)
+            second = session.chat(filler(1), max_new_tokens=6)
+            edited = session.messages[:2] + [{"role": "user", "content": filler(2)}]
+            third = session.chat(edited, max_new_tokens=6)
+            assert third.usage.dropped_tokens > 0 and third.usage.reused_tokens > 0
+            replies[pooled] = [second.text, third.text]
+            if pooled:
+                assert session.cache.physical_length == session.cache.logical_length  # nothing compacted
+                assert session.cache.unused_slots < tiny.num_layers * tiny.num_kv_heads * 16
+    assert replies[True] == replies[False]
+
+
+def test_a_compaction_asked_for_that_changes_nothing_is_refused_and_leaves_the_pool_alone(tiny, tmp_path):
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        session = manager.session("s", tenant="acme")
+        session.chat("hello", max_new_tokens=3)
+        held, used = session.cache.to_tensors(), pool_used(manager)
+        with pytest.raises(CompactionUnreachable):
+            session.compact()
+        assert pool_used(manager) == used and session.cache.to_tensors()[1] == held[1]
+        converse(manager, "s", 3)
+        event = session.compact(target_ratio=8, keep_recent=16)
+        assert event["rows_after"] < event["rows_before"] and session.cache.spans
+        assert session.cache.compaction_stats is not None
+
+
+def test_a_damaged_stored_session_takes_no_block(tiny, tmp_path):
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    with SessionManager(tiny, db, device_budget_bytes=BUDGET, pooled=True) as manager:
+        converse(manager, "s", 2)
+    with SessionManager(tiny, db, device_budget_bytes=BUDGET, pooled=True) as manager:
+        stored = manager.store.get("acme", "s")
+        blob = bytearray(stored.blob)
+        blob[data_offset(blob) + 64] ^= 0x55
+        manager.store.put("acme", "s", stored.model_copy(update={"blob": bytes(blob)}),
+                          expected_version=stored.version)
+        with pytest.raises(CorruptSessionError):
+            manager.session("s", tenant="acme")
+        assert pool_used(manager) == 0
+        rebuilt = manager.session("s", tenant="acme", rebuild=True)
+        assert rebuilt.cache.logical_length == 0 and pool_used(manager) == 0
+        rebuilt.chat("again", max_new_tokens=3)
+        assert pool_used(manager) > 0
+
+
+def test_pooled_sessions_need_a_device_budget_that_holds_a_session(tiny, tmp_path):
+    with pytest.raises(InvalidInput, match="device_budget_bytes"):
+        SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", pooled=True)
+    with pytest.raises(InvalidInput, match="block"):
+        SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=1024, pooled=True)
+
+
+def test_pooled_sessions_in_turns_at_once_reply_as_each_alone(tiny, tmp_path):
+    """Three threads' turns share the scheduler's forwards and change the pools only on its thread."""
+    alone = {}
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'a.db'}", default_policy=POLICY, device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        for i in range(3):
+            alone[f"s{i}"] = converse(manager, f"s{i}", 4, first=i)
+    together: dict[str, list[str]] = {}
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 't.db'}", default_policy=POLICY, device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        threads = [threading.Thread(target=lambda i=i: together.update({f"s{i}": converse(manager, f"s{i}", 4,
+                                                                                           first=i)}))
+                   for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert manager.stats()["compactions"] >= 3
+    assert together == alone
