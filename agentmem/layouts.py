@@ -29,6 +29,7 @@ from agentmem.paged_sessions import PagedSession
 from agentmem.placement import Placement, replace_positions
 from agentmem.policy import BudgetPolicy
 from agentmem.pool import BlockPool
+from agentmem.prefixes import PrefixIndex
 from agentmem.storage import decode_cache, decode_into_pools, decoded_nbytes, pooled_nbytes
 
 Rows = SessionCache | PagedSession
@@ -41,6 +42,7 @@ class SessionLayout(Protocol):
     """What a session does to its rows, done where they live."""
 
     engine: Engine
+    shares_prefixes: bool  # whether sessions' prompts are shared (:meth:`adopt_prefix`, :meth:`share_prefix`)
 
     def empty(self) -> Rows:
         """A new session's rows: none."""
@@ -61,6 +63,16 @@ class SessionLayout(Protocol):
 
     def release(self, rows: Rows) -> None:
         """The rows are no longer a session's: give back what they hold."""
+
+    def adopt_prefix(self, rows: Rows, tenant: str, token_ids: list[int]) -> Rows:
+        """A new session's rows (``rows``, empty) about to read ``token_ids``: rows already holding the
+        longest prefix of them that ``tenant``'s sessions shared (:meth:`share_prefix`), else ``rows``."""
+
+    def share_prefix(self, rows: Rows, tenant: str, tokens: int) -> None:
+        """Offer the rows of ``rows``'s first ``tokens`` tokens (a system prompt) to ``tenant``'s later sessions."""
+
+    def reclaim(self) -> int:
+        """Free what is kept for sessions to come (shared prefixes no session holds); bytes freed."""
 
     def decode(self, blob: bytes | bytearray | memoryview) -> Rows:
         """A stored session's rows (:func:`~agentmem.storage.encode_cache` output) on the device."""
@@ -94,6 +106,8 @@ def _compacted(engine: Engine, cache: SessionCache, policy: BudgetPolicy, settin
 class OwnBuffers:
     """Each session's rows in growable tensors of its own (:class:`~agentmem.cache.SessionCache`)."""
 
+    shares_prefixes = False
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
@@ -116,6 +130,15 @@ class OwnBuffers:
     def release(self, rows: SessionCache) -> None:
         """Nothing to give back: the buffers go with the last reference to them."""
 
+    def adopt_prefix(self, rows: SessionCache, tenant: str, token_ids: list[int]) -> SessionCache:
+        return rows  # buffers share nothing
+
+    def share_prefix(self, rows: SessionCache, tenant: str, tokens: int) -> None:
+        """Nothing is shared between buffers."""
+
+    def reclaim(self) -> int:
+        return 0
+
     def decode(self, blob: bytes | bytearray | memoryview) -> SessionCache:
         engine = self.engine
         return decode_cache(blob, fingerprint=engine.fingerprint, device=engine.device, dtype=engine.dtype)
@@ -132,6 +155,8 @@ class BlockPools:
     docstring. The pools' blocks are the device budget: :meth:`live_bytes` counts the blocks handed out, a
     block shared by forks or a published prefix once."""
 
+    shares_prefixes = True
+
     def __init__(self, engine: Engine, budget_bytes: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if block_size < 1:
             raise InvalidInput(f"block_size must be positive, got {block_size}")
@@ -143,6 +168,7 @@ class BlockPools:
                                f"per layer ({block_nbytes} bytes each, {engine.num_layers} layers): a session needs "
                                f"one per KV head ({engine.num_kv_heads}); raise the budget or lower block_size")
         self.pools = engine.new_pools(blocks=blocks + 1, block_size=block_size)  # + the null block
+        self.prefixes = PrefixIndex(self.pools)
 
     @property
     def capacity_bytes(self) -> int:
@@ -176,6 +202,26 @@ class BlockPools:
 
     def release(self, rows: PagedSession) -> None:
         self._on_scheduler(rows.release)
+
+    def adopt_prefix(self, rows: PagedSession, tenant: str, token_ids: list[int]) -> PagedSession:
+        """Rows holding, shared, the longest prefix of ``token_ids`` the tenant's sessions listed (whole
+        blocks, never the last token); ``rows`` when none is listed. Another tenant's are never found."""
+        if rows.logical_length or len(token_ids) <= self.pools[0].block_size:
+            return rows
+        engine = self.engine
+        adopted = self._on_scheduler(lambda: PagedSession.adopting(self.prefixes, tenant, token_ids,
+                                                                   engine.num_kv_heads, engine.fingerprint))
+        return adopted if adopted.logical_length else rows
+
+    def share_prefix(self, rows: PagedSession, tenant: str, tokens: int) -> None:
+        """List the full blocks of ``rows``'s first ``tokens`` tokens, while they are raw rows at their own
+        positions (:meth:`PagedSession.publish <agentmem.paged_sessions.PagedSession.publish>`): held by the
+        index until no session holds them and room is needed (:meth:`reclaim`)."""
+        if min(tokens, *(layer.raw_prefix for layer in rows.rows)) >= self.pools[0].block_size:
+            self._on_scheduler(lambda: self.prefixes.publish(tenant, rows.rows, rows.token_ids[:tokens]))
+
+    def reclaim(self) -> int:
+        return self._on_scheduler(self.prefixes.drop_unheld) * self.pools[0].block_nbytes
 
     def decode(self, blob: bytes | bytearray | memoryview) -> PagedSession:
         return self._on_scheduler(lambda: decode_into_pools(blob, self.pools, fingerprint=self.engine.fingerprint))

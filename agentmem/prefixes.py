@@ -90,6 +90,20 @@ class PrefixIndex:
             for pool, layer_blocks in zip(self.pools, blocks):
                 pool.release(layer_blocks)
 
+    def drop_unheld(self) -> int:
+        """Forget every listed block position no session holds any more (the index its only holder, in every
+        layer and KV head), freeing its blocks: a prompt cached for sessions to come gives way to room for
+        sessions now. Returns how many blocks went back, over every layer and KV head."""
+        freed = 0
+        for entries in self._entries.values():
+            unheld = [key for key, blocks in entries.items()
+                      if all(pool.holders(b) == 1 for pool, layer in zip(self.pools, blocks) for b in layer)]
+            for key in unheld:
+                for pool, layer_blocks in zip(self.pools, entries.pop(key)):
+                    pool.release(layer_blocks)
+                    freed += len(layer_blocks)
+        return freed
+
     def listed_blocks(self, tenant: str) -> int:
         """Blocks listed for ``tenant``, over every layer and KV head."""
         return sum(len(layer) for blocks in self._entries.get(tenant, {}).values() for layer in blocks)

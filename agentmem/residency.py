@@ -337,14 +337,15 @@ class Residency:
     def room(self, need: int, key: SessionKey) -> Iterator[None]:
         """Hold ``need`` bytes of the device budget while ``key``'s cache grows (or loads) by up to that much.
 
-        Idle sessions are spilled to make room (never ``key``'s, nor any holding room); when
+        Shared prompts no session holds are dropped (:meth:`~agentmem.layouts.SessionLayout.reclaim`), then
+        idle sessions are spilled to make room (never ``key``'s, nor any holding room); when
         nothing can be spilled, the ledger grants it over budget only to a thread alone.
         """
         if self.ledger is None:
             yield
             return
         while (reservation := self.ledger.try_reserve(need, key)) is None:
-            if self.evict(need, keep=key):  # spills write: no lock held
+            if self.layout.reclaim() or self.evict(need, keep=key):  # spills write: no lock held
                 continue
             if (reservation := self.ledger.reserve_if_alone(need, key)) is not None:
                 break
@@ -360,7 +361,9 @@ class Residency:
             return
         if self.policy_for(keep.tenant).on_over_budget == "reject" and len(self.registry.keys()) == 1:
             return  # nothing else to spill; the session's own budget is its policy's business
-        self.evict(0, keep=keep.key)
+        self.layout.reclaim()  # prompts kept for sessions to come go first
+        if self.ledger.excess() > 0:
+            self.evict(0, keep=keep.key)
 
     def evict(self, need: int, keep: SessionKey) -> bool:
         """Spill the ledger's victims, least recently used first, until ``need`` more bytes fit; whether any

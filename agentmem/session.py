@@ -201,6 +201,9 @@ class Session:
             self._rewind(keep, usage)
             usage.reprefilled_tokens += min(len(delta), held - keep)
             delta += prefix
+            if not self.cache.logical_length:  # a new session may start on its tenant's shared prompt
+                self.cache = self._host.layout.adopt_prefix(self.cache, self.tenant, delta)
+                delta = delta[self.cache.logical_length:]
             usage.reused_tokens = self.cache.logical_length
             usage.prefilled_tokens += len(delta)
             self._cancelled = cancelled
@@ -239,6 +242,8 @@ class Session:
             usage.live_tokens, usage.logical_tokens = self.cache.physical_length, self.cache.logical_length
             usage.position = self.cache.next_position
             usage.live_bytes = self.cache.allocated_nbytes
+            if self._host.layout.shares_prefixes:
+                self._host.layout.share_prefix(self.cache, self.tenant, self._system_prompt_length(conversation, tools))
             self._host.turn_done(self, usage)
             yield usage
 
@@ -525,7 +530,12 @@ class Session:
     def _protected_length(self, messages: Sequence[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None) -> int:
         """Tokens of the leading system prompt of ``messages`` rendered with ``tools``, when the
         policy protects it (else 0)."""
-        if not self.policy.protect_system_prompt or not messages or messages[0]["role"] != "system":
+        return self._system_prompt_length(messages, tools) if self.policy.protect_system_prompt else 0
+
+    def _system_prompt_length(self, messages: Sequence[Mapping[str, Any]],
+                              tools: list[Mapping[str, Any]] | None) -> int:
+        """Tokens of the leading system prompt of ``messages`` rendered with ``tools`` (0 without one)."""
+        if not messages or messages[0]["role"] != "system":
             return 0
         return len(self.engine.prompt_delta([], list(messages[:1]), tools=tools))
 

@@ -194,3 +194,67 @@ def test_pooled_sessions_in_turns_at_once_reply_as_each_alone(tiny, tmp_path):
             thread.join()
         assert manager.stats()["compactions"] >= 3
     assert together == alone
+
+
+SYSTEM = {"role": "system", "content": "You are the support agent of a shipping company. " + filler(20)}
+
+
+def test_a_tenants_sessions_hold_their_shared_system_prompt_once(tiny, tmp_path):
+    """Every session after the first starts on the prompt's blocks (read once, held once); replies are those of
+    sessions that read it themselves; another tenant's sessions never find it."""
+    replies, reused = {}, {}
+    for pooled in (False, True):
+        with SessionManager(tiny, f"sqlite:///{tmp_path / f'{pooled}.db'}", device_budget_bytes=BUDGET,
+                            pooled=pooled) as manager:
+            replies[pooled], reused[pooled] = [], []
+            for i in range(4):
+                reply = manager.session(f"s{i}", tenant="acme").chat([SYSTEM, {"role": "user", "content": filler(i)}],
+                                                                      max_new_tokens=6)
+                replies[pooled].append(reply.text)
+                reused[pooled].append(reply.usage.reused_tokens)
+                if pooled and i == 0:
+                    one = pool_used(manager)
+            if pooled:
+                prompt = len(tiny.prompt_delta([], [SYSTEM]))
+                shared = prompt // 16  # full blocks of the prompt, per layer and KV head
+                per_head = tiny.num_layers * tiny.num_kv_heads
+                assert pool_used(manager) == 4 * one - 3 * shared * per_head  # the prompt's blocks held once
+                other = manager.session("o", tenant="globex").chat([SYSTEM, {"role": "user", "content": filler(0)}],
+                                                                   max_new_tokens=6)
+                assert other.usage.reused_tokens == 0 and other.text == replies[True][0]
+    assert replies[True] == replies[False]
+    assert reused[False] == [0] * 4 and reused[True][0] == 0 and reused[True][1:] == [shared * 16] * 3
+
+
+def test_a_shared_prompt_no_session_holds_gives_way_to_sessions(tiny, tmp_path):
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        for i in range(2):
+            manager.session(f"s{i}", tenant="acme").chat([SYSTEM, {"role": "user", "content": filler(i)}],
+                                                         max_new_tokens=3)
+        manager.delete("acme", "s0")
+        assert manager.layout.reclaim() == 0  # s1 still holds it
+        manager.delete("acme", "s1")
+        assert pool_used(manager) > 0  # the prompt, kept for sessions to come
+        assert manager.layout.reclaim() > 0 and pool_used(manager) == 0
+        reply = manager.session("s2", tenant="acme").chat([SYSTEM, {"role": "user", "content": "hi"}],
+                                                          max_new_tokens=3)
+        assert reply.usage.reused_tokens == 0  # read again, and listed again
+        assert manager.session("s3", tenant="acme").chat([SYSTEM, {"role": "user", "content": "ho"}],
+                                                         max_new_tokens=3).usage.reused_tokens > 0
+
+
+def test_a_turn_short_of_room_drops_shared_prompts_no_session_holds(tiny, tmp_path):
+    messages = [SYSTEM, {"role": "user", "content": filler(0)}]
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'one.db'}", device_budget_bytes=BUDGET, pooled=True) as manager:
+        manager.session("s", tenant="acme").chat(messages, max_new_tokens=3)
+        one = manager.session("s", tenant="acme").cache.held_nbytes
+    per_block = tiny.num_layers * manager.layout.pools[0].block_nbytes
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=-(-one // per_block) * per_block,
+                        pooled=True) as manager:
+        manager.session("s", tenant="acme").chat(messages, max_new_tokens=3)
+        manager.delete("acme", "s")
+        assert pool_used(manager) > 0  # the prompt, listed
+        other = [{"role": "system", "content": "You answer in French. " + filler(21)}, messages[1]]
+        manager.session("t", tenant="acme").chat(other, max_new_tokens=3)  # room: the listed prompt goes
+        assert manager.layout.prefixes.listed_blocks("acme") > 0  # t's own prompt, listed in its place
