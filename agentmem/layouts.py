@@ -152,8 +152,10 @@ class OwnBuffers:
 
 class BlockPools:
     """Every session's rows in one block pool per layer, made here to hold ``budget_bytes``; see the module
-    docstring. The pools' blocks are the device budget: :meth:`live_bytes` counts the blocks handed out, a
-    block shared by forks or a published prefix once."""
+    docstring. The pools' blocks are the device budget: :meth:`live_bytes` counts the blocks handed out (in
+    the busiest pool), a block shared by forks or a published prefix once. A turn granted room over the
+    budget (a thread alone: :meth:`~agentmem.ledger.DeviceLedger.reserve_if_alone`) gets
+    :class:`~agentmem.errors.PoolExhausted` once a pool has no block left, where buffers would grow."""
 
     shares_prefixes = True
 
@@ -176,8 +178,8 @@ class BlockPools:
         return sum((pool.blocks - 1) * pool.block_nbytes for pool in self.pools)
 
     def empty(self) -> PagedSession:
-        engine = self.engine
-        return PagedSession.empty(self.pools, engine.num_kv_heads, engine.fingerprint)
+        engine = self.engine  # a session takes a row of the pools' block tables: a change to the pools
+        return self._on_scheduler(lambda: PagedSession.empty(self.pools, engine.num_kv_heads, engine.fingerprint))
 
     def fork(self, rows: PagedSession) -> PagedSession:
         return self._on_scheduler(rows.fork)
@@ -224,13 +226,15 @@ class BlockPools:
         return self._on_scheduler(self.prefixes.drop_unheld) * self.pools[0].block_nbytes
 
     def decode(self, blob: bytes | bytearray | memoryview) -> PagedSession:
-        return self._on_scheduler(lambda: decode_into_pools(blob, self.pools, fingerprint=self.engine.fingerprint))
+        return decode_into_pools(blob, self.pools, fingerprint=self.engine.fingerprint, on_pools=self._on_scheduler)
 
     def decoded_nbytes(self, header: dict[str, Any]) -> int:
         return pooled_nbytes(header, self.pools[0].block_size, self.pools[0].block_nbytes)
 
     def live_bytes(self, sessions_nbytes: Callable[[], int]) -> int:
-        return sum(pool.used_nbytes for pool in self.pools)
+        """The busiest pool's used bytes, times the number of pools: a compaction leaves layers holding
+        different numbers of blocks, and the first pool to fill is the one a turn runs out of."""
+        return max(pool.used_nbytes for pool in self.pools) * len(self.pools)
 
     def _on_scheduler(self, run: Callable[[], T]) -> T:
         """``run()`` on the scheduler's thread, between forwards: the one thread that changes pools."""

@@ -133,8 +133,11 @@ class PagedSession:
 
     def bytes_to_append(self, tokens: int) -> int:
         """Device bytes of the blocks a read of ``tokens`` more tokens takes from the pools (0 when they fit
-        the blocks held), a shared block the rows go into counted as the copy it becomes."""
-        return sum(rows.blocks_to_append(tokens) * rows.pool.block_nbytes for rows in self.rows)
+        the blocks held), a shared block the rows go into counted as the copy it becomes: the most any layer
+        takes, times the layers, as a budget counting the busiest pool sees it."""
+        if not self.rows:
+            return 0
+        return max(rows.blocks_to_append(tokens) * rows.pool.block_nbytes for rows in self.rows) * len(self.rows)
 
     @property
     def unused_slots(self) -> int:
@@ -320,18 +323,58 @@ class PagedSession:
         if keep == len(self.spans) == len(spans) and not dropped:
             return  # what it holds already
         self._check_raw_rows_match(compacted, dropped)
-        new_rows = [[layout.head_rows for layout in layer.layouts[keep:]] for layer in compacted.layers]
+        # A first compaction that keeps the protected prompt as it is (an identity segment of its raw rows)
+        # keeps it where it is: labelled a segment, not written, so its blocks stay shared (a tenant's prompt).
+        labelled = not self.spans and self._holds_as_raw(compacted)
+        raw_prefix = [rows.raw_prefix for rows in self.rows]
+        if labelled:
+            for rows, layer in zip(self.rows, compacted.layers):
+                rows.label_raw(layer.segment(0))
+            keep, dropped = 1, dropped - (spans[0][1] - spans[0][0])
+        try:
+            self._check_room(compacted, keep, dropped)
+        except BaseException:
+            for rows in self.rows if labelled else ():
+                rows.unlabel()
+            raise
+        for rows, layer in zip(self.rows, compacted.layers):
+            rows.compact(keep, [layer.segment(j) for j in range(keep, len(layer.layouts))], dropped)
+        for rows, prefix in zip(self.rows, raw_prefix) if labelled else ():
+            rows.raw_prefix = min(prefix, spans[0][1])  # the prompt's rows are still raw tokens in place
+        self.tail_start = compacted.tail_start
+        self.compaction_stats = compacted.compaction_stats
+
+    def _check_room(self, compacted: SessionCache, keep: int, dropped: int) -> None:
+        """Raise :class:`PoolExhausted` unless every pool has the blocks :meth:`compact_to` takes (copies of
+        the shared blocks it writes into)."""
         needed: dict[int, int] = {}
-        for rows, layer, added in zip(self.rows, compacted.layers, new_rows):
+        for rows, layer in zip(self.rows, compacted.layers):
+            added = [layout.head_rows for layout in layer.layouts[keep:]]
             needed[id(rows.pool)] = needed.get(id(rows.pool), 0) + rows.blocks_to_compact(keep, added, dropped)
         short = [rows.pool for rows in self.rows if needed[id(rows.pool)] > rows.pool.free_blocks]
         if short:
             raise PoolExhausted(f"compacting the session copies {needed[id(short[0])]} shared blocks, "
                                 f"{short[0].free_blocks} free")
+
+    def _holds_as_raw(self, compacted: SessionCache) -> bool:
+        """Whether ``compacted``'s first segment is exactly this session's first raw rows, one per token on
+        every head (an identity segment: keys, values and positions the same, β 0, no score): compared on
+        the device, read back once."""
+        layouts = compacted.layers[0].layouts
+        if not layouts or layouts[0].span[0] != self.tail_start or any(self.rows[0].raw_from):
+            return False
+        start, end = layouts[0].span
+        if any(set(layer.layouts[0].head_rows) != {end - start} for layer in compacted.layers) or (
+                end - start > self.tail_length):
+            return False
+        same = []
         for rows, layer in zip(self.rows, compacted.layers):
-            rows.compact(keep, [layer.segment(j) for j in range(keep, len(layer.layouts))], dropped)
-        self.tail_start = compacted.tail_start
-        self.compaction_stats = compacted.compaction_stats
+            seg, slots, pool = layer.segment(0), rows.raw_slots(0, end - start), rows.pool
+            same += [(pool.keys[slots] == seg.keys.to(pool.device)).all(),
+                     (pool.values[slots] == seg.values.to(pool.device)).all(),
+                     (pool.positions[slots] == seg.positions.to(pool.device)).all(),
+                     (seg.beta == 0).all().to(pool.device), torch.isneginf(seg.scores).all().to(pool.device)]
+        return bool(torch.stack(same).all())
 
     def _check_raw_rows_match(self, compacted: SessionCache, dropped: int) -> None:
         """Refuse a compaction of another history of the same tokens (another cache that read them, compacted

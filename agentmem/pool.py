@@ -130,8 +130,9 @@ class BlockPool:
             self._holders[b] += 1
 
     def release(self, blocks: Iterable[int]) -> None:
-        """One holder fewer for each of ``blocks``; a block nobody holds is free again, its slots hidden (so a
-        free block is always hidden, and taking one costs no device work). Refuses, changing nothing, a block
+        """One holder fewer for each of ``blocks``; a block nobody holds is free again, its slots hidden and
+        unscored (so a free block is always hidden, a raw row's score is always -inf as a session cache has
+        it, and taking a block costs no device work). Refuses, changing nothing, a block
         not held (never handed out, or already back) or named twice."""
         blocks = self._held(blocks)
         freed = []
@@ -141,7 +142,9 @@ class BlockPool:
                 del self._holders[b]
                 freed.append(b)
         if freed:
-            self.hide(self.slots_of(freed))
+            slots = self.slots_of(freed)
+            self.hide(slots)
+            self.scores.index_fill_(0, slots, -math.inf)  # raw rows written there later carry no score
             self._free.extend(sorted(freed, reverse=True))
 
     def _held(self, blocks: Iterable[int]) -> list[int]:
@@ -620,6 +623,22 @@ class PagedRows:
         self.segments = self.segments[:keep] + [HeldSegment.of(seg, self.pool) for seg in new]
         if dropped or sum(plan.added):
             self.raw_prefix = 0  # the first rows are no longer raw tokens 0, 1, … (or no longer all there)
+
+    def label_raw(self, seg: CompactedSegment) -> None:
+        """The first rows of the raw rows, on every head, become the compacted segment ``seg`` that holds
+        exactly them (an identity segment: the protected prompt a first compaction keeps as it is), with
+        nothing written, so blocks shared with other sessions stay shared. The caller checked the rows
+        are those; only while no segment is held. :meth:`unlabel` undoes it."""
+        rows = seg.head_rows[0]
+        if self.segments or any(self.raw_from) or set(seg.head_rows) != {rows} or rows > min(self.raw_rows):
+            raise InvalidInput(f"only the first raw rows of a session holding no segment can be a segment, not "
+                               f"{list(seg.head_rows)} rows of {self.raw_rows}")
+        self.segments = [HeldSegment.of(seg, self.pool)]
+        self.raw_from = [rows] * self.kv_heads
+
+    def unlabel(self) -> None:
+        """Undo :meth:`label_raw`: the rows are raw rows again."""
+        self.segments, self.raw_from = [], [0] * self.kv_heads
 
     def blocks_to_compact(self, keep: int, new_rows: Sequence[Sequence[int]], dropped: int) -> int:
         """Blocks :meth:`compact` takes from the pool (``new_rows``: each new segment's rows per head): a

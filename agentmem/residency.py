@@ -308,6 +308,10 @@ class Residency:
         self.leases.release(session.tenant, session.session_id)
         self._free(session, self.registry.remove)
 
+    def forgotten(self, session: Session) -> None:
+        """``session`` was taken out of the live set (deleted): its device memory goes back now."""
+        self._free(session, lambda _: None)
+
     def _free(self, session: Session, unregister: Callable[[Session], None]) -> None:
         """Release ``session``'s device memory, then take it out of the live set with ``unregister``.
 

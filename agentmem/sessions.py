@@ -218,7 +218,7 @@ class SessionManager:
                 self._residency.checkpoints.discard(key, "the session was deleted")  # none lands after it
                 live = self._registry.forget(key)
                 if live is not None:
-                    live.unload()  # its rows go back now (pool blocks are not freed by the collector)
+                    self._residency.forgotten(live)  # rows go back now: the collector frees no pool block
                 self._spiller.discard(key)
                 removed = self.store.delete(tenant, session_id)
                 self._leases.release(tenant, session_id)
@@ -378,7 +378,12 @@ class _SessionHost:
 
     def adopt(self, key: SessionKey, cache: Rows, messages: list[dict[str, Any]]) -> Session:
         """A new live session holding ``cache`` and ``messages`` (a fork), within the device budget."""
-        session = self._manager._residency.adopt(check_key(*key), cache, messages)
+        try:
+            key = check_key(*key)
+        except BaseException:
+            self.layout.release(cache)  # the fork's rows were made for a session that cannot be
+            raise
+        session = self._manager._residency.adopt(key, cache, messages)
         self._manager._residency.enforce(keep=session)
         return session
 

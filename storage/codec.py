@@ -256,17 +256,18 @@ def decode_cache(
     return _decode(blob, fingerprint, build)
 
 
-def decode_into_pools(blob: bytes | bytearray | memoryview, pools: Sequence[BlockPool], *,
-                      fingerprint: str) -> PagedSession:
+def decode_into_pools(blob: bytes | bytearray | memoryview, pools: Sequence[BlockPool], *, fingerprint: str,
+                      on_pools: Callable[[Callable[[], Any]], Any] = lambda change: change()) -> PagedSession:
     """A pooled session of the model ``fingerprint`` rebuilt from :func:`encode_cache` output straight into
     ``pools`` (one per layer; :meth:`PagedSession.restoring <agentmem.paged_sessions.PagedSession.restoring>`),
     with every check :func:`decode_cache` makes; on failure no block stays taken. The rows take the pools'
-    dtype. It changes the pools: run it on the scheduler's thread (``engine.scheduler.call``)."""
+    dtype. The pools change only inside ``on_pools(change)``: give the scheduler's ``call`` where other
+    threads read the pools, so that only the writing into blocks runs there, not the parsing and checks."""
     def build(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> PagedSession:
         _cache_dtype(header, None)  # checked as decode_cache checks it, though the pools' dtype is taken
-        return PagedSession.restoring(pools, tensors, header["layout"])
+        return on_pools(lambda: PagedSession.restoring(pools, tensors, header["layout"]))
 
-    return _decode(blob, fingerprint, build, discard=PagedSession.release)
+    return _decode(blob, fingerprint, build, discard=lambda session: on_pools(session.release))
 
 
 def _decode(blob: bytes | bytearray | memoryview, fingerprint: str | None,

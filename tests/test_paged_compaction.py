@@ -267,3 +267,34 @@ def test_a_pooled_session_compacts_itself_as_its_cache_would_be(tiny_engine, met
     compacted = compact(engine, cache, method, **settings)
     stored_equal(session.to_tensors(), compacted.to_tensors())
     steps_equal(engine, [session], [compacted], [[5, 6, 7]])
+
+
+def test_a_first_compaction_keeps_a_shared_prompt_where_it_is(tiny_engine):
+    """The protected prompt a session's own compaction keeps as it is (an identity segment of its raw rows) is
+    labelled a segment, not written: its full blocks stay shared with the prefix index, the session reads as
+    the compacted copy, stores as it bit for bit, and the prompt is still adopted right."""
+    from agentmem.prefixes import PrefixIndex
+
+    engine = tiny_engine
+    pools = engine.new_pools(blocks=512, block_size=BLOCK)
+    index = PrefixIndex(pools)
+    prompt = ids_of(70, seed=12)
+    first = PagedSession.empty(pools, engine.num_kv_heads, engine.fingerprint)
+    engine.read_paged([first], [prompt])
+    first.publish(index, "tenant")
+    conversation = prompt + ids_of(150, seed=13)
+    session = PagedSession.adopting(index, "tenant", conversation, engine.num_kv_heads, engine.fingerprint)
+    engine.read_paged([session], [conversation[session.next_token:]])
+    prompt_blocks = [[blocks[:4] for blocks in rows.blocks] for rows in session.rows]  # 64 rows: 4 full blocks
+    used = sum(pool.used_blocks for pool in pools)
+    compacted = compact(engine, session.to_cache(), "am", ratio=4, keep_recent=32, protect_prefix=70)
+    session.compact_to(compacted)
+    assert [[blocks[:4] for blocks in rows.blocks] for rows in session.rows] == prompt_blocks  # nothing copied
+    assert sum(pool.used_blocks for pool in pools) < used and session.spans[0] == (0, 70)
+    stored, expected = session.to_tensors(), compacted.to_tensors()
+    assert stored[1] == expected[1] and all(stored[0][k].equal(v) for k, v in expected[0].items())
+    steps_equal(engine, [session], [compacted], [[5, 6, 7]])
+    assert session.publish(index, "tenant") == 0  # the prompt is listed already; nothing compacted is
+    later = PagedSession.adopting(index, "tenant", conversation, engine.num_kv_heads, engine.fingerprint)
+    assert later.next_token == 64
+    steps_equal(engine, [later], [engine.new_cache()], [conversation[64:]], first_reference_runs=[conversation])

@@ -8,8 +8,9 @@ import threading
 import pytest
 
 from agentmem import BudgetPolicy, Engine, SessionManager
-from agentmem.errors import CompactionUnreachable, CorruptSessionError, InvalidInput
+from agentmem.errors import BudgetExceeded, CompactionUnreachable, CorruptSessionError, InvalidInput
 from agentmem.paged_sessions import PagedSession
+from agentmem.pool import BlockPool, BlockTables
 from agentmem.storage import data_offset
 from helpers import tiny_model
 from test_sessions import filler
@@ -46,8 +47,9 @@ def test_pooled_turns_compact_move_and_reply_as_sessions_with_their_own_buffers(
                 usages[pooled].append(reply.usage)
             assert isinstance(session.cache, PagedSession) == pooled
             if pooled:
-                assert manager.stats()["live_bytes"] == session.cache.held_nbytes == pool_used(manager) * (
-                    manager.layout.pools[0].block_nbytes)
+                pools = manager.layout.pools
+                assert session.cache.held_nbytes == pool_used(manager) * pools[0].block_nbytes
+                assert manager.stats()["live_bytes"] == max(pool.used_nbytes for pool in pools) * len(pools)
     assert replies[True] == replies[False]
     for mine, theirs in zip(usages[True], usages[False]):
         assert (mine.compactions, mine.replacements, mine.live_tokens, mine.logical_tokens, mine.position) == (
@@ -96,7 +98,8 @@ def test_the_pools_are_the_device_budget(tiny, tmp_path):
             assert manager.stats()["live_bytes"] <= budget
         live = {entry["session_id"] for entry in manager.list("acme") if entry["live"]}
         assert {"s4", "s5"} <= live and len(live) <= 3 and manager.stats()["spills"] >= 3
-        assert manager.stats()["live_bytes"] == sum(pool.used_nbytes for pool in manager.layout.pools)
+        pools = manager.layout.pools
+        assert manager.stats()["live_bytes"] == max(pool.used_nbytes for pool in pools) * len(pools)
 
 
 def test_a_fork_shares_its_parents_blocks_and_goes_on_alone(tiny, tmp_path):
@@ -258,3 +261,73 @@ def test_a_turn_short_of_room_drops_shared_prompts_no_session_holds(tiny, tmp_pa
         other = [{"role": "system", "content": "You answer in French. " + filler(21)}, messages[1]]
         manager.session("t", tenant="acme").chat(other, max_new_tokens=3)  # room: the listed prompt goes
         assert manager.layout.prefixes.listed_blocks("acme") > 0  # t's own prompt, listed in its place
+
+
+def test_a_fork_that_cannot_go_live_gives_its_blocks_back(tiny, tmp_path):
+    strict = BudgetPolicy(max_sessions=2, on_over_budget="reject")
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=strict, device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        parent = manager.session("p", tenant="acme")
+        parent.chat(filler(0), max_new_tokens=6)
+        held = pool_used(manager)
+        manager.session("q", tenant="acme")
+        for refused_id, error in (("bad id", InvalidInput), ("q", InvalidInput), ("f", BudgetExceeded)):
+            with pytest.raises(error):
+                parent.fork(refused_id)  # refused: its id, an id taken, the tenant's max_sessions
+            assert pool_used(manager) == held
+        manager.delete("acme", "p")
+        assert pool_used(manager) == 0
+
+
+def test_a_rewind_to_nothing_gives_the_rows_back(tiny, tmp_path):
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=POLICY, device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        session = manager.session("s", tenant="acme")
+        session.chat(filler(0), max_new_tokens=6)
+        session.compact(target_ratio=8, keep_recent=16)
+        reply = session.chat([{"role": "user", "content": filler(3)}], max_new_tokens=6)  # cuts into compacted rows
+        assert reply.usage.reused_tokens == 0 and not session.cache.spans
+        assert pool_used(manager) == sum(rows.held_blocks for rows in session.cache.rows)
+
+
+def test_pools_change_only_on_the_schedulers_thread(tiny, tmp_path, monkeypatch):
+    """Block tables and free lists are not thread-safe: every change, whatever the thread a turn runs in."""
+    off_thread = []
+
+    def on_scheduler(method):
+        def checked(self, *args, **kwargs):
+            if not tiny.scheduler.on_thread:
+                off_thread.append(method.__name__)
+            return method(self, *args, **kwargs)
+        return checked
+
+    for cls, name in ((BlockTables, "attach"), (BlockPool, "allocate"), (BlockPool, "release"),
+                      (BlockPool, "share")):
+        monkeypatch.setattr(cls, name, on_scheduler(getattr(cls, name)))
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=POLICY, device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        converse(manager, "s", 4)
+        session = manager.session("s", tenant="acme")
+        session.fork("f").chat([SYSTEM, {"role": "user", "content": "hi"}], max_new_tokens=3)  # rewound to nothing
+        manager.session("g", tenant="acme").chat([SYSTEM, {"role": "user", "content": "ho"}], max_new_tokens=3)
+        manager.spill("acme", "s")
+        converse(manager, "s", 1, first=4)
+        manager.delete("acme", "f")
+        manager.layout.reclaim()
+    assert off_thread == []
+
+
+def test_layers_holding_different_blocks_spill_sessions_before_a_pool_runs_out(tiny, tmp_path):
+    """After compactions the layers hold different numbers of blocks: the busiest pool is the budget."""
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'one.db'}", default_policy=POLICY, device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        converse(manager, "a", 6)
+        per_layer = [rows.held_blocks for rows in manager.session("a", tenant="acme").cache.rows]
+        block = manager.layout.pools[0].block_nbytes
+    assert len(set(per_layer)) > 1
+    budget = (2 * sum(per_layer) + 2 * tiny.num_layers) * block  # two such sessions on average, 2 blocks spare
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'two.db'}", default_policy=POLICY, device_budget_bytes=budget,
+                        pooled=True) as manager:
+        converse(manager, "a", 6)
+        converse(manager, "b", 6)
+        assert manager.stats()["spills"] >= 1
