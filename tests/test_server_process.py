@@ -217,9 +217,10 @@ def test_a_stop_cancels_a_turn_past_the_drain_deadline_and_exits_0(model, tmp_pa
         stored.close()
 
 
-def test_live_sessions_stay_under_the_device_budget_and_all_resume(model, tmp_path):
-    budget = 150_000  # bytes: room for about three of the tiny model's sessions (49 KiB each here), not eight
-    with ServerProcess(model, tmp_path, "--device-budget", str(budget)) as server:
+@pytest.mark.parametrize("layout", [[], ["--pooled"]], ids=["buffers", "pooled"])
+def test_live_sessions_stay_under_the_device_budget_and_all_resume(model, tmp_path, layout):
+    budget = 150_000  # bytes: room for a few of the tiny model's sessions (49 KiB each on buffers), not eight
+    with ServerProcess(model, tmp_path, "--device-budget", str(budget), *layout) as server:
         firsts = {}
         for i in range(8):
             firsts[f"m{i}"] = server.chat(HELLO, session=f"m{i}", max_tokens=4).json()

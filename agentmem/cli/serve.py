@@ -48,6 +48,9 @@ def serve(
     device_budget: Optional[int] = typer.Option(None, "--device-budget", min=1, help="bytes all live caches may hold "
                                                 "(default: a share of the device's free memory; idle sessions past "
                                                 "it are spilled, least recently used first)"),
+    pooled: bool = typer.Option(False, "--pooled", help="hold live sessions in block pools made at the device "
+                                                      "budget: growth never copies a session, a tenant's shared "
+                                                      "system prompt is held once (default: a buffer per session)"),
     host_budget: Optional[int] = typer.Option(None, "--host-budget", min=1, help="bytes of the host-memory tier "
                                               "(default: a share of available host memory)"),
     sync_spill: bool = typer.Option(False, "--sync-spill", help="answer a turn only once it is in the store (default: "
@@ -105,7 +108,7 @@ def serve(
     log.info("device budget %.1f MiB, host tier %.1f MiB", device_budget / 2**20, host_budget / 2**20)
     manager = SessionManager(engine, store, policies=loaded, default_policy=default,
                              device_budget_bytes=device_budget, host_budget_bytes=host_budget,
-                             lease_seconds=lease_seconds)
+                             lease_seconds=lease_seconds, pooled=pooled)
     run(manager, host=host, port=port, api_keys=keys, limits=limits, drain_seconds=drain_seconds)
 
 
