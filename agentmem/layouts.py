@@ -8,9 +8,11 @@ knowing where they are: it asks its host's layout. Two layouts hold them:
 - :class:`BlockPools` — each session a :class:`~agentmem.paged_sessions.PagedSession` in one block pool
   per layer, made once at the size of the device budget (issue [pool]). Growth takes blocks and never
   copies a session; compaction writes its new rows where the replaced ones were and re-placement
-  re-rotates keys in place; forks share blocks. Pool bookkeeping is not thread-safe, so every change
-  runs on the scheduler's thread (``engine.scheduler.call``), and blocks go back only when released:
-  the manager releases a session's rows when it unloads it.
+  re-rotates keys in place; forks share blocks; a tenant's system prompt is held once; decode steps
+  run compiled (:class:`~agentmem.paged_decode.CompiledDecode`, by default on CUDA: CUDA graphs).
+  Pool bookkeeping is not thread-safe, so every change runs on the scheduler's thread
+  (``engine.scheduler.call``), and blocks go back only when released: the manager releases a
+  session's rows when it unloads it.
 
 Both give the rows the same stored form (:func:`~agentmem.storage.encode_cache`), so a session spilled
 from one resumes in the other.
@@ -25,6 +27,8 @@ from agentmem.cache import SessionCache
 from agentmem.compaction import check_reachable, compact
 from agentmem.engine import Engine
 from agentmem.errors import InvalidInput
+from agentmem.paged_attention import FLEX_CUDA_BLOCK
+from agentmem.paged_decode import CompiledDecode
 from agentmem.paged_sessions import PagedSession
 from agentmem.placement import Placement, replace_positions
 from agentmem.policy import BudgetPolicy
@@ -35,7 +39,7 @@ from agentmem.storage import decode_cache, decode_into_pools, decoded_nbytes, po
 Rows = SessionCache | PagedSession
 
 T = TypeVar("T")
-DEFAULT_BLOCK_SIZE = 16  # slots per block: a session wastes under one block per layer and KV head
+DEFAULT_BLOCK_SIZE = 16  # slots per block: a session wastes under one block per layer and KV head (CPU)
 
 
 class SessionLayout(Protocol):
@@ -73,6 +77,9 @@ class SessionLayout(Protocol):
 
     def reclaim(self) -> int:
         """Free what is kept for sessions to come (shared prefixes no session holds); bytes freed."""
+
+    def close(self) -> None:
+        """The manager is closing: stop serving its sessions (their rows stay readable)."""
 
     def decode(self, blob: bytes | bytearray | memoryview) -> Rows:
         """A stored session's rows (:func:`~agentmem.storage.encode_cache` output) on the device."""
@@ -139,6 +146,9 @@ class OwnBuffers:
     def reclaim(self) -> int:
         return 0
 
+    def close(self) -> None:
+        """Nothing to stop."""
+
     def decode(self, blob: bytes | bytearray | memoryview) -> SessionCache:
         engine = self.engine
         return decode_cache(blob, fingerprint=engine.fingerprint, device=engine.device, dtype=engine.dtype)
@@ -159,7 +169,10 @@ class BlockPools:
 
     shares_prefixes = True
 
-    def __init__(self, engine: Engine, budget_bytes: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, engine: Engine, budget_bytes: int, *, block_size: int | None = None,
+                 compiled_decode: bool | None = None) -> None:
+        on_cuda = engine.device.type == "cuda"
+        block_size = block_size if block_size is not None else FLEX_CUDA_BLOCK if on_cuda else DEFAULT_BLOCK_SIZE
         if block_size < 1:
             raise InvalidInput(f"block_size must be positive, got {block_size}")
         self.engine = engine
@@ -171,6 +184,10 @@ class BlockPools:
                                f"one per KV head ({engine.num_kv_heads}); raise the budget or lower block_size")
         self.pools = engine.new_pools(blocks=blocks + 1, block_size=block_size)  # + the null block
         self.prefixes = PrefixIndex(self.pools)
+        self.compiled: CompiledDecode | None = None  # the decode step compiled for these pools, if any
+        if on_cuda if compiled_decode is None else compiled_decode:
+            self.compiled = CompiledDecode(engine, self.pools)  # takes a sink block per pool
+            engine.scheduler.serve_decode(self.compiled)
 
     @property
     def capacity_bytes(self) -> int:
@@ -224,6 +241,13 @@ class BlockPools:
 
     def reclaim(self) -> int:
         return self._on_scheduler(self.prefixes.drop_unheld) * self.pools[0].block_nbytes
+
+    def close(self) -> None:
+        """Stop serving the pools' decode steps compiled (its sink blocks go back)."""
+        if self.compiled is not None:
+            compiled, self.compiled = self.compiled, None
+            self.engine.scheduler.serve_decode(None, instead_of=compiled)
+            self._on_scheduler(compiled.close)
 
     def decode(self, blob: bytes | bytearray | memoryview) -> PagedSession:
         return decode_into_pools(blob, self.pools, fingerprint=self.engine.fingerprint, on_pools=self._on_scheduler)

@@ -153,10 +153,27 @@ class CompiledDecode:
         ids = [self.engine.check_tokens([token], session)[0] for session, token in zip(sessions, tokens)]
         if any(rows.pool is not pool for s in sessions for rows, pool in zip(s.rows, self.pools, strict=True)):
             raise InvalidInput("a session of other pools cannot be read by this decode")
-        return self.engine.scheduler.call(lambda: self._step(list(sessions), ids))
+        return self.engine.scheduler.call(lambda: self._logged(list(sessions), ids))
+
+    def _logged(self, sessions: list[PagedSession], ids: list[int]) -> torch.Tensor:
+        logits = self.commit(sessions, ids)
+        for session, token in zip(sessions, ids):
+            session.token_ids.append(token)
+        return logits
+
+    def serves(self, sessions: Sequence[PagedSession]) -> bool:
+        """Whether one step can read a token into each of ``sessions``: not closed, at most the largest
+        bucket, each session once and held in this decode's pools."""
+        return (bool(self.sinks) and 0 < len(sessions) <= BUCKETS[-1]
+                and len({id(s) for s in sessions}) == len(sessions)
+                and all(len(s.rows) == len(self.pools) and all(r.pool is p for r, p in zip(s.rows, self.pools))
+                        for s in sessions))
 
     @torch.inference_mode()
-    def _step(self, sessions: list[PagedSession], ids: list[int]) -> torch.Tensor:
+    def commit(self, sessions: list[PagedSession], ids: list[int]) -> torch.Tensor:
+        """Logits ``(len(sessions), vocab)`` of a step reading checked token ``ids[b]`` into ``sessions[b]``
+        (:meth:`serves`), their rows committed, the tokens not logged (the caller logs them); on the
+        scheduler's thread. If the step fails, no session changes and no block stays taken."""
         rows = [[s.rows[layer] for s in sessions] for layer in range(len(self.pools))]
         every = [r for layer_rows in rows for r in layer_rows]
         reserve_each(every, [1] * len(every))
@@ -178,8 +195,6 @@ class CompiledDecode:
         for layer_rows in rows:
             for session, r in zip(sessions, layer_rows):
                 r.commit_raw(session.next_token, session.next_position, 1)
-        for session, token in zip(sessions, ids):
-            session.token_ids.append(token)
         return logits
 
     def _compiled(self, bucket: int, width: int) -> tuple[_BucketStep, _Step]:

@@ -15,7 +15,9 @@ Two kinds of work reach the scheduler:
   lengths and compacted rows with β included, never copied into one padded tensor). Sessions held
   in block pools (:class:`~agentmem.paged_sessions.PagedSession`) are read the same way, in a
   forward of their own (:meth:`Engine.commit_paged <agentmem.engine.Engine.commit_paged>`: one
-  attention call per layer for all of them) when both kinds wait. A read that
+  attention call per layer for all of them) when both kinds wait; a forward of pooled decode steps
+  alone is one compiled call when a compiled step serves their pools (:meth:`Scheduler.serve_decode`,
+  :class:`~agentmem.paged_decode.CompiledDecode`: CUDA graphs on a GPU). A read that
   asks for a token gets it: one LM-head product over the last hidden state of every such read in
   the forward, one sampling call (:func:`agentmem.sampling.sample_rows`, each row its own
   settings) and one copy of the tokens to the host.
@@ -93,6 +95,16 @@ class Model(Protocol):
         """Logits of final hidden states."""
 
 
+class DecodeStep(Protocol):
+    """A compiled decode step of pooled sessions (:class:`~agentmem.paged_decode.CompiledDecode`)."""
+
+    def serves(self, sessions: Sequence[PagedSession]) -> bool:
+        """Whether one step can read a token into each of ``sessions``."""
+
+    def commit(self, sessions: list[PagedSession], ids: list[int]) -> torch.Tensor:
+        """Logits ``(sessions, vocab)`` of the step reading ``ids[b]`` into ``sessions[b]``, rows committed."""
+
+
 @dataclass(eq=False)
 class PendingRead:
     """A turn's tokens waiting to be read; a prompt's may take several forwards (``done`` counts them)."""
@@ -156,8 +168,17 @@ class Scheduler:
         self._running: list[PendingRead] = []  # the reads of the forward under way
         self._job_next = False  # jobs and forwards of reads take turns while both wait
         self._stopped: SchedulerStopped | None = None
+        self._decode_steps: list[DecodeStep] = []  # compiled steps for pooled sessions (serve_decode)
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+
+    def serve_decode(self, step: DecodeStep | None, *, instead_of: DecodeStep | None = None) -> None:
+        """Run forwards of decode steps alone of pooled sessions that ``step`` serves (:meth:`DecodeStep.serves`)
+        as its compiled call; ``instead_of``: a step no longer used (removed). Forwards of callers with
+        dispatch modes active (cost counters, fake tensors) stay eager: a compiled step is not traced there."""
+        def change() -> None:  # between forwards: none is using a step removed
+            self._decode_steps = [s for s in self._decode_steps if s is not instead_of] + ([step] if step else [])
+        self.call(change)
 
     @property
     def on_thread(self) -> bool:
@@ -343,10 +364,13 @@ class Scheduler:
             self._run(pooled)
             self._last_forward_seconds = time.monotonic() - began  # what this batch's turns waited for
             return
+        compiled = self._decode_step_for(batch) if pooled else None
         try:
             with callers_modes([r for r, _ in batch]):
                 runs = [r.ids[r.done : r.done + n] for r, n in batch]
-                if pooled:
+                if compiled is not None:  # logits, one row a session: the head ran inside the compiled step
+                    hidden = compiled.commit([r.cache for r, _ in batch], [run[0] for run in runs])[None]
+                elif pooled:
                     hidden = self.engine.commit_paged([r.cache for r, _ in batch], runs)
                 else:
                     hidden = self.engine.commit_rows([r.cache for r, _ in batch], runs, [r.bias_rows for r, _ in batch])
@@ -361,15 +385,24 @@ class Scheduler:
                 self._waiting = [r for r in self._waiting if r is not read]
             read.finished.set_exception(exc)
             return
-        self._finish(batch, hidden)
+        self._finish(batch, hidden, are_logits=compiled is not None)
         self._last_forward_seconds = time.monotonic() - began  # its one host read included: the device's time
 
-    def _finish(self, batch: list[tuple[PendingRead, int]], hidden: torch.Tensor) -> None:
+    def _decode_step_for(self, batch: list[tuple[PendingRead, int]]) -> DecodeStep | None:
+        """The compiled step that runs ``batch`` (pooled reads), if it is one token for each session and
+        no caller has a dispatch mode active; else None (an eager forward)."""
+        if not self._decode_steps or any(n != 1 or r.modes for r, n in batch):
+            return None
+        sessions = [r.cache for r, _ in batch]
+        return next((step for step in self._decode_steps if step.serves(sessions)), None)
+
+    def _finish(self, batch: list[tuple[PendingRead, int]], hidden: torch.Tensor, *, are_logits: bool = False) -> None:
         """Log and advance the reads of a forward that ran; choose the tokens of the finished reads
         that want one (one head product, one sampling call, one host read) and hand them over, and
         the withdrawn reads with tokens left :class:`TurnCancelled` (their rows so far committed
         and logged). A withdrawn read that the forward finished gets its result: its rows are
-        committed and logged, and its turn stops where its caller does."""
+        committed and logged, and its turn stops where its caller does. ``are_logits``: ``hidden``
+        holds the forward's logits already (a compiled step's)."""
         end = 0
         finished, withdrawn, last_rows = [], [], []
         for read, n in batch:
@@ -382,7 +415,7 @@ class Scheduler:
             elif read.dropped:  # a prompt cut between chunks, each committed and logged
                 withdrawn.append(read)
         choosing = [(read, row) for read, row in zip(finished, last_rows) if read.sampling is not None]
-        tokens = self._choose_each(hidden, choosing)
+        tokens = self._choose_each(hidden, choosing, are_logits)
         leaving = finished + withdrawn  # of this batch only: a retried half's other half has not run yet
         with self._changed:
             self._waiting = [r for r in self._waiting if all(r is not gone for gone in leaving)]
@@ -399,7 +432,8 @@ class Scheduler:
         for read in withdrawn:
             read.finished.set_exception(TurnCancelled(WITHDRAWN))
 
-    def _choose_each(self, hidden: torch.Tensor, choosing: list[tuple[PendingRead, int]]) -> dict[int, int | Exception]:
+    def _choose_each(self, hidden: torch.Tensor, choosing: list[tuple[PendingRead, int]],
+                     are_logits: bool = False) -> dict[int, int | Exception]:
         """The next token of each read in ``choosing`` by its id, chosen together; if that fails,
         each alone, so that only a read whose choice fails gets the error (its rows stay
         committed and logged, as after any failure past a forward)."""
@@ -408,7 +442,7 @@ class Scheduler:
         streams = [(read.sampling.rng, read.sampling.rng.getstate()) for read, _ in choosing]
         try:
             with callers_modes([r for r, _ in choosing]):
-                return dict(zip((id(r) for r, _ in choosing), self._choose(hidden, choosing)))
+                return dict(zip((id(r) for r, _ in choosing), self._choose(hidden, choosing, are_logits)))
         except Exception as exc:  # noqa: BLE001 - isolated below
             if len(choosing) == 1:
                 return {id(choosing[0][0]): exc}
@@ -416,17 +450,18 @@ class Scheduler:
             rng.setstate(state)
         chosen: dict[int, int | Exception] = {}
         for one in choosing:
-            chosen.update(self._choose_each(hidden, [one]))
+            chosen.update(self._choose_each(hidden, [one], are_logits))
         return chosen
 
-    def _choose(self, hidden: torch.Tensor, choosing: list[tuple[PendingRead, int]]) -> list[int]:
+    def _choose(self, hidden: torch.Tensor, choosing: list[tuple[PendingRead, int]],
+                are_logits: bool = False) -> list[int]:
         """The next token of each read in ``choosing`` (read, its last row in ``hidden``): one head
-        product over those rows, one sampling call, one host read."""
+        product over those rows (none when ``hidden`` holds logits), one sampling call, one host read."""
         rows = [row for _, row in choosing]
         states = hidden[0]
         if rows != list(range(states.shape[0])):  # not a forward of decode steps alone: pick the rows
             states = states.index_select(0, to_device(rows, states.device))
-        logits = self.engine.head(states)
+        logits = states if are_logits else self.engine.head(states)
         return sample_rows(logits, [read.sampling for read, _ in choosing]).tolist()
 
 

@@ -55,6 +55,7 @@ from agentmem.errors import (
     InvalidInput,
     ModelMismatch,
     Overloaded,
+    PoolExhausted,
     RequestTooLarge,
     SessionBusy,
     SessionNotFound,
@@ -217,6 +218,7 @@ ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
     (Overloaded, 429, "rate_limit_error", "too_many_turns"),
     (CorruptStoreError, 500, "server_error", "store_damaged"),
     (ServerStopping, 503, "service_unavailable", "server_stopping"),
+    (PoolExhausted, 503, "service_unavailable", "pool_exhausted"),  # --pooled: no block free now; retry
     (StoreUnavailable, 503, "store_unavailable", "store_unavailable"),
 ]
 

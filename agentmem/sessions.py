@@ -32,7 +32,7 @@ from agentmem.errors import AgentMemError, InvalidInput, SessionBusy
 from agentmem.host_memory import read_buffer_for
 from agentmem.host_tier import HostTier
 from agentmem.keys import SessionKey
-from agentmem.layouts import DEFAULT_BLOCK_SIZE, BlockPools, OwnBuffers, Rows, SessionLayout
+from agentmem.layouts import BlockPools, OwnBuffers, Rows, SessionLayout
 from agentmem.leases import LeaseKeeper, process_owner
 from agentmem.ledger import DeviceLedger
 from agentmem.metrics import Metrics, prometheus_text
@@ -63,8 +63,9 @@ class SessionManager:
     (:mod:`agentmem.host_tier`).
 
     ``pooled=True`` holds the sessions' rows in block pools (:class:`~agentmem.layouts.BlockPools`, blocks of
-    ``block_size`` slots) made once at ``device_budget_bytes``, which it then needs: the pools are the
-    device budget, a block shared by forks counted once. Otherwise each session holds buffers of its own
+    ``block_size`` slots: by default 128 on CUDA, 16 elsewhere) made once at ``device_budget_bytes``, which it
+    then needs: the pools are the device budget, a block shared by forks counted once; decode steps run
+    compiled when ``compiled_decode`` (default: on CUDA). Otherwise each session holds buffers of its own
     (:class:`~agentmem.layouts.OwnBuffers`). Stateless sessions (:meth:`ephemeral`) hold their own buffers
     either way: they are never released, only dropped.
     """
@@ -81,7 +82,8 @@ class SessionManager:
         lease_wait: float = 0.0,
         host_budget_bytes: int | None = None,
         pooled: bool = False,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
+        compiled_decode: bool | None = None,
     ) -> None:
         if device_budget_bytes is not None and device_budget_bytes <= 0:
             raise InvalidInput(f"device_budget_bytes must be positive, got {device_budget_bytes}")
@@ -93,8 +95,8 @@ class SessionManager:
             raise InvalidInput(f"lease_seconds must be positive and lease_wait non-negative, got {lease_seconds}, "
                                f"{lease_wait}")
         self.engine = engine
-        self.layout: SessionLayout = (BlockPools(engine, device_budget_bytes, block_size=block_size) if pooled
-                                      else OwnBuffers(engine))
+        self.layout: SessionLayout = (BlockPools(engine, device_budget_bytes, block_size=block_size,
+                                                 compiled_decode=compiled_decode) if pooled else OwnBuffers(engine))
         self.store: CacheStore = open_store(store) if store is None or isinstance(store, str) else store
         self.policies = dict(policies or {})
         self.default_policy = default_policy or BudgetPolicy()
@@ -293,6 +295,7 @@ class SessionManager:
             self._spiller.close()  # queued writes behind land first
             self._leases.stop()
             self.store.close()
+            self.layout.close()
         return live
 
     def __enter__(self) -> SessionManager:

@@ -56,6 +56,7 @@ aten = torch.ops.aten
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK = 16
+PROTECTED = 16  # the protected prefix of the compaction-in-place table's session
 
 
 class WrittenBytes(TorchDispatchMode):
@@ -276,7 +277,8 @@ def compaction_in_place(engine: Engine, tokens: int, more: int) -> list[dict[str
     kept, a 16-token protected prefix; the second time after ``more`` tokens, its first segment compacted
     again): bytes written by :meth:`PagedSession.compact_to` (in place) against a fresh copy of the
     compacted cache into the pool (:meth:`PagedSession.holding`), over the bytes of the rows the compaction
-    made (their keys, values, β, order, position and score): what goes into the pool's tensors, and all the tensor
+    made for the compacted span (keys, values, β, order, position and score; the protected prefix is taken in
+    place): what goes into the pool's tensors, and all the tensor
     work (the copy's and the in-place write's gathers of the compacted cache's packed segments, slots);
     blocks each holds; and the largest logit difference of the two reading one more token (the copy is
     the reference)."""
@@ -291,9 +293,11 @@ def compaction_in_place(engine: Engine, tokens: int, more: int) -> list[dict[str
         if run:
             engine.read_paged([session], [run])
             engine.prefill(run, cache)
-        compacted = compact(engine, cache, "global-eviction", ratio=4, keep_recent=128, protect_prefix=16)
+        compacted = compact(engine, cache, "global-eviction", ratio=4, keep_recent=128, protect_prefix=PROTECTED)
+        # Rows made: those of the new segments standing for the compacted span (the protected prefix's
+        # identity segment holds the rows that were there, taken in place unwritten).
         new_rows = sum(sum(layout.head_rows) for layer in compacted.layers for layout in layer.layouts
-                       if layout.span not in session.spans)
+                       if layout.span not in session.spans and layout.span[1] > PROTECTED)
         with PoolWrites(pools) as in_place:
             session.compact_to(compacted)
         with PoolWrites(copy_pools) as copied:

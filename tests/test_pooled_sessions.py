@@ -331,3 +331,22 @@ def test_layers_holding_different_blocks_spill_sessions_before_a_pool_runs_out(t
         converse(manager, "a", 6)
         converse(manager, "b", 6)
         assert manager.stats()["spills"] >= 1
+
+
+@pytest.mark.slow  # compiling the step on the CPU takes a minute or two
+def test_decode_steps_run_compiled_and_reply_as_eager_ones(tiny, tmp_path):
+    """``compiled_decode`` (the default on CUDA; asked for here on CPU): the scheduler runs a forward of
+    pooled decode steps alone as the compiled step, through compactions, with the replies of eager steps."""
+    replies = {}
+    for compiled in (False, True):
+        with SessionManager(tiny, f"sqlite:///{tmp_path / f'{compiled}.db'}", default_policy=POLICY,
+                            device_budget_bytes=BUDGET, pooled=True, compiled_decode=compiled) as manager:
+            replies[compiled] = converse(manager, "s", 5)
+            assert manager.stats()["compactions"] >= 1
+            if compiled:
+                assert list(manager.layout.compiled._steps) == [(1, manager.layout.pools[0].blocks)]
+                sinks = manager.layout.compiled.sinks
+                assert all(pool.holders(sink) == 1 for pool, sink in zip(manager.layout.pools, sinks))
+        if compiled:
+            assert all(pool.holders(sink) == 0 for pool, sink in zip(manager.layout.pools, sinks))  # closed
+    assert replies[True] == replies[False]

@@ -523,10 +523,10 @@ def test_a_failing_token_choice_fails_only_its_turn(tiny_engine, monkeypatch):
         culprit = made[1].clone()
         real_choose = Scheduler._choose
 
-        def choose(self, hidden, choosing):
+        def choose(self, hidden, choosing, *logits):
             if any(read.cache is culprit for read, _ in choosing):
                 raise RuntimeError("out of memory choosing this one")
-            return real_choose(self, hidden, choosing)
+            return real_choose(self, hidden, choosing, *logits)
 
         monkeypatch.setattr(Scheduler, "_choose", choose)
         with scheduled(engine, gather_seconds=0.05):

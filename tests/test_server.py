@@ -357,10 +357,11 @@ def test_a_tenant_over_its_concurrent_turns_gets_429_with_retry_after(manager, s
 
 
 def test_store_and_session_failures_have_their_statuses():
-    from agentmem.errors import CorruptSessionError, CorruptStoreError, ModelMismatch, VersionConflict
+    from agentmem.errors import CorruptSessionError, CorruptStoreError, ModelMismatch, PoolExhausted, VersionConflict
     from agentmem.server import error_body
 
     assert error_body(CorruptStoreError("damaged page"))[0] == 500  # not retryable: restore the store
+    assert error_body(PoolExhausted("no block"))[1]["error"]["code"] == "pool_exhausted"  # 503: retry later
     assert {error_body(e("x"))[0] for e in (VersionConflict, CorruptSessionError, ModelMismatch)} == {409}
     assert error_body(RuntimeError("secret internals"))[1]["error"]["message"].startswith("internal error")
 
