@@ -9,8 +9,8 @@ The same work in both layouts, one after the other in one process: ``--agents`` 
 tenant, each a first turn ``[system prompt, its own question]`` and ``--turns`` − 1 more questions
 (``--reply`` generated tokens a turn, greedy), all turns of one round before the next. The prompt
 is real documentation text cut to ``--prompt`` tokens; the questions are other documentation text.
-Both managers get the same device budget (room for every session: nothing is spilled) and the
-tenant's default policy. Reported per layout:
+Both managers get the same device budget (by default room for every session in either layout:
+the ``spills`` column says whether any was spilled) and the tenant's default policy. Reported per layout:
 
 - **tokens read**: prompt tokens the model read (``prefilled_tokens``) and those a session took
   without reading (``reused_tokens``: rows held from its earlier turns, or the shared prompt);
@@ -58,9 +58,9 @@ def run(engine: Engine, pooled: bool, system: str, asked: list[list[str]], reply
     with SessionManager(engine, store, device_budget_bytes=budget, pooled=pooled,
                         default_policy=BudgetPolicy()) as manager:
         began = time.perf_counter()
+        sessions = [manager.session(f"agent-{agent}", tenant=TENANT) for agent in range(len(asked))]
         for turn in range(len(asked[0])):
-            for agent, mine in enumerate(asked):
-                session = manager.session(f"agent-{agent}", tenant=TENANT)
+            for session, agent, mine in zip(sessions, range(len(asked)), asked):
                 message = {"role": "user", "content": mine[turn]}
                 answer = session.chat([{"role": "system", "content": system}, message] if turn == 0 else message,
                                      max_new_tokens=reply)
@@ -68,19 +68,19 @@ def run(engine: Engine, pooled: bool, system: str, asked: list[list[str]], reply
                 read += answer.usage.prefilled_tokens
                 reused += answer.usage.reused_tokens
         seconds = time.perf_counter() - began
-        live = [manager.session(f"agent-{agent}", tenant=TENANT).cache for agent in range(len(asked))]
+        spills = manager.stats()["spills"]
         prompt_tokens = len(engine.prompt_delta([], [{"role": "system", "content": system}]))
         if pooled:
             layout = manager.layout
             held = sum(pool.used_nbytes for pool in layout.pools)
             prompt_held = layout.prefixes.listed_blocks(TENANT) * layout.pools[0].block_nbytes
         else:
-            held = sum(cache.allocated_nbytes for cache in live)
+            held = sum(session.cache.allocated_nbytes for session in sessions)
             one_row = 2 * engine.num_layers * engine.num_kv_heads * engine.head_dim * engine.dtype.itemsize
-            prompt_held = len(live) * prompt_tokens * one_row
+            prompt_held = len(sessions) * prompt_tokens * one_row
     return {"layout": "block pools" if pooled else "own buffers", "tokens read": read, "tokens reused": reused,
             "device MiB held": round(held / 2**20, 2), "prompt MiB held": round(prompt_held / 2**20, 2),
-            "seconds": round(seconds, 1), "prompt tokens": prompt_tokens, "replies": replies}
+            "spills": spills, "seconds": round(seconds, 1), "prompt tokens": prompt_tokens, "replies": replies}
 
 
 def main() -> None:
@@ -89,7 +89,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2048, help="tokens of the shared system prompt")
     parser.add_argument("--turns", type=int, default=3, help="turns each agent takes")
     parser.add_argument("--reply", type=int, default=8, help="tokens generated a turn")
-    parser.add_argument("--budget-mib", type=int, default=2048, help="device budget of both managers")
+    parser.add_argument("--budget-mib", type=int, default=6144,
+                        help="device budget of both managers (the default holds every session in both)")
     parser.add_argument("--name", default="pooled", help="results file name: benchmarks/results/NAME.{md,json}")
     args = parser.parse_args()
 
