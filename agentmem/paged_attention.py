@@ -77,6 +77,8 @@ class PagedForward:
             raise InvalidInput(f"paged attention runs as 'mask' or 'flex', not {beta_mode!r}")
         if any(len(layers) != len(self.rows[0]) for layers in self.rows):
             raise InvalidInput("every session of a paged forward needs rows in every layer")
+        if any(r.pool is not first.pool for layers in self.rows for r, first in zip(layers, self.rows[0])):
+            raise InvalidInput("the sessions of a paged forward are held in the same pools (a forward per set)")
         self.phantoms = (batch_slots or len(rows)) - len(rows)
         if self.phantoms < 0:
             raise InvalidInput(f"{len(rows)} sessions do not fit a batch of {batch_slots}")

@@ -170,12 +170,14 @@ class PagedSession:
 
     @classmethod
     def restoring(cls, pools: Sequence[BlockPool], tensors: dict[str, torch.Tensor],
-                  meta: dict[str, Any]) -> PagedSession:
+                  meta: dict[str, Any], *, exact: bool = True) -> PagedSession:
         """A session stored by :meth:`export` or :meth:`SessionCache.export <agentmem.cache.SessionCache.export>`
         (the same form) written straight into ``pools``: each stored segment and raw tail block goes into the
         session's blocks, with no session cache built on the way. Raises :class:`CorruptSessionError` as
         :meth:`SessionCache.from_tensors <agentmem.cache.SessionCache.from_tensors>` does, and
         :class:`InvalidInput` for rows of another shape than the pools'; on any failure no block stays taken.
+        ``exact=False``: the tensors were stored rounded (a lossy storage dtype), so no row counts as a raw
+        prefix the session could share (:meth:`publish`).
         It changes the pools: run it on the scheduler's thread (``engine.scheduler.call``)."""
         rows: list[PagedRows] = []
         try:
@@ -195,6 +197,9 @@ class PagedSession:
             raise CorruptSessionError(f"cache tensors do not match their layout: {brief(exc)}") from exc
         finally:
             wait_for_copies(pools[0].device if pools else "cpu")  # the stored tensors may be freed once we return
+        if not exact:  # rounded by a lossy storage dtype: not the rows the model reads, never shared as such
+            for layer in rows:
+                layer.raw_prefix = 0
         return cls(rows, stored.token_ids, stored.fingerprint, stored.placement, stored.tail_start)
 
     def export(self) -> tuple[dict[str, TensorExport], dict[str, Any]]:

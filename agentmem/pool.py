@@ -577,7 +577,11 @@ class PagedRows:
                                        output_size=total)
         starts = to_device([sum(head_rows[:h]) for h in range(self.kv_heads)], device)
         row = to_device(list(first), device)[head] + torch.arange(total, device=device) - starts[head]
-        return slot_of(self._tables.rows([self.slot], self.width)[0], (head,), row, self.pool.block_size)
+        # The table from the host lists, not the device tables: reading those writes their pending changes,
+        # which only the scheduler's thread may do, and this runs on others too (a spill's export).
+        width = self.width
+        table = to_device([blocks + [NULL_BLOCK] * (width - len(blocks)) for blocks in self.blocks], device)
+        return slot_of(table, (head,), row, self.pool.block_size)
 
     def raw_slots(self, skip: int, rows: int) -> torch.Tensor:
         """Slots ``(kv_heads * rows,)`` of each head's raw rows ``skip …`` (``rows`` of them), head after head."""

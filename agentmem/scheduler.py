@@ -14,8 +14,8 @@ Two kinds of work reach the scheduler:
   <agentmem.engine.Engine.commit_rows>`: each session's tokens attend over its own cache, ragged
   lengths and compacted rows with β included, never copied into one padded tensor). Sessions held
   in block pools (:class:`~agentmem.paged_sessions.PagedSession`) are read the same way, in a
-  forward of their own (:meth:`Engine.commit_paged <agentmem.engine.Engine.commit_paged>`: one
-  attention call per layer for all of them) when both kinds wait; a forward of pooled decode steps
+  forward of their own for each set of pools (:meth:`Engine.commit_paged
+  <agentmem.engine.Engine.commit_paged>`: one attention call per layer for all of them); a forward of pooled decode steps
   alone is one compiled call when a compiled step serves their pools (:meth:`Scheduler.serve_decode`,
   :class:`~agentmem.paged_decode.CompiledDecode`: CUDA graphs on a GPU). A read that
   asks for a token gets it: one LM-head product over the last hidden state of every such read in
@@ -72,7 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from agentmem.attention import BiasRows
 from agentmem.cache import SessionCache, to_device
-from agentmem.errors import InvalidInput, SchedulerStopped, TurnCancelled, brief, check_cancelled
+from agentmem.errors import AgentMemError, InvalidInput, SchedulerStopped, TurnCancelled, brief, check_cancelled
 from agentmem.paged_sessions import PagedSession
 from agentmem.sampling import Sampling, sample_rows
 
@@ -359,9 +359,13 @@ class Scheduler:
             return
         pooled = [(r, n) for r, n in batch if isinstance(r.cache, PagedSession)]
         began = time.monotonic()
-        if pooled and len(pooled) < len(batch):  # two layouts, two forwards: each commits all of its reads or none
-            self._run([(r, n) for r, n in batch if not isinstance(r.cache, PagedSession)])
-            self._run(pooled)
+        groups: dict[int | None, list[tuple[PendingRead, int]]] = {}
+        for read, n in batch:  # session caches, and each set of pools: a forward each
+            groups.setdefault(id(read.cache.rows[0].pool) if isinstance(read.cache, PagedSession) else None,
+                              []).append((read, n))
+        if len(groups) > 1:  # each forward commits all of its reads or none
+            for group in groups.values():
+                self._run(group)
             self._last_forward_seconds = time.monotonic() - began  # what this batch's turns waited for
             return
         compiled = self._decode_step_for(batch) if pooled else None
@@ -375,6 +379,12 @@ class Scheduler:
                 else:
                     hidden = self.engine.commit_rows([r.cache for r, _ in batch], runs, [r.bias_rows for r, _ in batch])
         except Exception as exc:  # noqa: BLE001 - isolated below; the failing read's turn gets it
+            if compiled is not None and not isinstance(exc, (AgentMemError, torch.OutOfMemoryError)):
+                # The step itself failed (its compilation, say), not a read: decode eager from now on.
+                log.error("a compiled decode step failed (%s); pooled decode steps run eager from now on", brief(exc))
+                self._decode_steps = [step for step in self._decode_steps if step is not compiled]
+                self._run(batch)
+                return
             if len(batch) > 1:
                 middle = len(batch) // 2
                 self._run(batch[:middle])

@@ -95,9 +95,20 @@ class SessionManager:
             raise InvalidInput(f"lease_seconds must be positive and lease_wait non-negative, got {lease_seconds}, "
                                f"{lease_wait}")
         self.engine = engine
+        self.store: CacheStore = open_store(store) if store is None or isinstance(store, str) else store
         self.layout: SessionLayout = (BlockPools(engine, device_budget_bytes, block_size=block_size,
                                                  compiled_decode=compiled_decode) if pooled else OwnBuffers(engine))
-        self.store: CacheStore = open_store(store) if store is None or isinstance(store, str) else store
+        try:
+            self._set_up(policies, default_policy, device_budget_bytes, lease_seconds, lease_wait, host_budget_bytes)
+        except BaseException:
+            self.layout.close()  # nothing registered with the engine outlives a manager that never was
+            raise
+
+    def _set_up(self, policies: Mapping[str, BudgetPolicy] | None, default_policy: BudgetPolicy | None,
+                device_budget_bytes: int | None, lease_seconds: float, lease_wait: float,
+                host_budget_bytes: int | None) -> None:
+        """The manager's parts around its store and layout (see the class docstring)."""
+        engine = self.engine
         self.policies = dict(policies or {})
         self.default_policy = default_policy or BudgetPolicy()
         self.device_budget_bytes = device_budget_bytes
@@ -293,9 +304,11 @@ class SessionManager:
         finally:
             self._residency.checkpoints.close()
             self._spiller.close()  # queued writes behind land first
-            self._leases.stop()
-            self.store.close()
-            self.layout.close()
+            try:
+                self._leases.stop()
+                self.store.close()
+            finally:
+                self.layout.close()  # a compiled decode step registered with the engine's scheduler goes
         return live
 
     def __enter__(self) -> SessionManager:

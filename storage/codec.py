@@ -265,7 +265,8 @@ def decode_into_pools(blob: bytes | bytearray | memoryview, pools: Sequence[Bloc
     threads read the pools, so that only the writing into blocks runs there, not the parsing and checks."""
     def build(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> PagedSession:
         _cache_dtype(header, None)  # checked as decode_cache checks it, though the pools' dtype is taken
-        return on_pools(lambda: PagedSession.restoring(pools, tensors, header["layout"]))
+        exact = header.get("storage_dtype") == _storage_name(pools[0].keys.dtype)  # else rounded: shared by none
+        return on_pools(lambda: PagedSession.restoring(pools, tensors, header["layout"], exact=exact))
 
     return _decode(blob, fingerprint, build, discard=lambda session: on_pools(session.release))
 

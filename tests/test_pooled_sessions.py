@@ -9,6 +9,7 @@ import pytest
 
 from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.errors import BudgetExceeded, CompactionUnreachable, CorruptSessionError, InvalidInput
+from agentmem.layouts import BlockPools
 from agentmem.paged_sessions import PagedSession
 from agentmem.pool import BlockPool, BlockTables
 from agentmem.storage import data_offset
@@ -301,8 +302,8 @@ def test_pools_change_only_on_the_schedulers_thread(tiny, tmp_path, monkeypatch)
             return method(self, *args, **kwargs)
         return checked
 
-    for cls, name in ((BlockTables, "attach"), (BlockPool, "allocate"), (BlockPool, "release"),
-                      (BlockPool, "share")):
+    for cls, name in ((BlockTables, "attach"), (BlockTables, "current"), (BlockPool, "allocate"),
+                      (BlockPool, "release"), (BlockPool, "share")):
         monkeypatch.setattr(cls, name, on_scheduler(getattr(cls, name)))
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=POLICY, device_budget_bytes=BUDGET,
                         pooled=True) as manager:
@@ -350,3 +351,78 @@ def test_decode_steps_run_compiled_and_reply_as_eager_ones(tiny, tmp_path):
         if compiled:
             assert all(pool.holders(sink) == 0 for pool, sink in zip(manager.layout.pools, sinks))  # closed
     assert replies[True] == replies[False]
+
+
+def test_two_managers_pools_on_one_engine_are_read_in_forwards_of_their_own(tiny, tmp_path):
+    """Sessions of other pools never share a forward: a paged forward over two sets of pools is refused, and
+    two pooled managers' turns at once reply as each alone."""
+    layouts = [BlockPools(tiny, BUDGET, compiled_decode=False) for _ in range(2)]
+    a, b = (layout.empty() for layout in layouts)
+    tiny.prefill([5, 6, 7], a)
+    tiny.prefill([8, 9], b)
+    with pytest.raises(InvalidInput, match="same pools"):
+        tiny.read_paged([a, b], [[5], [7]])
+    alone, together = {}, {}
+    for i in range(2):
+        with SessionManager(tiny, f"sqlite:///{tmp_path / f'alone{i}.db'}", default_policy=POLICY,
+                            device_budget_bytes=BUDGET, pooled=True) as manager:
+            alone[i] = converse(manager, "s", 3, first=i)
+    managers = [SessionManager(tiny, f"sqlite:///{tmp_path / f'm{i}.db'}", default_policy=POLICY,
+                               device_budget_bytes=BUDGET, pooled=True) for i in range(2)]
+    threads = [threading.Thread(target=lambda i=i: together.update({i: converse(managers[i], "s", 3, first=i)}))
+               for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for manager in managers:
+        manager.close()
+    assert together == alone
+
+
+def test_rows_stored_rounded_are_never_shared_as_a_tenants_prompt(tiny, tmp_path):
+    """A session resumed from a lossy storage dtype holds rounded rows: its prompt is not listed for others."""
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    rounded = BudgetPolicy(storage_dtype="int8")
+    with SessionManager(tiny, db, default_policy=rounded, device_budget_bytes=BUDGET, pooled=True) as manager:
+        manager.session("a", tenant="acme").chat([SYSTEM, {"role": "user", "content": "hi"}], max_new_tokens=3)
+        manager.spill("acme", "a")
+    with SessionManager(tiny, db, default_policy=rounded, device_budget_bytes=BUDGET, pooled=True) as manager:
+        session = manager.session("a", tenant="acme")
+        assert all(rows.raw_prefix == 0 for rows in session.cache.rows)
+        session.chat("more", max_new_tokens=3)
+        assert manager.layout.prefixes.listed_blocks("acme") == 0
+        reply = manager.session("b", tenant="acme").chat([SYSTEM, {"role": "user", "content": "ho"}],
+                                                         max_new_tokens=3)
+        assert reply.usage.reused_tokens == 0
+
+
+def test_a_decode_step_that_fails_itself_gives_way_to_eager_steps(tiny, tmp_path):
+    """A compiled step failing (not a read: its compilation, say) is dropped and the forward runs eager."""
+
+    class Broken:
+        def serves(self, sessions) -> bool:
+            return True
+
+        def commit(self, sessions, ids):
+            raise RuntimeError("the compiler gave up")
+
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", default_policy=POLICY, device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        expected = converse(manager, "s", 2)
+    broken = Broken()
+    tiny.scheduler.serve_decode(broken)
+    try:
+        with SessionManager(tiny, f"sqlite:///{tmp_path / 't.db'}", default_policy=POLICY,
+                            device_budget_bytes=BUDGET, pooled=True) as manager:
+            assert converse(manager, "s", 2) == expected
+        assert broken not in tiny.scheduler._decode_steps
+    finally:
+        tiny.scheduler.serve_decode(None, instead_of=broken)
+
+
+def test_a_manager_that_fails_to_start_leaves_no_decode_step_behind(tiny):
+    steps = list(tiny.scheduler._decode_steps)
+    with pytest.raises(AttributeError):  # a store without leases: the manager fails after its pools were made
+        SessionManager(tiny, object(), device_budget_bytes=BUDGET, pooled=True, compiled_decode=True)
+    assert tiny.scheduler._decode_steps == steps
