@@ -15,9 +15,10 @@ Two kinds of work reach the scheduler:
   lengths and compacted rows with β included, never copied into one padded tensor). Sessions held
   in block pools (:class:`~agentmem.paged_sessions.PagedSession`) are read the same way, in a
   forward of their own for each set of pools (:meth:`Engine.commit_paged
-  <agentmem.engine.Engine.commit_paged>`: one attention call per layer for all of them); a forward of pooled decode steps
-  alone is one compiled call when a compiled step serves their pools (:meth:`Scheduler.serve_decode`,
-  :class:`~agentmem.paged_decode.CompiledDecode`: CUDA graphs on a GPU). A read that
+  <agentmem.engine.Engine.commit_paged>`: one attention call per layer for all of them); a forward
+  of pooled decode steps alone is one compiled call when a compiled step serves their pools
+  (:meth:`Scheduler.serve_decode`, :class:`~agentmem.paged_decode.CompiledDecode`: CUDA graphs on a
+  GPU). A read that
   asks for a token gets it: one LM-head product over the last hidden state of every such read in
   the forward, one sampling call (:func:`agentmem.sampling.sample_rows`, each row its own
   settings) and one copy of the tokens to the host.
