@@ -38,7 +38,7 @@ from agentmem.ledger import DeviceLedger
 from agentmem.metrics import Metrics
 from agentmem.policy import BudgetPolicy
 from agentmem.quota import StoreQuota
-from agentmem.record import SessionRecord
+from agentmem.record import SessionRecord, check_key
 from agentmem.registry import Registry
 from agentmem.session import Session, SessionHost
 from agentmem.spill import Spiller
@@ -157,6 +157,7 @@ class Residency:
         """
         session = revive
         try:
+            key = check_key(*key)
             if not leased:
                 self._take_new(key)
             try:

@@ -394,11 +394,6 @@ class _SessionHost:
 
     def adopt(self, key: SessionKey, cache: Rows, messages: list[dict[str, Any]]) -> Session:
         """A new live session holding ``cache`` and ``messages`` (a fork), within the device budget."""
-        try:
-            key = check_key(*key)
-        except BaseException:
-            self.layout.release(cache)  # the fork's rows were made for a session that cannot be
-            raise
         session = self._manager._residency.adopt(key, cache, messages)
         self._manager._residency.enforce(keep=session)
         return session

@@ -193,14 +193,11 @@ def test_compacting_the_last_segment_alone(tiny_engine):
     steps_equal(engine, [session], [again], [[5, 6, 7]])
 
 
-def test_a_session_on_a_published_prompt_compacts_and_the_prompt_stays_shared(tiny_engine):
-    """A session that adopted its tenant's published prompt compacts with the prompt protected (its rows
-    become an identity segment, the shared blocks copied before being written): it reads as its compacted
-    cache, it publishes nothing of its compacted rows, and a later session adopting the prompt reads as
-    one that read everything itself."""
+def on_a_published_prompt(engine: Engine):
+    """Pools with a 70-token prompt published for "tenant", a 220-token conversation opening with it, and a
+    session of it that adopted the prompt's full blocks (it reads the rest itself)."""
     from agentmem.prefixes import PrefixIndex
 
-    engine = tiny_engine
     pools = engine.new_pools(blocks=512, block_size=BLOCK)
     index = PrefixIndex(pools)
     prompt = ids_of(70, seed=12)
@@ -208,7 +205,17 @@ def test_a_session_on_a_published_prompt_compacts_and_the_prompt_stays_shared(ti
     engine.read_paged([first], [prompt])
     first.publish(index, "tenant")
     conversation = prompt + ids_of(150, seed=13)
-    session = PagedSession.adopting(index, "tenant", conversation, engine.num_kv_heads, engine.fingerprint)
+    return pools, index, conversation, PagedSession.adopting(index, "tenant", conversation, engine.num_kv_heads,
+                                                             engine.fingerprint)
+
+
+def test_a_session_on_a_published_prompt_compacts_and_the_prompt_stays_shared(tiny_engine):
+    """A session that adopted its tenant's published prompt compacts with the prompt protected (its rows
+    become an identity segment, the shared blocks copied before being written): it reads as its compacted
+    cache, it publishes nothing of its compacted rows, and a later session adopting the prompt reads as
+    one that read everything itself."""
+    engine = tiny_engine
+    pools, index, conversation, session = on_a_published_prompt(engine)
     cache = engine.new_cache()
     engine.read_paged([session], [conversation[session.next_token:]])
     alone(engine, cache, conversation)
@@ -273,17 +280,8 @@ def test_a_first_compaction_keeps_a_shared_prompt_where_it_is(tiny_engine):
     """The protected prompt a session's own compaction keeps as it is (an identity segment of its raw rows) is
     labelled a segment, not written: its full blocks stay shared with the prefix index, the session reads as
     the compacted copy, stores as it bit for bit, and the prompt is still adopted right."""
-    from agentmem.prefixes import PrefixIndex
-
     engine = tiny_engine
-    pools = engine.new_pools(blocks=512, block_size=BLOCK)
-    index = PrefixIndex(pools)
-    prompt = ids_of(70, seed=12)
-    first = PagedSession.empty(pools, engine.num_kv_heads, engine.fingerprint)
-    engine.read_paged([first], [prompt])
-    first.publish(index, "tenant")
-    conversation = prompt + ids_of(150, seed=13)
-    session = PagedSession.adopting(index, "tenant", conversation, engine.num_kv_heads, engine.fingerprint)
+    pools, index, conversation, session = on_a_published_prompt(engine)
     engine.read_paged([session], [conversation[session.next_token:]])
     prompt_blocks = [[blocks[:4] for blocks in rows.blocks] for rows in session.rows]  # 64 rows: 4 full blocks
     used = sum(pool.used_blocks for pool in pools)
