@@ -19,6 +19,10 @@ from agentmem.storage import open_store
 pytestmark = pytest.mark.slow
 HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
 LONG_TURN = 2000  # tokens: several seconds of decoding for the tiny model on 2 CPU cores
+# Where the server's sessions hold their rows: buffers of their own, or the block pools (``--pooled``).
+# Drain, spill, cancellation and restart must hold in both.
+LAYOUTS = {"buffers": [], "pooled": ["--pooled"]}
+each_layout = pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +30,9 @@ def model(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    with ServerProcess(model, tmp_path_factory.mktemp("serve")) as process:
+@pytest.fixture(scope="module", params=list(LAYOUTS.values()), ids=list(LAYOUTS))
+def server(model, tmp_path_factory, request):
+    with ServerProcess(model, tmp_path_factory.mktemp("serve"), *request.param) as process:
         yield process
 
 
@@ -55,8 +59,9 @@ def follow_up(first: dict) -> list[dict]:
                     {"role": "user", "content": "And then?"}]
 
 
-def test_sigterm_drains_the_running_turn_spills_every_session_and_a_restart_resumes_them(model, tmp_path):
-    with ServerProcess(model, tmp_path) as server:
+@each_layout
+def test_sigterm_drains_the_running_turn_spills_every_session_and_a_restart_resumes_them(model, tmp_path, layout):
+    with ServerProcess(model, tmp_path, *layout) as server:
         firsts = {sid: server.chat(HELLO, session=sid, max_tokens=6).json() for sid in ("s1", "s2")}
         thread, answered = in_background(lambda: server.chat(HELLO, session="s3", max_tokens=400))
         wait_for(lambda: running_turns(server) == 1)
@@ -64,15 +69,16 @@ def test_sigterm_drains_the_running_turn_spills_every_session_and_a_restart_resu
         thread.join(60)
         assert answered[0].status_code == 200  # the turn under way was let finish
         assert "3 live sessions spilled" in server.output()
-    with ServerProcess(model, tmp_path) as again:
+    with ServerProcess(model, tmp_path, *layout) as again:
         for sid, first in firsts.items():
             second = again.chat(follow_up(first), session=sid, max_tokens=2).json()["usage"]
             cached = second["prompt_tokens_details"]["cached_tokens"]
             assert cached >= first["usage"]["prompt_tokens"] and second["prompt_tokens"] - cached < 16
 
 
-def test_kill_9_after_replies_loses_no_answered_turn(model, tmp_path):
-    with ServerProcess(model, tmp_path) as server:
+@each_layout
+def test_kill_9_after_replies_loses_no_answered_turn(model, tmp_path, layout):
+    with ServerProcess(model, tmp_path, *layout) as server:
         history = list(HELLO)
         for _ in range(3):
             reply = server.chat(history, session="k", max_tokens=5).json()
@@ -197,8 +203,9 @@ def metric(server: ServerProcess, name: str) -> float:
     return float(next(line for line in metrics.splitlines() if line.startswith(f"agentmem_{name} ")).split()[1])
 
 
-def test_a_stop_cancels_a_turn_past_the_drain_deadline_and_exits_0(model, tmp_path):
-    with ServerProcess(model, tmp_path, "--drain-seconds", "1") as server:
+@each_layout
+def test_a_stop_cancels_a_turn_past_the_drain_deadline_and_exits_0(model, tmp_path, layout):
+    with ServerProcess(model, tmp_path, "--drain-seconds", "1", *layout) as server:
         server.chat(HELLO, session="kept", max_tokens=4)
         thread, cut = in_background(lambda: server.chat(HELLO, session="slow", max_tokens=LONG_TURN, timeout=120))
         wait_for(lambda: running_turns(server) == 1)
@@ -217,7 +224,7 @@ def test_a_stop_cancels_a_turn_past_the_drain_deadline_and_exits_0(model, tmp_pa
         stored.close()
 
 
-@pytest.mark.parametrize("layout", [[], ["--pooled"]], ids=["buffers", "pooled"])
+@each_layout
 def test_live_sessions_stay_under_the_device_budget_and_all_resume(model, tmp_path, layout):
     budget = 150_000  # bytes: room for a few of the tiny model's sessions (49 KiB each on buffers), not eight
     with ServerProcess(model, tmp_path, "--device-budget", str(budget), *layout) as server:
