@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from agentmem.cache import (PART_DTYPES, SEGMENT_PARTS, STORED_FORM_ERRORS, SessionCache, TensorExport, copy_into,
-                            materialise, parse_stored, segment_meta, stored_meta, tail_exports, token_log_export)
+from agentmem.cache import (PART_DTYPES, SEGMENT_PARTS, STORED_FORM_ERRORS, CompactedSegment, LayerCache,
+                            SessionCache, TensorExport, copy_into, materialise, parse_stored, segment_meta, stored_meta, tail_exports, token_log_export)
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, PoolExhausted, brief
 from agentmem.host_memory import wait_for_copies
 from agentmem.placement import IDENTITY, Placement, check_boundary
@@ -233,12 +233,28 @@ class PagedSession:
 
     def to_cache(self) -> SessionCache:
         """A session cache holding a copy of this session's rows, on its device: what a compaction reads
-        until the compactor reads its span from blocks (:func:`agentmem.compaction.compact_in_place`).
-        Transiently two copies of the rows beside the pool (the packed export, then the cache's buffers)."""
-        exports, meta = self.export()
-        tensors = {name: export.write(torch.empty(export.shape, dtype=export.dtype, device=self.device))
-                   for name, export in exports.items()}
-        return SessionCache.from_tensors(tensors, meta, device=self.device)
+        (:func:`agentmem.compaction.compact_in_place`), the same cache bit for bit as the stored form
+        (:meth:`to_tensors`) rebuilds. Built a layer at a time: beside the pool, a copy of the rows and
+        one layer's gathered rows at most."""
+        return SessionCache([self._layer_cache(rows) for rows in self.rows], list(self.token_ids), self.fingerprint,
+                            self.placement)
+
+    def _layer_cache(self, rows: PagedRows) -> LayerCache:
+        """One layer's rows gathered from their blocks into a layer cache (which copies them into its buffer;
+        the gathered ones are freed when it returns)."""
+        pool, first, segments = rows.pool, [0] * rows.kv_heads, []
+        for seg in rows.segments:
+            slots = rows.rows_slots(first, seg.head_rows)
+            queries = seg.queries
+            segments.append(CompactedSegment(
+                keys=pool.keys[slots], values=pool.values[slots], beta=pool.bias[slots], head_rows=seg.head_rows,
+                span=seg.span, scores=pool.scores[slots], positions=pool.positions[slots],
+                queries=None if queries is None else queries.queries, queries_at=0 if queries is None else queries.at,
+                refresh_cursor=seg.refresh_cursor))
+            first = [f + n for f, n in zip(first, seg.head_rows)]
+        tail = (rows.kv_heads, self.next_token - self.tail_start, self.head_dim)
+        slots = rows.raw_slots(0, tail[1])
+        return LayerCache(segments, pool.keys[slots].view(tail), pool.values[slots].view(tail))
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """:meth:`export` written into host tensors: what :meth:`SessionCache.to_tensors

@@ -44,8 +44,8 @@ from common import RESULTS, command_line, machine, markdown_table, random_shape_
 from agentmem import Engine
 from agentmem.attention import BiasRows, ForwardPass, PackedPasses, session_attention
 from agentmem.cache import CompactedSegment, LayerCache, SessionCache
-from agentmem.compaction import compact
-from agentmem.costs import count, is_view_op
+from agentmem.compaction import compact, compact_in_place
+from agentmem.costs import CostCounter, count, is_view_op
 from agentmem.paged_attention import PagedForward
 from agentmem.paged_decode import CompiledDecode
 from agentmem.paged_sessions import PagedSession
@@ -321,6 +321,31 @@ def compaction_in_place(engine: Engine, tokens: int, more: int) -> list[dict[str
     return rows
 
 
+def compaction_peak(engine: Engine, tokens: int) -> list[dict[str, object]]:
+    """Peak bytes a compaction adds beside the session it compacts (:class:`~agentmem.costs.CostCounter`'s live
+    bytes, every storage made in the call), over the session's bytes: ``compact`` of a session cache against
+    ``compact_in_place`` of the same session held in a pool (its compactor reads a copy of the rows,
+    :meth:`PagedSession.to_cache`), and that copy alone. ``global-eviction`` (no fits: the copy is what the
+    layouts differ by), 4x, 128 recent rows, the protected prefix as in :func:`compaction_in_place`."""
+    ids = engine.tokenizer(stdlib_text())["input_ids"][:tokens]
+    settings = {"ratio": 4, "keep_recent": 128, "protect_prefix": PROTECTED}
+    cache = engine.prefill(ids)
+    pools = engine.new_pools(blocks=1 + engine.num_kv_heads * -(-tokens // BLOCK), block_size=BLOCK)
+    session = PagedSession.holding(pools, cache)
+    session_bytes = cache.allocated_nbytes
+    rows = []
+    for name, work in (("session cache: compact", lambda: compact(engine, cache, "global-eviction", **settings)),
+                       ("pool: the copy of its rows (to_cache)", session.to_cache),
+                       ("pool: compact_in_place", lambda: compact_in_place(engine, session, "global-eviction",
+                                                                           **settings))):
+        with CostCounter() as counter:
+            work()
+        rows.append({"work": name, "session tokens": tokens, "session MiB": session_bytes / 2**20,
+                     "peak added MiB": counter.costs.peak_bytes / 2**20,
+                     "peak added / session": counter.costs.peak_bytes / session_bytes})
+    return rows
+
+
 def growth(tokens: int) -> list[dict[str, object]]:
     """Bytes moved by the write path while one session appends ``tokens`` tokens one at a time."""
     dtype = torch.bfloat16
@@ -460,6 +485,7 @@ def main() -> None:
         wide = random_shape_engine("wide-cpu", torch.device("cpu"), torch.float32, 1024)
         model_steps = [model_step(wide, n) for n in args.sessions]
         in_place = compaction_in_place(wide, 640, 256)
+        compaction_peaks = compaction_peak(wide, 896)
         compiled_host = [compiled_step_host_ops(32, layers) for layers in (2, 4, 8, 32)]
     for row in model_steps:
         for name in ("buffers", "paged"):
@@ -483,6 +509,8 @@ def main() -> None:
     md += ("\n## Compaction in place: bytes a compaction writes into the pool, against a fresh copy of the "
            f"compacted session (random {wide.name.removeprefix('random ')} weights, {wide.num_layers} layers)\n\n"
            + markdown_table(in_place) + "\n")
+    md += ("\n## Compaction peak: bytes a compaction adds beside the session, in a session cache and in the pool "
+           f"(the same model, {wide.num_layers} layers)\n\n" + markdown_table(compaction_peaks) + "\n")
     md += ("\n## Around a compiled decode step: what the host dispatches outside the graph (32 sessions, 8B "
            "attention shape)\n\n" + markdown_table(compiled_host) + "\n")
     md += ("\n## Host work of a step: one layer's block tables and writes, 32 sessions of 128k tokens "
@@ -491,6 +519,7 @@ def main() -> None:
     (RESULTS / "pool.json").write_text(json.dumps({"rows": steps, "model step": model_steps,
                                                    "compiled step host ops": compiled_host, "growth": grown,
                                                    "compaction in place": in_place,
+                                                   "compaction peak": compaction_peaks,
                                                    "shared prompt": prompts,
                                                    "host work": host, **extra}, indent=2, default=str))
     print(md)

@@ -296,3 +296,22 @@ def test_a_first_compaction_keeps_a_shared_prompt_where_it_is(tiny_engine):
     later = PagedSession.adopting(index, "tenant", conversation, engine.num_kv_heads, engine.fingerprint)
     assert later.next_token == 64
     steps_equal(engine, [later], [engine.new_cache()], [conversation[64:]], first_reference_runs=[conversation])
+
+
+def test_the_copy_a_compaction_reads_is_the_session_bit_for_bit_built_a_layer_at_a_time(tiny_engine):
+    """``to_cache`` (what ``compact_in_place``'s compactor reads) gives the cache the session holds, bit for
+    bit, for raw, compacted (uneven heads, kept queries), re-placed and empty sessions; while it runs, what
+    it adds beside the pool is the copy it returns and one layer's gathered rows, never two copies."""
+    from test_paged_store import stored_equal, varied
+
+    from agentmem.costs import CostCounter
+
+    engine = tiny_engine
+    for cache in varied(engine):
+        _, (session,) = sessions_of(engine, [cache])
+        with CostCounter() as counter:
+            copy = session.to_cache()
+        stored_equal(copy.to_tensors(), cache.to_tensors())
+        widest_layer = max(layer.allocated_nbytes for layer in copy.layers)
+        assert counter.costs.peak_bytes <= copy.allocated_nbytes + 1.5 * widest_layer + 1024
+        session.release()

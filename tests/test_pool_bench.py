@@ -99,3 +99,17 @@ def test_pool_writes_count_only_what_goes_into_the_pools(tiny_engine):
         pools[1].keys.index_copy_(0, slots[:1], row)  # another pool's
         three + 1  # work outside the pools
     assert counted.into_pools == 8 and counted.written == 8 + row.nbytes + three.nbytes
+
+
+def test_the_compaction_peak_table_counts_the_copy_a_pooled_compaction_reads(tokenizer):
+    """The pooled compaction adds the copy of the rows its compactor reads (one session) to what a compaction
+    of the session cache adds, and the copy alone adds one session plus a layer's gathered rows at most."""
+    from agentmem import Engine
+    from helpers import tiny_model
+
+    engine = Engine(tiny_model("llama"), tokenizer)
+    with torch.inference_mode():
+        buffers, copy, pooled = pool.compaction_peak(engine, 200)
+    widest = 1 / engine.num_layers
+    assert 1 <= copy["peak added / session"] <= 1 + 1.5 * widest
+    assert 0.95 <= pooled["peak added / session"] - buffers["peak added / session"] <= copy["peak added / session"]
