@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from agentmem.cache import SessionCache
-from agentmem.compaction import check_reachable, compact
+from agentmem.compaction import compact, compact_in_place
 from agentmem.engine import Engine
 from agentmem.errors import InvalidInput
 from agentmem.paged_attention import FLEX_CUDA_BLOCK
@@ -101,15 +101,6 @@ def compact_settings(policy: BudgetPolicy, rows: Rows, protect: int, incoming: i
             "target_tokens": policy.compaction_target(rows.logical_length, protect, incoming)}
 
 
-def _compacted(engine: Engine, cache: SessionCache, policy: BudgetPolicy, settings: dict[str, Any],
-               must_change: bool) -> SessionCache:
-    """``cache`` compacted by ``policy``'s compactor with ``settings``; with ``must_change``, refused
-    (:func:`~agentmem.compaction.check_reachable`) when that would leave it as it is."""
-    if must_change:
-        check_reachable(cache, **settings)
-    return compact(engine, cache, policy.compactor(), **settings)
-
-
 class OwnBuffers:
     """Each session's rows in growable tensors of its own (:class:`~agentmem.cache.SessionCache`)."""
 
@@ -132,7 +123,8 @@ class OwnBuffers:
 
     def compact(self, rows: SessionCache, policy: BudgetPolicy, protect: int, incoming: int = 0, *,
                 must_change: bool = False) -> SessionCache:
-        return _compacted(self.engine, rows, policy, compact_settings(policy, rows, protect, incoming), must_change)
+        return compact(self.engine, rows, policy.compactor(), must_change=must_change,
+                       **compact_settings(policy, rows, protect, incoming))
 
     def release(self, rows: SessionCache) -> None:
         """Nothing to give back: the buffers go with the last reference to them."""
@@ -211,12 +203,9 @@ class BlockPools:
 
     def compact(self, rows: PagedSession, policy: BudgetPolicy, protect: int, incoming: int = 0, *,
                 must_change: bool = False) -> PagedSession:
-        """Compacted in place (:meth:`PagedSession.compact_to
-        <agentmem.paged_sessions.PagedSession.compact_to>`): the compactor reads a copy of the rows
-        (:meth:`PagedSession.to_cache <agentmem.paged_sessions.PagedSession.to_cache>`), freed once it is done."""
-        settings = compact_settings(policy, rows, protect, incoming)
-        compacted = _compacted(self.engine, rows.to_cache(), policy, settings, must_change)
-        self._on_scheduler(lambda: rows.compact_to(compacted))
+        """Compacted in place (:func:`~agentmem.compaction.compact_in_place`)."""
+        compact_in_place(self.engine, rows, policy.compactor(), must_change=must_change,
+                         **compact_settings(policy, rows, protect, incoming))
         return rows
 
     def release(self, rows: PagedSession) -> None:

@@ -1334,3 +1334,20 @@ def test_products_with_each_stack_equal_the_broadcast_product():
     design = torch.randn(2, 7, 4)  # the value fits pass a transposed design: not contiguous
     solutions = torch.randn(3, 2, 7, 6)
     assert torch.equal(_times_each(design.mT, solutions), torch.matmul(design.mT, solutions))
+
+
+def test_must_change_refuses_a_compaction_that_would_leave_the_cache_as_it_is(tiny_engine):
+    """``must_change=True`` raises, before any work, where ``compact`` would return an unchanged copy; it
+    compacts as without it otherwise, and takes a target in rows only."""
+    from agentmem.errors import CompactionUnreachable
+
+    cache = tiny_engine.prefill(list(range(3, 83)))
+    with pytest.raises(CompactionUnreachable, match="nothing to compact"):
+        compact(tiny_engine, cache, "window", target_tokens=4, keep_recent=80, must_change=True)
+    with pytest.raises(CompactionUnreachable, match="already small"):
+        compact(tiny_engine, cache, "window", target_tokens=64, keep_recent=16, must_change=True)
+    with pytest.raises(InvalidInput, match="target_tokens"):
+        compact(tiny_engine, cache, "window", ratio=4, keep_recent=16, must_change=True)
+    changed = compact(tiny_engine, cache, "window", target_tokens=8, keep_recent=16, must_change=True)
+    same = compact(tiny_engine, cache, "window", target_tokens=8, keep_recent=16)
+    assert changed.compaction_stats is not None and changed.physical_length == same.physical_length < 80

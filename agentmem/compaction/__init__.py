@@ -56,6 +56,7 @@ def compact(
     target_tokens: int | None = None,
     keep_recent: int = 256,
     protect_prefix: int = 0,
+    must_change: bool = False,
 ) -> SessionCache:
     """Compact every row but the first ``protect_prefix`` tokens and the last ``keep_recent``.
 
@@ -74,10 +75,16 @@ def compact(
     as a prior.
 
     A span that already fits the budget is returned unchanged (as a copy): online compaction
-    relies on that; callers that must know use :func:`check_reachable` first (such a copy has no
+    relies on that. Callers that compact on request and must not keep an unchanged cache as if it
+    were compacted pass ``must_change=True`` (with ``target_tokens``): :func:`check_reachable` then
+    raises :class:`CompactionUnreachable`, saying why, before any work. (Such a copy has no
     ``compaction_stats``; a compacted cache's say what the compaction did: see
-    :class:`CompactionStats`).
+    :class:`CompactionStats`.)
     """
+    if must_change:
+        if target_tokens is None:
+            raise InvalidInput("must_change=True takes target_tokens=, the rows the span must come under")
+        check_reachable(cache, target_tokens=target_tokens, keep_recent=keep_recent, protect_prefix=protect_prefix)
     if isinstance(compactor, str):
         compactor = named(compactor)
     elif not isinstance(compactor, Compactor):
@@ -116,7 +123,7 @@ def check_reachable(cache: SessionCache, *, target_tokens: int, keep_recent: int
     rows would leave ``cache`` as it is (:func:`compact` would return a copy); else its :class:`Reach`.
 
     For callers that compact on request and must not store an unchanged cache as if it were
-    compacted (``agentmem compact``, :meth:`~agentmem.sessions.Session.compact`).
+    compacted (``agentmem compact``; sessions through :func:`compact`'s ``must_change``).
     """
     found = reach(cache, keep_recent=keep_recent, protect_prefix=protect_prefix)
     protected = found.kept - found.recent
@@ -135,8 +142,8 @@ def check_reachable(cache: SessionCache, *, target_tokens: int, keep_recent: int
 
 
 def compact_in_place(engine: Engine, session: PagedSession, compactor: Compactor | str = "am", **settings) -> None:
-    """Compact a session held in block pools as :func:`compact` (same ``compactor`` and ``settings``) compacts
-    its rows, the result taken in place (:meth:`PagedSession.compact_to
+    """Compact a session held in block pools as :func:`compact` (same ``compactor`` and ``settings``,
+    ``must_change`` included) compacts its rows, the result taken in place (:meth:`PagedSession.compact_to
     <agentmem.paged_sessions.PagedSession.compact_to>`, on the scheduler's thread). The compactor reads a
     copy of the rows (:meth:`PagedSession.to_cache <agentmem.paged_sessions.PagedSession.to_cache>`),
     freed when it is done."""
