@@ -11,6 +11,8 @@ import random
 import threading
 import time
 
+import pytest
+
 from agentmem import BudgetPolicy, SessionManager
 from agentmem.cache import buffer_nbytes
 from agentmem.errors import BudgetExceeded
@@ -49,7 +51,10 @@ def _drive(manager: SessionManager, tenants: list[str], errors: list[BaseExcepti
     return len(asked)
 
 
-def test_device_budget_holds_within_one_session_under_concurrent_turns(small_engine, tmp_path):
+@pytest.mark.parametrize("pooled", [False, True], ids=["buffers", "pooled"])
+def test_device_budget_holds_within_one_session_under_concurrent_turns(small_engine, tmp_path, pooled):
+    """In buffers of their own or in block pools made at the budget (where a turn past it would find no block:
+    the admission must keep every turn within it, and every block must come back once the sessions leave)."""
     policy = BudgetPolicy(max_live_tokens=96, keep_recent=16, target_ratio=4, fill_after_compaction=0.375,
                           method="window", storage_dtype="fp32")
     # The most a session's buffer holds, counted as the ledger counts it (buffer_nbytes: keys and
@@ -65,7 +70,7 @@ def test_device_budget_holds_within_one_session_under_concurrent_turns(small_eng
     # the budget; the sixteen sessions do not, so idle ones must be evicted.
     budget = THREADS * one_session
     manager = SessionManager(small_engine, f"sqlite:///{tmp_path / 's.db'}", default_policy=policy,
-                             device_budget_bytes=budget)
+                             device_budget_bytes=budget, pooled=pooled)
     peak, done, errors = [0], threading.Event(), []
 
     def sample() -> None:
@@ -83,6 +88,11 @@ def test_device_budget_holds_within_one_session_under_concurrent_turns(small_eng
     assert stats["turns"] == THREADS * SESSIONS_PER_THREAD * TURNS
     assert stats["spills"] > asked + THREADS  # the budget forced spills (evictions), beyond those asked for
     assert peak[0] <= budget + one_session, (peak[0], budget, one_session)
+    if pooled:  # every session spilled and the listed prompts dropped: no block is left held
+        for entry in [e for e in manager.list("acme") if e.get("live")]:
+            manager.spill("acme", entry["session_id"])
+        manager.layout.reclaim()
+        assert [pool.used_blocks for pool in manager.layout.pools] == [0] * small_engine.num_layers
     manager.close()
 
 

@@ -18,8 +18,14 @@ from agentmem.storage import open_store
 POLICY = BudgetPolicy(max_live_tokens=512, keep_recent=32, storage_dtype="fp32")
 
 
-def test_redis_restart_mid_session_loses_nothing_acknowledged(small_engine, local_redis):
-    manager = SessionManager(small_engine, local_redis.url, default_policy=POLICY)
+def held_blocks(manager: SessionManager) -> int:
+    return sum(pool.used_blocks for pool in manager.layout.pools)
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["buffers", "pooled"])
+def test_redis_restart_mid_session_loses_nothing_acknowledged(small_engine, local_redis, pooled):
+    layout = {"pooled": True, "device_budget_bytes": 4096 * small_engine.bytes_per_token} if pooled else {}
+    manager = SessionManager(small_engine, local_redis.url, default_policy=POLICY, **layout)
     session = manager.session("t-1", tenant="acme")
     session.chat("first message", max_new_tokens=4)
     manager.spill("acme", "t-1")
@@ -36,6 +42,8 @@ def test_redis_restart_mid_session_loses_nothing_acknowledged(small_engine, loca
     with pytest.raises(StoreUnavailable):
         manager.session("t-2", tenant="acme")
     assert manager.stats()["live_sessions"] == 1  # the failed spill kept the session live
+    if pooled:  # its blocks, and no others: the failed spill freed none, the failed load took none
+        assert held_blocks(manager) * manager.layout.pools[0].block_nbytes == session.cache.held_nbytes > 0
     held = session.cache.token_ids
 
     local_redis.start()
@@ -43,8 +51,10 @@ def test_redis_restart_mid_session_loses_nothing_acknowledged(small_engine, loca
     assert store.get("acme", "t-1").version == acknowledged  # AOF kept the acknowledged write
     store.close()
     assert manager.spill("acme", "t-1") == acknowledged + 1
+    if pooled:
+        assert held_blocks(manager) == 0
     manager.close()
-    with SessionManager(small_engine, local_redis.url, default_policy=POLICY) as fresh:
+    with SessionManager(small_engine, local_redis.url, default_policy=POLICY, **layout) as fresh:
         assert fresh.session("t-1", tenant="acme").cache.token_ids == held
 
 

@@ -12,10 +12,13 @@ POLICY = BudgetPolicy(max_live_tokens=512, keep_recent=32, storage_dtype="fp32")
 HOSTILE_TENANTS = ["*", "acme*", "a?me", "[a]cme", "acme:t-1", "{acme}", "", " ", "acme\n", "../acme", "%"]
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "sqlite-pooled"])
 def manager(request, small_engine, tmp_path, local_redis):
-    url = f"sqlite:///{tmp_path / 's.db'}" if request.param == "sqlite" else local_redis.url
-    with SessionManager(small_engine, url, default_policy=POLICY) as manager:
+    """A manager holding ``acme``'s spilled session ``t-1``; its sessions in buffers, or in block pools."""
+    url = local_redis.url if request.param == "redis" else f"sqlite:///{tmp_path / 's.db'}"
+    layout = ({"pooled": True, "device_budget_bytes": 4096 * small_engine.bytes_per_token}
+              if request.param.endswith("pooled") else {})
+    with SessionManager(small_engine, url, default_policy=POLICY, **layout) as manager:
         secret = manager.session("t-1", tenant="acme")
         secret.chat("The vault code is 9931.", max_new_tokens=4)
         manager.spill("acme", "t-1")
