@@ -224,9 +224,11 @@ class BlockPools:
     def share_prefix(self, rows: PagedSession, tenant: str, tokens: int) -> None:
         """List the full blocks of ``rows``'s first ``tokens`` tokens, while they are raw rows at their own
         positions (:meth:`PagedSession.publish <agentmem.paged_sessions.PagedSession.publish>`): held by the
-        index until no session holds them and room is needed (:meth:`reclaim`)."""
-        if min(tokens, *(layer.raw_prefix for layer in rows.rows)) >= self.pools[0].block_size:
-            self._on_scheduler(lambda: self.prefixes.publish(tenant, rows.rows, rows.token_ids[:tokens]))
+        index until no session holds them and room is needed (:meth:`reclaim`). Offered again (every turn of
+        the session), it runs nothing: they are listed already."""
+        listable = min(tokens, *(layer.raw_prefix for layer in rows.rows))
+        if tokens > rows.published and listable >= self.pools[0].block_size:
+            self._on_scheduler(lambda: rows.publish(self.prefixes, tenant, tokens))
 
     def reclaim(self) -> int:
         return self._on_scheduler(self.prefixes.drop_unheld) * self.pools[0].block_nbytes

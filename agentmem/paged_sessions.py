@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from agentmem.cache import (PART_DTYPES, SEGMENT_PARTS, STORED_FORM_ERRORS, CompactedSegment, LayerCache,
-                            SessionCache, TensorExport, copy_into, materialise, parse_stored, segment_meta, stored_meta, tail_exports, token_log_export)
+                            SessionCache, TensorExport, copy_into, materialise, parse_stored, segment_meta,
+                            stored_meta, tail_exports, token_log_export)
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, PoolExhausted, brief
 from agentmem.host_memory import wait_for_copies
 from agentmem.placement import IDENTITY, Placement, check_boundary
@@ -59,6 +60,9 @@ class PagedSession:
     tail_start: int = 0  # the first token held raw: a placement's boundary may not pass it
     # What the last compaction did (:class:`~agentmem.compaction.CompactionStats`), as a compacted cache has it.
     compaction_stats: Any = field(default=None, compare=False, repr=False)
+    # Tokens of its prefix this session has listed already (:meth:`publish`): a later turn offering no more
+    # has nothing to list (those rows stay listed while the session holds them; a rewind below them resets it).
+    published: int = field(default=0, compare=False, repr=False)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -295,10 +299,14 @@ class PagedSession:
         rows, covered = index.adopt(tenant, token_ids, kv_heads)
         return cls(rows, list(token_ids[:covered]), fingerprint)
 
-    def publish(self, index: PrefixIndex, tenant: str) -> int:
-        """List this session's raw prefix (its full blocks of tokens read at their own positions) for
-        ``tenant``'s later sessions to adopt; returns how many block positions were new."""
-        return index.publish(tenant, self.rows, self.token_ids)
+    def publish(self, index: PrefixIndex, tenant: str, tokens: int | None = None) -> int:
+        """List this session's raw prefix (its full blocks of tokens read at their own positions), of its first
+        ``tokens`` tokens (default: all), for ``tenant``'s later sessions to adopt; returns how many block
+        positions were new."""
+        tokens = len(self.token_ids) if tokens is None else min(tokens, len(self.token_ids))
+        new = index.publish(tenant, self.rows, self.token_ids[:tokens])
+        self.published = max(self.published, tokens)
+        return new
 
     def fork(self) -> PagedSession:
         """A second session holding the same rows and tokens, sharing their blocks: the two go on
@@ -316,6 +324,7 @@ class PagedSession:
         for rows in self.rows:
             rows.drop_last(drop)
         del self.token_ids[length:]
+        self.published = min(self.published, length)
 
     def compact_to(self, compacted: SessionCache) -> None:
         """Hold ``compacted``, the cache this session holds as compacted (:func:`agentmem.compaction.compact`):

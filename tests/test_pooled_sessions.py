@@ -230,6 +230,32 @@ def test_a_tenants_sessions_hold_their_shared_system_prompt_once(tiny, tmp_path)
     assert reused[False] == [0] * 4 and reused[True][0] == 0 and reused[True][1:] == [shared * 16] * 3
 
 
+def test_a_sessions_prompt_is_measured_and_listed_once_while_it_stays_the_same(tiny, tmp_path, monkeypatch):
+    """Later turns with the same system prompt neither render it again nor run a job to list it; a turn with
+    another prompt (the history edited from its start) measures and lists that one, which a new session then
+    starts on."""
+    from agentmem.prefixes import PrefixIndex
+
+    listed, measured = [], []
+    publish, prompt_delta = PrefixIndex.publish, Engine.prompt_delta
+    monkeypatch.setattr(PrefixIndex, "publish", lambda self, *a: listed.append(1) or publish(self, *a))
+    monkeypatch.setattr(Engine, "prompt_delta", lambda self, held, messages, **kw: (
+        measured.append(1) if len(messages) == 1 else None) or prompt_delta(self, held, messages, **kw))
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=BUDGET,
+                        pooled=True) as manager:
+        session, history = manager.session("s", tenant="acme"), [SYSTEM]
+        for i in range(3):
+            history.append({"role": "user", "content": filler(i)})
+            history.append({"role": "assistant", "content": session.chat(history, max_new_tokens=4).text})
+            assert (len(listed), len(measured)) == (1, 1)
+        other = {"role": "system", "content": "You answer in French. " + filler(21)}
+        session.chat([other, {"role": "user", "content": filler(0)}], max_new_tokens=4)
+        assert (len(listed), len(measured)) == (2, 2)
+        later = manager.session("t", tenant="acme").chat([other, {"role": "user", "content": filler(1)}],
+                                                          max_new_tokens=4)
+        assert later.usage.reused_tokens >= 16
+
+
 def test_a_shared_prompt_no_session_holds_gives_way_to_sessions(tiny, tmp_path):
     with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=BUDGET,
                         pooled=True) as manager:
