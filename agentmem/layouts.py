@@ -227,7 +227,7 @@ class BlockPools:
         index until no session holds them and room is needed (:meth:`reclaim`). Offered again (every turn of
         the session), it runs nothing: they are listed already."""
         listable = min(tokens, *(layer.raw_prefix for layer in rows.rows))
-        if tokens > rows.published and listable >= self.pools[0].block_size:
+        if tokens > rows.listed(self.prefixes) and listable >= self.pools[0].block_size:
             self._on_scheduler(lambda: rows.publish(self.prefixes, tenant, tokens))
 
     def reclaim(self) -> int:

@@ -60,9 +60,9 @@ class PagedSession:
     tail_start: int = 0  # the first token held raw: a placement's boundary may not pass it
     # What the last compaction did (:class:`~agentmem.compaction.CompactionStats`), as a compacted cache has it.
     compaction_stats: Any = field(default=None, compare=False, repr=False)
-    # Tokens of its prefix this session has listed already (:meth:`publish`): a later turn offering no more
-    # has nothing to list (those rows stay listed while the session holds them; a rewind below them resets it).
-    published: int = field(default=0, compare=False, repr=False)
+    # Tokens of its prefix this session offered to an index (:meth:`publish`) and the index's ``drops`` then
+    # (:meth:`listed`).
+    published: tuple[int, int] = field(default=(0, -1), compare=False, repr=False)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -305,8 +305,15 @@ class PagedSession:
         positions were new."""
         tokens = len(self.token_ids) if tokens is None else min(tokens, len(self.token_ids))
         new = index.publish(tenant, self.rows, self.token_ids[:tokens])
-        self.published = max(self.published, tokens)
+        self.published = (tokens, index.drops)
         return new
+
+    def listed(self, index: PrefixIndex) -> int:
+        """Tokens of its prefix known listed in ``index`` since it offered them (:meth:`publish`), with its rows
+        or another session's: a later offer of no more tokens would list nothing. 0 once the index has forgotten
+        any listing since (it may have been the one listing those tokens), or after a rewind below them."""
+        tokens, drops = self.published
+        return tokens if drops == index.drops else 0
 
     def fork(self) -> PagedSession:
         """A second session holding the same rows and tokens, sharing their blocks: the two go on
@@ -324,7 +331,7 @@ class PagedSession:
         for rows in self.rows:
             rows.drop_last(drop)
         del self.token_ids[length:]
-        self.published = min(self.published, length)
+        self.published = (min(self.published[0], length), self.published[1])
 
     def compact_to(self, compacted: SessionCache) -> None:
         """Hold ``compacted``, the cache this session holds as compacted (:func:`agentmem.compaction.compact`):

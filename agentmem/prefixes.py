@@ -33,6 +33,9 @@ class PrefixIndex:
         self.block_size = pools[0].block_size
         # tenant -> block key -> per layer, the block of each KV head holding those tokens
         self._entries: dict[str, dict[bytes, list[tuple[int, ...]]]] = {}
+        # Times listings were forgotten (drop, drop_unheld): a session that offered its prefix before the last
+        # one may hold it unlisted (listed with another session's blocks, since dropped), so must offer again.
+        self.drops = 0
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         """The chained key of every full block of ``token_ids``."""
@@ -89,6 +92,7 @@ class PrefixIndex:
         for blocks in self._entries.pop(tenant, {}).values():
             for pool, layer_blocks in zip(self.pools, blocks):
                 pool.release(layer_blocks)
+        self.drops += 1
 
     def drop_unheld(self) -> int:
         """Forget every listed block position no session holds any more (the index its only holder, in every
@@ -102,6 +106,7 @@ class PrefixIndex:
                 for pool, layer_blocks in zip(self.pools, entries.pop(key)):
                     pool.release(layer_blocks)
                     freed += len(layer_blocks)
+        self.drops += freed > 0
         return freed
 
     def listed_blocks(self, tenant: str) -> int:

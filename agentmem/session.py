@@ -15,7 +15,7 @@ device and the store through the public state methods (:meth:`Session.restore`,
 
 from __future__ import annotations
 
-import copy
+import json
 import random
 import sys
 import threading
@@ -125,8 +125,8 @@ class Session:
         self.last_used = time.monotonic()
         self._last_reply_ids: list[int] = []
         self._tools: list[dict[str, Any]] | None = None  # tools the last turn was rendered with
-        # The leading system message and tools last measured, and their length in tokens (_system_prompt_length).
-        self._system_prompt: tuple[dict[str, Any], list[dict[str, Any]] | None, int] | None = None
+        # The leading system message and tools last measured (as JSON), and their length in tokens.
+        self._system_prompt: tuple[str, int] | None = None
         self.stored_bytes = 0
         self.revision = 1 if messages or cache.logical_length else 0  # a fork starts with something to store
         self._cancelled: threading.Event | None = None  # the cancellation of the turn under way
@@ -540,11 +540,12 @@ class Session:
         """Tokens of the leading system prompt of ``messages`` rendered with ``tools`` (0 without one)."""
         if not messages or messages[0]["role"] != "system":
             return 0
-        known = self._system_prompt
-        if known is None or known[0] != messages[0] or known[1] != tools:  # rendered once while they stay the same
-            length = len(self.engine.prompt_delta([], list(messages[:1]), tools=tools))
-            known = self._system_prompt = (copy.deepcopy(dict(messages[0])), copy.deepcopy(tools), length)
-        return known[2]
+        # Rendered once while they stay the same, as JSON says (which, unlike ==, tells 1 from 1.0 and True,
+        # and key orders apart, as the chat template's tojson does).
+        key = json.dumps([messages[0], tools], default=repr)
+        if self._system_prompt is None or self._system_prompt[0] != key:
+            self._system_prompt = (key, len(self.engine.prompt_delta([], list(messages[:1]), tools=tools)))
+        return self._system_prompt[1]
 
     def _generate(self, prompt: list[int], usage: Usage, max_new_tokens: int, conversation: list[dict[str, Any]],
                   **sampling) -> Iterator[int]:

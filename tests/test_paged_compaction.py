@@ -300,15 +300,19 @@ def test_a_first_compaction_keeps_a_shared_prompt_where_it_is(tiny_engine):
 
 def test_the_copy_a_compaction_reads_is_the_session_bit_for_bit_built_a_layer_at_a_time(tiny_engine):
     """``to_cache`` (what ``compact_in_place``'s compactor reads) gives the cache the session holds, bit for
-    bit, for raw, compacted (uneven heads, kept queries), re-placed and empty sessions; while it runs, what
+    bit, for raw, compacted (uneven heads, kept queries), re-placed, compacted in place and empty sessions;
+    while it runs, what
     it adds beside the pool is the copy it returns and one layer's gathered rows, never two copies."""
     from test_paged_store import stored_equal, varied
 
     from agentmem.costs import CostCounter
 
     engine = tiny_engine
-    for cache in varied(engine):
-        _, (session,) = sessions_of(engine, [cache])
+    made = varied(engine)
+    _, (in_place,) = sessions_of(engine, [made[0]])
+    compacted = compact(engine, made[0], "am", ratio=4, keep_recent=40, protect_prefix=6)
+    in_place.compact_to(compacted)
+    for cache, session in [(c, sessions_of(engine, [c])[1][0]) for c in made] + [(compacted, in_place)]:
         with CostCounter() as counter:
             copy = session.to_cache()
         stored_equal(copy.to_tensors(), cache.to_tensors())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from agentmem import BudgetPolicy, Engine, SessionManager
 from agentmem.errors import BudgetExceeded, CompactionUnreachable, CorruptSessionError, InvalidInput
@@ -254,6 +255,42 @@ def test_a_sessions_prompt_is_measured_and_listed_once_while_it_stays_the_same(t
         later = manager.session("t", tenant="acme").chat([other, {"role": "user", "content": filler(1)}],
                                                           max_new_tokens=4)
         assert later.usage.reused_tokens >= 16
+
+
+def test_a_session_whose_prompt_was_listed_with_another_sessions_blocks_lists_it_once_those_go(tiny):
+    """Two sessions that read the same prompt at once each hold it; the second's offer lists nothing (the first
+    listed it). Once the first leaves and its listing is dropped, the second's next offer lists its own rows,
+    and a new session starts on them."""
+    layout = BlockPools(tiny, BUDGET, block_size=16)
+    prompt = torch.randint(3, 2000, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    first, second = layout.empty(), layout.empty()
+    for session, own in ((first, [7, 8, 9]), (second, [10, 11, 12])):
+        tiny.scheduler.call(lambda: tiny.read_paged([session], [prompt + own]))
+    layout.share_prefix(first, "acme", 64)
+    listed = layout.prefixes.listed_blocks("acme")
+    layout.share_prefix(second, "acme", 64)
+    assert layout.prefixes.listed_blocks("acme") == listed > 0
+    layout.release(first)
+    assert layout.reclaim() > 0 and layout.prefixes.listed_blocks("acme") == 0
+    layout.share_prefix(second, "acme", 64)
+    assert layout.prefixes.listed_blocks("acme") == listed
+    assert layout.adopt_prefix(layout.empty(), "acme", prompt + [1, 2]).logical_length == 64
+    layout.close()
+
+
+def test_a_prompt_rendered_differently_is_measured_again(tiny, tmp_path):
+    """Tools equal as Python values but rendered apart (1 against 1.0) are measured each: the protected prompt
+    is the one the template gives."""
+    def tool(default):
+        return {"type": "function", "function": {"name": "get", "description": "d", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "default": default}}}}}
+
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=BUDGET, pooled=True) as manager:
+        session = manager.session("s", tenant="acme")
+        for default in (1, 1.0):
+            expected = len(tiny.prompt_delta([], [SYSTEM], tools=[tool(default)]))
+            assert session._system_prompt_length([SYSTEM], [tool(default)]) == expected
+        assert [tool(1)] == [tool(1.0)] and len(tiny.prompt_delta([], [SYSTEM], tools=[tool(1)])) != expected
 
 
 def test_a_shared_prompt_no_session_holds_gives_way_to_sessions(tiny, tmp_path):

@@ -19,9 +19,10 @@ from agentmem.storage import open_store
 pytestmark = pytest.mark.slow
 HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
 LONG_TURN = 2000  # tokens: several seconds of decoding for the tiny model on 2 CPU cores
-# Where the server's sessions hold their rows: buffers of their own, or the block pools (``--pooled``).
-# Drain, spill, cancellation and restart must hold in both.
-LAYOUTS = {"buffers": [], "pooled": ["--pooled"]}
+# Where the server's sessions hold their rows: buffers of their own, or the block pools (``--pooled``, made at
+# the device budget: given, so that they are not a share of the machine's memory). Drain, spill, cancellation
+# and restart must hold in both.
+LAYOUTS = {"buffers": [], "pooled": ["--pooled", "--device-budget", str(64 * 2**20)]}
 each_layout = pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 
 
@@ -227,7 +228,8 @@ def test_a_stop_cancels_a_turn_past_the_drain_deadline_and_exits_0(model, tmp_pa
 @each_layout
 def test_live_sessions_stay_under_the_device_budget_and_all_resume(model, tmp_path, layout):
     budget = 150_000  # bytes: room for a few of the tiny model's sessions (49 KiB each on buffers), not eight
-    with ServerProcess(model, tmp_path, "--device-budget", str(budget), *layout) as server:
+    pooled = layout[:1]  # --pooled, if given, at this test's own budget
+    with ServerProcess(model, tmp_path, *pooled, "--device-budget", str(budget)) as server:
         firsts = {}
         for i in range(8):
             firsts[f"m{i}"] = server.chat(HELLO, session=f"m{i}", max_tokens=4).json()
