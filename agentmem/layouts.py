@@ -226,8 +226,8 @@ class BlockPools:
         positions (:meth:`PagedSession.publish <agentmem.paged_sessions.PagedSession.publish>`): held by the
         index until no session holds them and room is needed (:meth:`reclaim`). Offered again (every turn of
         the session), it runs nothing: they are listed already."""
-        listable = min(tokens, *(layer.raw_prefix for layer in rows.rows))
-        if tokens > rows.listed(self.prefixes) and listable >= self.pools[0].block_size:
+        if tokens > rows.listed(self.prefixes) and min(
+                tokens, *(layer.raw_prefix for layer in rows.rows)) >= self.pools[0].block_size:
             self._on_scheduler(lambda: rows.publish(self.prefixes, tenant, tokens))
 
     def reclaim(self) -> int:

@@ -213,11 +213,10 @@ class PagedSession:
         exports = {"token_ids": token_log_export(self.token_ids)}
         layers = []
         for i, rows in enumerate(self.rows):
-            pool, first = rows.pool, [0] * rows.kv_heads
+            pool = rows.pool
             parts = {"keys": pool.keys, "values": pool.values, "beta": pool.bias, "scores": pool.scores,
                      "positions": pool.positions}
-            for j, seg in enumerate(rows.segments):
-                slots = rows.rows_slots(first, seg.head_rows)
+            for j, (seg, slots) in enumerate(rows.segment_slots()):
                 for part in SEGMENT_PARTS:
                     exports[f"layers.{i}.segments.{j}.{part}"] = TensorExport(
                         (sum(seg.head_rows), self.head_dim) if part in ("keys", "values") else (sum(seg.head_rows),),
@@ -226,7 +225,6 @@ class PagedSession:
                     queries = seg.queries.queries
                     exports[f"layers.{i}.segments.{j}.queries"] = TensorExport(
                         tuple(queries.shape), self.dtype, functools.partial(copy_into, queries))
-                first = [f + n for f, n in zip(first, seg.head_rows)]
             layers.append({"segments": [segment_meta(seg, seg.queries) for seg in rows.segments],
                            "tail_length": self.next_token - self.tail_start})
         shape = (self.num_layers, self.num_kv_heads, self.head_dim)
@@ -246,16 +244,14 @@ class PagedSession:
     def _layer_cache(self, rows: PagedRows) -> LayerCache:
         """One layer's rows gathered from their blocks into a layer cache (which copies them into its buffer;
         the gathered ones are freed when it returns)."""
-        pool, first, segments = rows.pool, [0] * rows.kv_heads, []
-        for seg in rows.segments:
-            slots = rows.rows_slots(first, seg.head_rows)
+        pool, segments = rows.pool, []
+        for seg, slots in rows.segment_slots():
             queries = seg.queries
             segments.append(CompactedSegment(
                 keys=pool.keys[slots], values=pool.values[slots], beta=pool.bias[slots], head_rows=seg.head_rows,
                 span=seg.span, scores=pool.scores[slots], positions=pool.positions[slots],
                 queries=None if queries is None else queries.queries, queries_at=0 if queries is None else queries.at,
                 refresh_cursor=seg.refresh_cursor))
-            first = [f + n for f, n in zip(first, seg.head_rows)]
         tail = (rows.kv_heads, self.next_token - self.tail_start, self.head_dim)
         slots = rows.raw_slots(0, tail[1])
         return LayerCache(segments, pool.keys[slots].view(tail), pool.values[slots].view(tail))

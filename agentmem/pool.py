@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -582,6 +582,13 @@ class PagedRows:
         width = self.width
         table = to_device([blocks + [NULL_BLOCK] * (width - len(blocks)) for blocks in self.blocks], device)
         return slot_of(table, (head,), row, self.pool.block_size)
+
+    def segment_slots(self) -> Iterator[tuple[HeldSegment, torch.Tensor]]:
+        """Each held segment with the slots of its rows (:meth:`rows_slots`, packed head after head), in order."""
+        first = [0] * self.kv_heads
+        for seg in self.segments:
+            yield seg, self.rows_slots(first, seg.head_rows)
+            first = [f + n for f, n in zip(first, seg.head_rows)]
 
     def raw_slots(self, skip: int, rows: int) -> torch.Tensor:
         """Slots ``(kv_heads * rows,)`` of each head's raw rows ``skip …`` (``rows`` of them), head after head."""

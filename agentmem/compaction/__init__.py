@@ -143,7 +143,7 @@ def check_reachable(cache: SessionCache, *, target_tokens: int, keep_recent: int
 
 def compact_in_place(engine: Engine, session: PagedSession, compactor: Compactor | str = "am", **settings) -> None:
     """Compact a session held in block pools as :func:`compact` (same ``compactor`` and ``settings``,
-    ``must_change`` included) compacts its rows, the result taken in place (:meth:`PagedSession.compact_to
+    ``must_change`` included, checked on the copy) compacts its rows, the result taken in place (:meth:`PagedSession.compact_to
     <agentmem.paged_sessions.PagedSession.compact_to>`, on the scheduler's thread). The compactor reads a
     copy of the rows (:meth:`PagedSession.to_cache <agentmem.paged_sessions.PagedSession.to_cache>`),
     freed when it is done."""
