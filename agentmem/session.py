@@ -103,6 +103,10 @@ class SessionHost(Protocol):
     def turn_done(self, session: Session, usage: Usage) -> None:
         """``session`` finished a turn that cost ``usage`` (called under its lock)."""
 
+    def turn_ended(self, session: Session) -> None:
+        """The turn ``session`` began has ended, answered or not: refused, failed, cancelled, or its
+        stream closed by a caller that left (called under its lock, after :meth:`turn_done` if answered)."""
+
     def adopt(self, key: SessionKey, cache: Rows, messages: list[dict[str, Any]]) -> Session:
         """A new live session ``key`` holding ``cache`` and ``messages`` (a fork); ``cache`` is its from
         then on, released if the adoption fails."""
@@ -186,69 +190,82 @@ class Session:
         """
         with self.lock:
             self._host.begin_turn(self)
-            usage = Usage()
-            conversation = self._conversation(message_or_messages)
-            tools = list(tools) if tools else None
-            if max_prompt_tokens is not None:
-                self._refuse_if_far_over(conversation, max_prompt_tokens)
-            keep, delta = self._plan(conversation, tools)
-            if max_prompt_tokens is not None and len(delta) > max_prompt_tokens:
-                raise RequestTooLarge(f"this turn would read {len(delta)} tokens the session does not hold; "
-                                      f"at most {max_prompt_tokens} per turn")
-            prefix = encode(self.engine.tokenizer, reply_prefix, split_special_tokens=True) if reply_prefix else []
-            self.engine.check_sampling(max_new_tokens, temperature, top_p, top_k)
-            stop = stop_strings(stop)
-            self._check_turn(keep, len(delta) + len(prefix), max_new_tokens, conversation, tools)  # before anything changes
-            self._tools = tools
-            held = self.cache.logical_length
-            self._rewind(keep, usage)
-            usage.reprefilled_tokens += min(len(delta), held - keep)
-            delta += prefix
-            if not self.cache.logical_length:  # a new session may start on its tenant's shared prompt
-                self.cache = self._host.layout.adopt_prefix(self.cache, self.tenant, delta)
-                delta = delta[self.cache.logical_length:]
-            usage.reused_tokens = self.cache.logical_length
-            usage.prefilled_tokens += len(delta)
-            self._cancelled = cancelled
-            delta = self._read_in_pieces(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
-            reply = ReplyText(self.engine.tokenizer, stop)
-            generated = reply.ids
-            shown, replied_from = "", self.cache.logical_length + len(delta)  # where the reply's tokens go
-            growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
-            with self._host.room(growth, self):
-                if reply_prefix:
-                    yield reply_prefix
-                for token in self._generate(delta, usage, max_new_tokens, conversation, temperature=temperature,
-                                            top_p=top_p, top_k=top_k, stop=stop, seed=random.Random(seed),
-                                            cancelled=cancelled):
-                    reply.push(token)
-                    text = reply.visible()
-                    if len(text) > len(shown):
-                        yield text[len(shown):]
-                        shown = text
-            full = self.engine.tokenizer.decode(generated, skip_special_tokens=True)  # once, whole: the record
-            text = cut_at_stop(full, stop)
-            if len(text) > len(shown):
-                yield text[len(shown):]
-            eos = self.engine.eos_token_ids
-            stopped = text != full
-            usage.finish_reason = "stop" if generated and (generated[-1] in eos or stopped) else "length"
-            if stopped:  # the caller got the reply up to its stop string: record that, and keep that
-                self._take_back(self._tokens_shown(generated, text), replied_from)
-                content = reply_prefix + text
-            else:
-                content = reply_prefix + self.engine.tokenizer.decode([t for t in generated if t not in eos])
-            self._messages = conversation + [{"role": "assistant", "content": content}]
-            self._last_reply_ids = generated
-            self.revision += 1
-            usage.generated_tokens = len(generated)
-            usage.live_tokens, usage.logical_tokens = self.cache.physical_length, self.cache.logical_length
-            usage.position = self.cache.next_position
-            usage.live_bytes = self.cache.allocated_nbytes
-            if self._host.layout.shares_prefixes:
-                self._host.layout.share_prefix(self.cache, self.tenant, self._system_prompt_length(conversation, tools))
-            self._host.turn_done(self, usage)
-            yield usage
+            try:
+                yield from self._turn(message_or_messages, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_p=top_p, top_k=top_k, stop=stop, seed=seed, tools=tools,
+                                      reply_prefix=reply_prefix, max_prompt_tokens=max_prompt_tokens,
+                                      cancelled=cancelled)
+            finally:
+                self._host.turn_ended(self)
+
+    def _turn(self, message_or_messages, *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+              stop: str | Sequence[str] | None, seed: int | None, tools: Sequence[Mapping[str, Any]] | None,
+              reply_prefix: str, max_prompt_tokens: int | None,
+              cancelled: threading.Event | None) -> Iterator[str | Usage]:
+        """The body of :meth:`stream`, run under the session's lock once its host has begun the turn."""
+        usage = Usage()
+        conversation = self._conversation(message_or_messages)
+        tools = list(tools) if tools else None
+        if max_prompt_tokens is not None:
+            self._refuse_if_far_over(conversation, max_prompt_tokens)
+        keep, delta = self._plan(conversation, tools)
+        if max_prompt_tokens is not None and len(delta) > max_prompt_tokens:
+            raise RequestTooLarge(f"this turn would read {len(delta)} tokens the session does not hold; "
+                                  f"at most {max_prompt_tokens} per turn")
+        prefix = encode(self.engine.tokenizer, reply_prefix, split_special_tokens=True) if reply_prefix else []
+        self.engine.check_sampling(max_new_tokens, temperature, top_p, top_k)
+        stop = stop_strings(stop)
+        self._check_turn(keep, len(delta) + len(prefix), max_new_tokens, conversation, tools)  # before anything changes
+        self._tools = tools
+        held = self.cache.logical_length
+        self._rewind(keep, usage)
+        usage.reprefilled_tokens += min(len(delta), held - keep)
+        delta += prefix
+        if not self.cache.logical_length:  # a new session may start on its tenant's shared prompt
+            self.cache = self._host.layout.adopt_prefix(self.cache, self.tenant, delta)
+            delta = delta[self.cache.logical_length:]
+        usage.reused_tokens = self.cache.logical_length
+        usage.prefilled_tokens += len(delta)
+        self._cancelled = cancelled
+        delta = self._read_in_pieces(delta, usage, conversation, min(max_new_tokens, self.policy.turn_room))
+        reply = ReplyText(self.engine.tokenizer, stop)
+        generated = reply.ids
+        shown, replied_from = "", self.cache.logical_length + len(delta)  # where the reply's tokens go
+        growth = self.cache.bytes_to_append(len(delta) + max_new_tokens)
+        with self._host.room(growth, self):
+            if reply_prefix:
+                yield reply_prefix
+            for token in self._generate(delta, usage, max_new_tokens, conversation, temperature=temperature,
+                                        top_p=top_p, top_k=top_k, stop=stop, seed=random.Random(seed),
+                                        cancelled=cancelled):
+                reply.push(token)
+                text = reply.visible()
+                if len(text) > len(shown):
+                    yield text[len(shown):]
+                    shown = text
+        full = self.engine.tokenizer.decode(generated, skip_special_tokens=True)  # once, whole: the record
+        text = cut_at_stop(full, stop)
+        if len(text) > len(shown):
+            yield text[len(shown):]
+        eos = self.engine.eos_token_ids
+        stopped = text != full
+        usage.finish_reason = "stop" if generated and (generated[-1] in eos or stopped) else "length"
+        if stopped:  # the caller got the reply up to its stop string: record that, and keep that
+            self._take_back(self._tokens_shown(generated, text), replied_from)
+            content = reply_prefix + text
+        else:
+            content = reply_prefix + self.engine.tokenizer.decode([t for t in generated if t not in eos])
+        self._messages = conversation + [{"role": "assistant", "content": content}]
+        self._last_reply_ids = generated
+        self.revision += 1
+        usage.generated_tokens = len(generated)
+        usage.live_tokens, usage.logical_tokens = self.cache.physical_length, self.cache.logical_length
+        usage.position = self.cache.next_position
+        usage.live_bytes = self.cache.allocated_nbytes
+        if self._host.layout.shares_prefixes:
+            self._host.layout.share_prefix(self.cache, self.tenant, self._system_prompt_length(conversation, tools))
+        self._host.turn_done(self, usage)
+        yield usage
 
     def fork(self, new_id: str) -> Session:
         """A new session of the same tenant starting from this one's cache and messages.

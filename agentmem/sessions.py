@@ -66,8 +66,8 @@ class SessionManager:
     ``block_size`` slots: by default 128 on CUDA, 16 elsewhere) made once at ``device_budget_bytes``, which it
     then needs: the pools are the device budget, a block shared by forks counted once; decode steps run
     compiled when ``compiled_decode`` (default: on CUDA). Otherwise each session holds buffers of its own
-    (:class:`~agentmem.layouts.OwnBuffers`). Stateless sessions (:meth:`ephemeral`) hold their own buffers
-    either way: they are never released, only dropped.
+    (:class:`~agentmem.layouts.OwnBuffers`). Stateless sessions (:meth:`ephemeral`) hold rows in the same
+    layout for the length of a turn.
     """
 
     def __init__(
@@ -163,8 +163,9 @@ class SessionManager:
 
     def ephemeral(self, tenant: str = "default") -> Session:
         """A session for one stateless turn: it never touches the store, takes no lease and is not
-        listed; it holds device memory only through its turn's room in the device budget, and is
-        gone once the caller drops it."""
+        listed. It holds rows only while a turn runs, within the device budget (in the pools, when
+        pooled, where it starts on the tenant's shared system prompt and offers its own); they go
+        back when the turn ends, answered, refused, failed or cancelled."""
         key = SessionKey(check_tenant(tenant), f"ephemeral-{uuid.uuid4().hex}")
         host = _EphemeralHost(self)
         return Session(host, key, host.layout.empty(), [], 0, time.time())
@@ -387,6 +388,9 @@ class _SessionHost:
         self._manager._residency.checkpoint(session)
         self._manager._residency.enforce(keep=session)
 
+    def turn_ended(self, session: Session) -> None:
+        """Nothing to do: a kept session keeps its rows, answered or not."""
+
     def _count(self, usage: Usage) -> None:
         for name in ("prefilled_tokens", "reused_tokens", "generated_tokens", "dropped_tokens", "reprefilled_tokens"):
             self._manager.metrics.add(name, getattr(usage, name))  # compactions are counted where they happen
@@ -400,19 +404,22 @@ class _SessionHost:
 
 
 class _EphemeralHost(_SessionHost):
-    """The host of :meth:`SessionManager.ephemeral` sessions: the manager's engine, policies, device
-    budget and counters, without its registry, leases or store. Their rows are buffers of their own
-    whatever the manager's layout: nothing releases a dropped session's pool blocks."""
+    """The host of :meth:`SessionManager.ephemeral` sessions: the manager's engine, policies, layout,
+    device budget and counters, without its registry, leases or store.
 
-    def __init__(self, manager: SessionManager) -> None:
-        super().__init__(manager)
-        self.layout = OwnBuffers(manager.engine)
+    Their rows live where the manager's sessions' do (in its pools, when pooled: inside the device
+    budget, starting on the tenant's shared prompt) and go back when the turn ends, however it
+    ends: nothing else would release a dropped session's blocks."""
 
     def begin_turn(self, session: Session) -> None:
         session.last_used = time.monotonic()
 
     def turn_done(self, session: Session, usage: Usage) -> None:
         self._count(usage)
+
+    def turn_ended(self, session: Session) -> None:
+        """Give the turn's rows back (a later turn of the session re-reads its conversation)."""
+        session.unload()
 
     def adopt(self, key: SessionKey, cache: Rows, messages: list[dict[str, Any]]) -> Session:
         raise InvalidInput("a stateless session cannot be forked: it is not kept")

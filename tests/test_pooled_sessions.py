@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentmem import BudgetPolicy, Engine, SessionManager
-from agentmem.errors import BudgetExceeded, CompactionUnreachable, CorruptSessionError, InvalidInput
+from agentmem.errors import BudgetExceeded, CompactionUnreachable, CorruptSessionError, InvalidInput, TurnCancelled
 from agentmem.layouts import BlockPools
 from agentmem.paged_sessions import PagedSession
 from agentmem.pool import BlockPool, BlockTables
@@ -489,3 +489,51 @@ def test_a_manager_that_fails_to_start_leaves_no_decode_step_behind(tiny):
     with pytest.raises(AttributeError):  # a store without leases: the manager fails after its pools were made
         SessionManager(tiny, object(), device_budget_bytes=BUDGET, pooled=True, compiled_decode=True)
     assert tiny.scheduler._decode_steps == steps
+
+
+def test_a_stateless_turn_holds_pool_blocks_only_while_it_runs(tiny, tmp_path):
+    """A stateless turn's rows are blocks of the pools (inside the device budget), given back when it ends:
+    answered, cancelled mid-reply, or its stream closed by a caller that left. Replies are those of buffers."""
+    replies = {}
+    for pooled in (False, True):
+        with SessionManager(tiny, f"sqlite:///{tmp_path / f'{pooled}.db'}", device_budget_bytes=BUDGET,
+                            pooled=pooled) as manager:
+            session = manager.ephemeral("acme")
+            stream = session.stream(filler(0), max_new_tokens=6)
+            pieces = [next(stream)]
+            assert isinstance(session.cache, PagedSession) == pooled and session.cache.logical_length > 0
+            if pooled:
+                assert pool_used(manager) == sum(rows.held_blocks for rows in session.cache.rows) > 0
+            pieces += [piece for piece in stream if isinstance(piece, str)]
+            replies[pooled] = "".join(pieces)
+            assert session.cache.logical_length == 0 and session.cache.allocated_nbytes == 0
+            cancelled = threading.Event()
+            with pytest.raises(TurnCancelled):
+                for _ in manager.ephemeral("acme").stream(filler(1), max_new_tokens=6, cancelled=cancelled):
+                    cancelled.set()
+            left = manager.ephemeral("acme").stream(filler(2), max_new_tokens=6)
+            next(left)
+            left.close()
+            if pooled:
+                assert pool_used(manager) == 0
+            assert manager.stats()["live_sessions"] == 0 and manager.stats()["turns"] == 1
+    assert replies[True] == replies[False]
+
+
+def test_stateless_turns_start_on_the_tenants_shared_prompt(tiny, tmp_path):
+    """Each stateless request repeats its system prompt: in pools it is read once, by the first, and the
+    others start on its blocks, with the replies of turns that read it; another tenant's never find it."""
+    replies, reused = {}, {}
+    for pooled in (False, True):
+        with SessionManager(tiny, f"sqlite:///{tmp_path / f'{pooled}.db'}", device_budget_bytes=BUDGET,
+                            pooled=pooled) as manager:
+            turns = [manager.ephemeral(tenant).chat([SYSTEM, {"role": "user", "content": filler(i)}], max_new_tokens=6)
+                     for i, tenant in enumerate(("acme", "acme", "acme", "globex"))]
+            replies[pooled], reused[pooled] = [t.text for t in turns], [t.usage.reused_tokens for t in turns]
+            if pooled:
+                assert pool_used(manager) > 0  # the prompts, listed for later turns
+                manager.layout.reclaim()
+                assert pool_used(manager) == 0
+    shared = len(tiny.prompt_delta([], [SYSTEM])) // 16 * 16
+    assert replies[True] == replies[False]
+    assert reused[False] == [0] * 4 and reused[True] == [0, shared, shared, 0]

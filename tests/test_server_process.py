@@ -148,13 +148,15 @@ def test_a_client_that_leaves_cancels_its_turn_streaming_or_not(server):
     wait_for(lambda: running_turns(server) == 0)
     assert metric(server, "sampled_tokens_total") - sampled < LONG_TURN / 2  # stopped, not decoded to its end
     sessions, sampled = metric(server, "live_sessions"), metric(server, "sampled_tokens_total")
+    live = metric(server, "live_bytes")
     body = {"model": server.model_name, "messages": HELLO, "max_tokens": LONG_TURN, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers(),
                       timeout=30) as response:
         assert next(response.iter_lines()).startswith("data: ")
     wait_for(lambda: running_turns(server) == 0)  # stateless, streaming: nothing left running
     assert metric(server, "sampled_tokens_total") - sampled < LONG_TURN / 2
-    assert metric(server, "live_sessions") == sessions  # and no session left behind
+    assert metric(server, "live_sessions") == sessions  # and no session left behind,
+    assert metric(server, "live_bytes") == live  # nor a block of the pools
     assert "Traceback" not in server.output()  # a client leaving is not a server error
 
 

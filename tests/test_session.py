@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 
 from agentmem import BudgetPolicy, Engine
 from agentmem.cache import SessionCache
-from agentmem.errors import SessionBusy
+from agentmem.errors import RequestTooLarge, SessionBusy, TurnCancelled
 from agentmem.keys import SessionKey
 from agentmem.layouts import OwnBuffers
 from agentmem.session import Session, Usage
@@ -27,6 +28,7 @@ class FakeHost:
         self.compactions: list[dict[str, int]] = []
         self.adopted: list[tuple[SessionKey, SessionCache, list[dict[str, Any]]]] = []
         self.began = 0
+        self.ended = 0
         self.refuse = False
 
     def policy_for(self, tenant: str) -> BudgetPolicy:
@@ -49,6 +51,9 @@ class FakeHost:
 
     def turn_done(self, session: Session, usage: Usage) -> None:
         self.turns.append(usage)
+
+    def turn_ended(self, session: Session) -> None:
+        self.ended += 1
 
     def adopt(self, key: SessionKey, cache: SessionCache, messages: list[dict[str, Any]]) -> Session:
         self.adopted.append((key, cache, messages))
@@ -114,6 +119,32 @@ def test_a_refused_turn_changes_nothing(tiny):
     with pytest.raises(SessionBusy):
         session.chat("more", max_new_tokens=2)
     assert session.cache.logical_length == before and session.messages == messages and len(host.turns) == 1
+
+
+def test_the_host_hears_of_every_turns_end_however_it_ends(tiny):
+    """Answered, refused after it began, cancelled mid-reply, or its stream closed by a caller that left:
+    the host is told once each time (a stateless session's rows go back there); a turn its host never
+    began (a lease lost) has no end to tell."""
+    session, host = new_session(tiny, BudgetPolicy())
+    session.chat("hello", max_new_tokens=2)
+    assert (len(host.turns), host.ended) == (1, 1)
+    with pytest.raises(RequestTooLarge):
+        session.chat(filler(0), max_new_tokens=2, max_prompt_tokens=4)
+    assert host.ended == 2
+    cancelled = threading.Event()
+    with pytest.raises(TurnCancelled):
+        for _ in session.stream("go on", max_new_tokens=8, cancelled=cancelled):
+            cancelled.set()
+    assert host.ended == 3
+    stream = session.stream("and on", max_new_tokens=8)
+    next(stream)
+    assert host.ended == 3  # under way
+    stream.close()
+    assert (len(host.turns), host.ended) == (1, 4)
+    host.refuse = True
+    with pytest.raises(SessionBusy):
+        session.chat("more", max_new_tokens=2)
+    assert host.ended == 4
 
 
 def test_fork_hands_the_host_a_copy_under_the_new_key(tiny):
