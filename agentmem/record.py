@@ -78,10 +78,10 @@ class SessionRecord(BaseModel):
     ttl_seconds: float | None = Field(default=None, gt=0)
     # A store's read fills one preallocated buffer (no second copy to make it bytes).
     blob: InstanceOf[bytes] | InstanceOf[bytearray] | InstanceOf[memoryview] = b""
-    # Leading bytes of the blob that every write changes (the codec's header): stores keep them
-    # in a chunk of their own, so the chunks after them can be shared with the next version.
-    # A hint for one write, not part of what is stored or exported.
-    blob_head: int = Field(default=0, ge=0, exclude=True)
+    # Offsets where the blob's stored blocks start (``block_starts``: its header, every spill
+    # rewrites, then each segment, tail block and the token log): stores start a chunk at each, so
+    # a write stores the blocks that changed. A hint for one write, not stored or exported.
+    blob_cuts: tuple[int, ...] = Field(default=(), exclude=True)
 
     @property
     def expires_at(self) -> float | None:
@@ -161,7 +161,7 @@ class CacheStore(Protocol):
     if the session does not exist, ``n`` only if the stored version is ``n``; otherwise
     :class:`~agentmem.errors.VersionConflict`. It returns the new version. A compare-and-set
     ``put`` writes only the chunks of the blob that differ from the stored version's at the same
-    place (``SessionRecord.blob_head`` bytes are a chunk of their own); an unconditional one
+    place (a chunk starts at each of ``SessionRecord.blob_cuts``); an unconditional one
     writes them all.
     """
 

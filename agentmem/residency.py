@@ -42,7 +42,7 @@ from agentmem.record import SessionRecord, check_key
 from agentmem.registry import Registry
 from agentmem.session import Session, SessionHost
 from agentmem.spill import Spiller
-from agentmem.storage import data_offset, encode_cache, read_header
+from agentmem.storage import block_starts, encode_cache, read_header
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class Residency:
             policy=policy.name, created_at=session.created_at, updated_at=time.time(),
             ttl_seconds=policy.ttl_seconds,
             # Page-locked on a GPU: the copy out of the device is DMA, and a host-tier copy resumes at bus speed.
-            blob=blob, blob_head=data_offset(blob),
+            blob=blob, blob_cuts=block_starts(blob),
         )
 
     # ------------------------------------------------------------------------ the device budget

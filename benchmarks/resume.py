@@ -46,7 +46,7 @@ from agentmem.errors import StoreUnavailable
 from agentmem.host_memory import read_buffer_for
 from agentmem.host_tier import HostTier
 from agentmem.record import SessionRecord
-from agentmem.storage import STORAGE_CHOICES, data_offset, decode_cache, encode_cache, open_store, read_header
+from agentmem.storage import STORAGE_CHOICES, block_starts, decode_cache, encode_cache, open_store, read_header
 from agentmem.storage.redis import _LAYOUT_FIELDS, _keys_of, _meta_key, _owners
 from common import (RESULTS, SHAPES, command_line, machine, median_seconds, model_label, pyplot, random_shape_engine,
                     save_figure, stdlib_text, write_results)
@@ -229,7 +229,7 @@ def main() -> None:
                     def spill(grown: SessionCache, into_id: str, version: int) -> None:
                         blob = encode_cache(grown, dtype=args.storage_dtype, into=read_buffer_for(device))
                         store.put("bench", into_id, record.model_copy(
-                            update={"blob": blob, "blob_head": data_offset(blob), "session_id": into_id}),
+                            update={"blob": blob, "blob_cuts": block_starts(blob), "session_id": into_id}),
                             expected_version=version)
 
                     spill_s, turn_s, turn_bytes = spill_seconds(device, store, spill, cache, after_turn, args.repeats)

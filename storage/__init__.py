@@ -28,14 +28,14 @@ from agentmem.storage.redis_client import is_redis_url, redact
 if TYPE_CHECKING:
     from agentmem.storage.codec import (STORAGE_CHOICES, STORAGE_DTYPES, decode_cache, decode_into_pools,
                                         decoded_nbytes, encode_cache, pooled_nbytes)
-    from agentmem.storage.header import data_offset, read_header, verified_token_ids
+    from agentmem.storage.header import block_starts, data_offset, read_header, verified_token_ids
 
 # Imported on first use: opening a store, reading a header or a token log needs no torch (the codec does).
 __getattr__ = lazy_attributes(__name__, {
     **dict.fromkeys(("STORAGE_CHOICES", "STORAGE_DTYPES", "decode_cache", "decode_into_pools", "decoded_nbytes",
                      "encode_cache", "pooled_nbytes"),
                     "agentmem.storage.codec"),
-    **dict.fromkeys(("data_offset", "read_header", "verified_token_ids"), "agentmem.storage.header"),
+    **dict.fromkeys(("block_starts", "data_offset", "read_header", "verified_token_ids"), "agentmem.storage.header"),
 })
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "SessionRecord",
     "SessionSummary",
     "StoreUsage",
+    "block_starts",
     "data_offset",
     "decode_cache",
     "decode_into_pools",

@@ -309,7 +309,7 @@ class StoreBase(ABC):
         write_id = uuid.uuid4().hex
         published = None if expected_version is None else self._published(tenant, session_id)
         plan = plan_chunks(record.blob, self.chunk_bytes, published.digests if published else (),
-                           head=record.blob_head)
+                           cuts=record.blob_cuts)
         kept = set(plan.kept)
         owners = [published.owners[i] if i in kept else write_id for i in range(plan.count)]
         return Write(tenant=tenant, session_id=session_id, record=record, write_id=write_id, plan=plan,

@@ -3,16 +3,17 @@
 No store keeps a session's blob as one value (SQLite caps a value at 1e9 bytes, PostgreSQL's
 ``bytea`` at 1 GB, a Redis string at 512 MB), so each writes numbered chunks and reads them
 back in order. The cutting, the reassembly and the choice of chunks to write live here once;
-each store only moves chunks (SQL rows, Redis keys) and chooses its chunk size. The blob's
-head (``SessionRecord.blob_head``: the codec's header, which every spill rewrites) is a chunk
-of its own, and the rest is cut every ``chunk_bytes`` from there; an empty blob is one empty
-chunk, so a stored session always has at least one.
+each store only moves chunks (SQL rows, Redis keys) and chooses its chunk size. A chunk starts
+at each of the record's ``blob_cuts`` (where the codec's stored blocks start: the header, which
+every spill rewrites, each compacted segment, each block of the raw tail, the token log) and
+every ``chunk_bytes`` after one, so a block is the unit a write stores; an empty blob is one
+empty chunk, so a stored session always has at least one.
 
 Writes are incremental: every stored chunk keeps its XXH3-128 digest, and a new version of a
 session stores only the chunks whose digest differs from the published version's chunk at the
 same position; the others are shared with it. The codec lays a cache out so that what did not
 change between two spills (compacted segments, full blocks of the raw tail) keeps its place in
-the blob, so a turn of new tokens rewrites a few chunks, not the session.
+the blob, so a turn of new tokens rewrites the tail's last block and the token log, not the session.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from agentmem.errors import CorruptSessionError, InvalidInput
 from agentmem.record import Allocate
 
 
-def chunk_bounds(nbytes: int, chunk_bytes: int, head: int = 0) -> list[tuple[int, int]]:
-    """``(start, end)`` of every chunk: the first ``head`` bytes alone (if that fits one chunk),
-    then ``chunk_bytes`` at a time; one empty chunk for an empty blob."""
-    head = head if 0 < head <= min(nbytes, chunk_bytes) else 0
-    bounds = [(0, head)] if head else []
-    bounds += [(start, min(nbytes, start + chunk_bytes)) for start in range(head, nbytes, chunk_bytes)]
+def chunk_bounds(nbytes: int, chunk_bytes: int, cuts: Iterable[int] = ()) -> list[tuple[int, int]]:
+    """``(start, end)`` of every chunk: a chunk starts at each offset in ``cuts`` (where the codec's
+    blocks start) and every ``chunk_bytes`` after it; one empty chunk for an empty blob."""
+    edges = sorted({0, nbytes, *(cut for cut in cuts if 0 < cut < nbytes)})
+    bounds = [(start, min(end, start + chunk_bytes))
+              for begin, end in zip(edges, edges[1:]) for start in range(begin, end, chunk_bytes)]
     return bounds or [(0, 0)]
 
 
@@ -78,7 +79,7 @@ class ChunkPlan:
 
 
 def plan_chunks(blob: bytes | bytearray | memoryview, chunk_bytes: int,
-                published: Sequence[str | None] = (), *, head: int = 0) -> ChunkPlan:
+                published: Sequence[str | None] = (), *, cuts: Iterable[int] = ()) -> ChunkPlan:
     """Which chunks of ``blob`` (cut by :func:`chunk_bounds`) to write over a version whose chunk
     ``i`` has digest ``published[i]``.
 
@@ -86,7 +87,7 @@ def plan_chunks(blob: bytes | bytearray | memoryview, chunk_bytes: int,
     A kept chunk holds the very bytes the new one would (up to an XXH3-128 collision, and the
     codec's own checksums catch that on read), so the chunks read in order are the new blob.
     """
-    bounds = chunk_bounds(len(blob), chunk_bytes, head)
+    bounds = chunk_bounds(len(blob), chunk_bytes, cuts)
     new = digests(blob, bounds)
     kept = [i for i, digest in enumerate(new) if i < len(published) and published[i] == digest]
     kept_set = set(kept)

@@ -54,10 +54,13 @@ from agentmem.storage.header import (
     FORMAT_VERSION,
     HEADER_SUM_KEY,
     META_KEY,
+    PADDING,
+    SCALE_SUFFIX,
     canonical,
     chunk_sums,
     data_intact,
     read_header,
+    stability_order,
 )
 
 STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -73,8 +76,6 @@ _TENSOR_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _TENSOR_DTYPES.items()}
-_SCALE_SUFFIX = ".int8_scale"
-_PADDING = "padding."  # name prefix of alignment gaps in the data region
 _MIN_HEADER_ROOM = 4096
 T = TypeVar("T")
 
@@ -115,7 +116,7 @@ def encode_cache(cache: SessionCache | PagedSession, *, dtype: str = "auto",
         region = torch.frombuffer(blob, dtype=torch.uint8, offset=data_start, count=offset)
         for name, entry in entries.items():
             start, end = entry["data_offsets"]
-            if name.startswith(_PADDING):  # zeros: the bytes must not depend on the buffer's old contents
+            if name.startswith(PADDING):  # zeros: the bytes must not depend on the buffer's old contents
                 region[start:end] = 0
                 continue
             shape, stored_dtype, fill = stored[name]
@@ -139,26 +140,15 @@ def _place(stored: dict[str, tuple[tuple[int, ...], torch.dtype, Any]]) -> tuple
     """
     entries: dict[str, Any] = {}
     offset = 0
-    for name in sorted(stored, key=_stability_order):
+    for name in sorted(stored, key=stability_order):
         shape, stored_dtype, _ = stored[name]
         if gap := -offset % stored_dtype.itemsize:
-            entries[f"{_PADDING}{offset}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            entries[f"{PADDING}{offset}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
             offset += gap
         size = math.prod(shape) * stored_dtype.itemsize
         entries[name] = {"dtype": _SAFETENSORS_NAMES[stored_dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     return entries, offset
-
-
-def _stability_order(name: str) -> tuple:
-    """Sort key: segments by index then layer, tail blocks by index, then the rest (the token log)."""
-    base, _, _ = name.partition(_SCALE_SUFFIX)  # an int8 scale follows its tensor
-    parts = base.split(".")
-    if parts[0] == "layers" and parts[2] == "segments":
-        return 0, int(parts[3]), int(parts[1]), parts[4], name
-    if parts[0] == "tail":
-        return 1, int(parts[1]), 0, parts[2], name
-    return 2, 0, 0, "", name
 
 
 def _header_room(length: int) -> int:
@@ -184,7 +174,7 @@ def _stored_tensors(exports: dict[str, TensorExport], dtype: str, device: torch.
                 export.write(torch.empty(export.shape, dtype=torch.float32, device=device))))
             scale_shape = (*export.shape[:-2], 1, export.shape[-1])
             stored[name] = (export.shape, torch.int8, lambda out, q=quantized: out.copy_(q()[0]))
-            stored[name + _SCALE_SUFFIX] = (scale_shape, torch.float32, lambda out, q=quantized: out.copy_(q()[1]))
+            stored[name + SCALE_SUFFIX] = (scale_shape, torch.float32, lambda out, q=quantized: out.copy_(q()[1]))
         else:
             stored[name] = (export.shape, STORAGE_DTYPES[dtype], export.write)
     return stored
@@ -332,7 +322,7 @@ def _read_tensors(blob: bytes | bytearray | memoryview, header: dict[str, Any]) 
         region = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8, device="cpu")
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in header["_tensors"].items():
-        if name.startswith(_PADDING):
+        if name.startswith(PADDING):
             continue
         dtype = _TENSOR_DTYPES[entry["dtype"]]
         shape = [int(n) for n in entry["shape"]]
@@ -360,9 +350,9 @@ def _dequantize(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """int8 tensors back to fp32 with their scales; others as stored (cast later, while copied)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in stored.items():
-        if name.endswith(_SCALE_SUFFIX):
+        if name.endswith(SCALE_SUFFIX):
             continue
         if tensor.dtype == torch.int8:
-            tensor = tensor.to(torch.float32) * stored[name + _SCALE_SUFFIX]
+            tensor = tensor.to(torch.float32) * stored[name + SCALE_SUFFIX]
         tensors[name] = tensor
     return tensors

@@ -208,10 +208,10 @@ class StoreConformance:
         assert store.put("acme", "s1", record("acme", "s1", shrunk), expected_version=2) == 3
         assert store.bytes_written == before and store.get("acme", "s1").blob == shrunk
         headed = b"H" * 100 + shrunk[100:]
-        store.put("acme", "s1", record("acme", "s1", headed, blob_head=100))  # a header every write changes ...
+        store.put("acme", "s1", record("acme", "s1", headed, blob_cuts=(100,)))  # a header every write changes ...
         before = store.bytes_written
         rewritten = b"h" * 100 + shrunk[100:]
-        store.put("acme", "s1", record("acme", "s1", rewritten, blob_head=100), expected_version=4)
+        store.put("acme", "s1", record("acme", "s1", rewritten, blob_cuts=(100,)), expected_version=4)
         assert store.bytes_written - before == 100  # ... costs its own chunk, not the first chunk of data
         assert store.get("acme", "s1").blob == rewritten
         other = bytes(reversed(grown))  # another session with the same bytes at other places shares nothing

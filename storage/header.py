@@ -27,6 +27,20 @@ HEADER_SUM_KEY = "agentmem_header_xxh3"
 FORMAT_VERSION = 3
 CHECKSUM_CHUNK = 16 * 2**20
 HEADER_LIMIT = 64 * 2**20
+SCALE_SUFFIX = ".int8_scale"
+PADDING = "padding."  # name prefix of alignment gaps in the data region
+
+
+def stability_order(name: str) -> tuple:
+    """Sort key of the data region's tensors: segments by index then layer, tail blocks by index, then
+    the rest (the token log). Its first two fields name the stored block a tensor belongs to."""
+    base, _, _ = name.partition(SCALE_SUFFIX)  # an int8 scale follows its tensor
+    parts = base.split(".")
+    if parts[0] == "layers" and parts[2] == "segments":
+        return 0, int(parts[3]), int(parts[1]), parts[4], name
+    if parts[0] == "tail":
+        return 1, int(parts[1]), 0, parts[2], name
+    return 2, 0, 0, "", name
 
 
 def data_offset(blob: bytes | bytearray | memoryview) -> int:
@@ -58,6 +72,23 @@ def read_header(blob: bytes | bytearray | memoryview) -> dict[str, Any]:
     header["_data_start"] = 8 + length
     header["_tensors"] = {name: entry for name, entry in st_header.items() if name != "__metadata__"}
     return header
+
+
+def block_starts(blob: bytes | bytearray | memoryview) -> tuple[int, ...]:
+    """Where the blob's stored blocks start: its data region (the header before it changes on every
+    spill), each compacted segment, each block of the raw tail, and the token log.
+
+    A store starts a chunk at each (:func:`~agentmem.storage.chunks.chunk_bounds`), so a spill
+    rewrites the blocks that changed — after a turn, the tail's last block and the token log —
+    and not the unchanged bytes a fixed-size chunk would straddle.
+    """
+    header = read_header(blob)
+    first: dict[tuple, int] = {}
+    for name, entry in header["_tensors"].items():
+        if not name.startswith(PADDING):  # a gap belongs to the block before it
+            block, start = stability_order(name)[:2], int(entry["data_offsets"][0])
+            first[block] = min(start, first.get(block, start))
+    return tuple(sorted({header["_data_start"], *(header["_data_start"] + start for start in first.values())}))
 
 
 def data_region_intact(blob: bytes | bytearray | memoryview, header: dict[str, Any]) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agentmem.record import SessionRecord
-from agentmem.storage import data_offset, decode_cache, encode_cache, open_store
+from agentmem.storage import block_starts, decode_cache, encode_cache, open_store
 from agentmem.storage.chunks import chunk_bounds, digests, plan_chunks
 from agentmem.storage.redis import _keys_of, _layout_of, _owners
 from agentmem.storage.redis_client import connect
@@ -40,11 +40,11 @@ def _record(engine, tenant: str, session_id: str, text: str, version: int = 0, a
     return SessionRecord(tenant=tenant, session_id=session_id, model_fingerprint=engine.fingerprint,
                          logical_length=cache.logical_length,
                          messages=[{"role": "user", "content": text}], version=version,
-                         blob=blob, blob_head=data_offset(blob))
+                         blob=blob, blob_cuts=block_starts(blob))
 
 
 def _kill_during_put(url: str, point: str, record: SessionRecord, tmp_path: Path) -> None:
-    (tmp_path / "record.json").write_text(json.dumps({**record.model_dump(exclude={"blob"}), "blob_head": record.blob_head}))
+    (tmp_path / "record.json").write_text(json.dumps({**record.model_dump(exclude={"blob"}), "blob_cuts": record.blob_cuts}))
     (tmp_path / "blob").write_bytes(record.blob)
     child = subprocess.run([sys.executable, str(CHILD), url, point, str(tmp_path / "record.json"),
                             str(tmp_path / "blob")], capture_output=True, text=True, timeout=120)
@@ -80,7 +80,7 @@ def _scenario(url: str, point: str, survivor_version: int, engine, tmp_path: Pat
     new = _record(engine, "acme", "victim", " and a second turn, longer than the first one", version=1,
                   after=decode_cache(old.blob))
     shared = plan_chunks(new.blob, CHILD_CHUNK_BYTES, digests(old.blob, chunk_bounds(len(old.blob), CHILD_CHUNK_BYTES,
-                                                                                       old.blob_head)), head=new.blob_head)
+                                                                                       old.blob_cuts)), cuts=new.blob_cuts)
     assert len(shared.kept) >= 2, "the new version must share chunks with the old one for this test to mean anything"
     _kill_during_put(url, point, new, tmp_path)
     survivor = old if survivor_version == 1 else new

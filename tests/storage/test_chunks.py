@@ -24,10 +24,11 @@ def test_the_writer_hands_ordered_chunks_in_batches():
     assert calls == [([0, 1], [b"0123", b"4567"]), ([2], [b"89"])]
 
 
-def test_the_head_is_a_chunk_of_its_own_and_the_rest_is_cut_from_its_end():
-    assert chunk_bounds(10, 4, head=3) == [(0, 3), (3, 7), (7, 10)]
-    assert chunk_bounds(10, 4, head=5) == chunk_bounds(10, 4)  # a head larger than a chunk is not set apart
-    assert chunk_bounds(0, 4, head=3) == [(0, 0)]
+def test_a_chunk_starts_at_every_cut_and_every_chunk_bytes_after_one():
+    assert chunk_bounds(10, 4, [3]) == [(0, 3), (3, 7), (7, 10)]
+    assert chunk_bounds(20, 4, [3, 5, 14]) == [(0, 3), (3, 5), (5, 9), (9, 13), (13, 14), (14, 18), (18, 20)]
+    assert chunk_bounds(10, 4, [0, 3, 3, 10, 12]) == chunk_bounds(10, 4, [3])  # the ends and repeats cut nothing
+    assert chunk_bounds(0, 4, [3]) == [(0, 0)]
 
 
 def test_the_writer_hands_only_the_positions_asked_for():
@@ -45,7 +46,7 @@ def test_a_plan_keeps_exactly_the_chunks_whose_bytes_are_unchanged_at_their_plac
     plan = plan_chunks(new, 8, published)
     assert plan.kept == [0, 1, 2, 3, 4, 6, 7] and plan.fresh == [5, 8] and plan.count == 9
     assert plan.digests == digests(new, chunk_bounds(len(new), 8))
-    headed = plan_chunks(b"HEAD" + new[4:], 8, digests(old, chunk_bounds(64, 8, head=4)), head=4)
+    headed = plan_chunks(b"HEAD" + new[4:], 8, digests(old, chunk_bounds(64, 8, [4])), cuts=[4])
     assert headed.kept == [1, 2, 3, 4, 7] and headed.fresh == [0, 5, 6, 8]  # a new head costs its own chunk only
     shifted = plan_chunks(b"x" + old, 8, published)  # the same bytes one place later: nothing is at its place
     assert shifted.kept == [] and shifted.fresh == list(range(9))

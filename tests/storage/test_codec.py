@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from agentmem import CompactedSegment, Engine, LayerCache, SessionCache
 from agentmem.errors import AgentMemError, CorruptSessionError, InvalidInput, ModelMismatch
-from agentmem.storage import decode_cache, encode_cache, read_header
+from agentmem.storage import block_starts, decode_cache, encode_cache, read_header
+from agentmem.storage.chunks import chunk_bounds, digests, plan_chunks
 from agentmem.storage.header import FORMAT_VERSION, HEADER_SUM_KEY, META_KEY, canonical
 
 from helpers import tiny_model
@@ -289,6 +290,33 @@ def test_a_spill_after_a_turn_keeps_every_byte_before_the_last_tail_block(cache,
         ends = [e["data_offsets"][1] for n, e in old["_tensors"].items() if n.startswith(("layers.", "tail.0", "tail.1"))]
         assert changed_from == max(ends)  # segments and the full blocks all lie before it
         assert_close(grown, decode_cache(after), TOLERANCE.get(dtype, 0))
+        # A store cutting its chunks at the blocks' starts rewrites the header, the last block and the token log.
+        chunk = 16 * 2**20
+        plan = plan_chunks(after, chunk, digests(before, chunk_bounds(len(before), chunk, block_starts(before))),
+                           cuts=block_starts(after))
+        fresh = sum(plan.bounds[i][1] - plan.bounds[i][0] for i in plan.fresh)
+        assert fresh == len(after) - changed_from, dtype
+        segments = {n.split(".")[3] for n in old["_tensors"] if n.startswith("layers.")}
+        assert len(segments) >= 1 and len(plan.kept) == len(segments) + 2  # each segment, tail blocks 0 and 1
+
+
+def test_the_blocks_start_where_the_header_segments_tail_blocks_and_token_log_do(cache, llama, monkeypatch):
+    import agentmem.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "TAIL_BLOCK", 8)
+    blob = encode_cache(cache, dtype="int8")  # its scales and alignment gaps start no block of their own
+    header = read_header(blob)
+    start = header["_data_start"]
+    firsts = {}
+    for name, entry in header["_tensors"].items():
+        parts = name.split(".")
+        block = (parts[0], parts[3]) if parts[0] == "layers" else (parts[0], parts[1]) if parts[0] == "tail" else (
+            None if parts[0] == "padding" else name)
+        if block is not None:
+            firsts[block] = min(entry["data_offsets"][0], firsts.get(block, 2**62))
+    assert block_starts(blob) == tuple(sorted({start, *(start + offset for offset in firsts.values())}))
+    assert sum(1 for block in firsts if block[0] == "tail") == 3
+    assert len(block_starts(blob)) == len(firsts)  # the first block starts where the header ends
 
 
 def test_unknown_storage_dtype_is_refused(cache):
