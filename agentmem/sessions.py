@@ -165,7 +165,8 @@ class SessionManager:
         """A session for one stateless turn: it never touches the store, takes no lease and is not
         listed. It holds rows only while a turn runs, within the device budget (in the pools, when
         pooled, where it starts on the tenant's shared system prompt and offers its own); they go
-        back when the turn ends, answered, refused, failed or cancelled."""
+        back when the turn ends, answered, refused, failed or cancelled, so a second turn re-reads the
+        conversation (keep a session with :meth:`session` to read only what is new)."""
         key = SessionKey(check_tenant(tenant), f"ephemeral-{uuid.uuid4().hex}")
         host = _EphemeralHost(self)
         return Session(host, key, host.layout.empty(), [], 0, time.time())
@@ -418,8 +419,10 @@ class _EphemeralHost(_SessionHost):
         self._count(usage)
 
     def turn_ended(self, session: Session) -> None:
-        """Give the turn's rows back (a later turn of the session re-reads its conversation)."""
-        session.unload()
+        """Give the turn's rows back, waking turns waiting for room (a later turn of the session
+        re-reads its conversation)."""
+        self._manager._residency.forgotten(session)
 
     def adopt(self, key: SessionKey, cache: Rows, messages: list[dict[str, Any]]) -> Session:
+        self.layout.release(cache)  # the fork's rows: a fork of pool rows holds their blocks
         raise InvalidInput("a stateless session cannot be forked: it is not kept")

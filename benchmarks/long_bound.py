@@ -41,9 +41,9 @@ from agentmem.compaction import compact
 from agentmem.models import EMBEDDED
 
 
-def read_turns(manager: SessionManager, texts: list[str]):
-    """A fresh session that read ``texts`` as chat turns (one generated token each): its cache holds them raw."""
-    session = manager.ephemeral()
+def read_turns(manager: SessionManager, session_id: str, texts: list[str]):
+    """A new session that read ``texts`` as chat turns (one generated token each): its cache holds them raw."""
+    session = manager.session(session_id)
     for text in texts:
         session.chat(text, max_new_tokens=1)
     return session
@@ -69,12 +69,13 @@ def main() -> None:
     began = time.perf_counter()
     one_shot: dict[tuple[int, float, str], float] = {}  # (turn, x window, basis) -> NLL on the compacted cache
     per_passage, turn_length = [], None
-    with tempfile.TemporaryDirectory() as home, SessionManager(
-            engine, f"sqlite:///{home}/s.db", default_policy=BudgetPolicy(max_live_tokens=engine.max_context - 1)
-    ) as manager:
+    reading = BudgetPolicy(max_live_tokens=engine.max_context - 1, checkpoint="spill")  # raw rows, never stored
+    with tempfile.TemporaryDirectory() as home, SessionManager(engine, f"sqlite:///{home}/s.db",
+                                                               default_policy=reading) as manager:
         for passage in passages:
             turn = passage["turn"]
-            context = read_turns(manager, [text for _, text in turns[turn - args.context_turns + 1 : turn]])
+            earlier = [text for _, text in turns[turn - args.context_turns + 1 : turn]]
+            context = read_turns(manager, f"context-{turn}", earlier)
             before = context.cache.logical_length
             context.chat(turns[turn][1], max_new_tokens=1)
             delta = context.cache.token_ids[before:]
@@ -109,6 +110,7 @@ def main() -> None:
                 session = share_kept([never], [entry["session"]["passage nll"][key]], [passage["fresh nll"]])
                 row[f"{x:g}x: one-shot {' / '.join(BASES)} (rows kept) / session"] = " / ".join(cells + [f"{session:.3f}"])
             per_passage.append(row)
+            manager.delete("default", context.session_id)
 
     rows = []
     for mark_row, entry in marks:

@@ -493,7 +493,8 @@ def test_a_manager_that_fails_to_start_leaves_no_decode_step_behind(tiny):
 
 def test_a_stateless_turn_holds_pool_blocks_only_while_it_runs(tiny, tmp_path):
     """A stateless turn's rows are blocks of the pools (inside the device budget), given back when it ends:
-    answered, cancelled mid-reply, or its stream closed by a caller that left. Replies are those of buffers."""
+    answered, cancelled mid-reply, or its stream closed by a caller that left; a fork it asked for, refused,
+    takes none. Replies are those of buffers."""
     replies = {}
     for pooled in (False, True):
         with SessionManager(tiny, f"sqlite:///{tmp_path / f'{pooled}.db'}", device_budget_bytes=BUDGET,
@@ -514,6 +515,12 @@ def test_a_stateless_turn_holds_pool_blocks_only_while_it_runs(tiny, tmp_path):
             left = manager.ephemeral("acme").stream(filler(2), max_new_tokens=6)
             next(left)
             left.close()
+            forking = manager.ephemeral("acme")
+            during = forking.stream(filler(3), max_new_tokens=6)
+            next(during)
+            with pytest.raises(InvalidInput, match="cannot be forked"):
+                forking.fork("copy")  # in its own turn (the lock is the thread's): the copy's blocks go back too
+            during.close()
             if pooled:
                 assert pool_used(manager) == 0
             assert manager.stats()["live_sessions"] == 0 and manager.stats()["turns"] == 1
