@@ -12,17 +12,30 @@ the median time of each, their ratio and the largest difference of the answers, 
 difference again with one head's system left singular (no ridge at the first strength), so
 that both take the fallback there.
 
-Writes ``benchmarks/results/fit_solve.{md,json}``. Run: ``python benchmarks/fit_solve.py``.
+A second table times one group's whole fit (:func:`~agentmem.compaction.solvers.choose_fits`, every
+candidate β and value fit, judged on held-out queries) on a random span of the embedded model's
+shape, as a session compaction runs it: with the attention sinks fixed (a span from the session's
+start) it solves the value fits under each of three β; with no row fixed (a span after a protected
+system prompt) a scalar β leaves them as they are, so it solves two. FLOPs are counted by
+``torch.utils.flop_counter``.
+
+Writes ``benchmarks/results/fit_solve.{md,json}`` and ``fit_group.{md,json}``. Run:
+``python benchmarks/fit_solve.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
-
-from agentmem.compaction.solvers import RIDGE_STRENGTHS, _ridged, _solve
 from common import command_line, machine, median_seconds, write_results
+from torch.utils.flop_counter import FlopCounterMode
+
+from agentmem.compaction import solvers
+from agentmem.compaction.queries import LayerQueries
+from agentmem.compaction.solvers import RIDGE_STRENGTHS, SpanAttention, _ridged, _solve, choose_fits
+from agentmem.compaction.span import LayerSpan, Selection
 
 # (KV heads, system width, value width): the embedded model's 3 heads at widths its session
 # compactions solved, and the Llama-3.1-8B attention shape (8 KV heads, head_dim 128).
@@ -63,6 +76,46 @@ def measure(heads: int, width: int, values: int, repeats: int) -> dict[str, obje
             "largest difference": results["ridged"], "largest difference (a singular head)": results["one singular head"]}
 
 
+# (rows a head keeps, fit queries): widths the embedded model's session compactions fitted, on the
+# rows' side (fewer rows than queries) and on the queries' side.
+FIT_GROUPS = [(512, 1024), (1433, 1024), (2848, 1024)]
+
+
+def fit_group(width: int, queries: int, fixed_sinks: bool, repeats: int) -> dict[str, object]:
+    """One group's :func:`choose_fits` over a random span of 3 KV heads (head_dim 64) keeping every
+    fourth of ``4 * width`` rows, ``queries`` training and a quarter as many held-out queries."""
+    torch.manual_seed(0)
+    heads, dim, slots = 3, 64, 4 * width
+    keys, values = torch.randn(heads, slots, dim), torch.randn(heads, slots, dim)
+    span = LayerSpan(keys, values, torch.zeros(heads, slots), torch.full((heads, slots), -math.inf),
+                     torch.arange(slots).expand(heads, slots), [], 0, [], (slots,) * heads)
+    q = torch.randn(heads, queries + queries // 4, dim) * 2
+    logits = torch.bmm(q, keys.transpose(1, 2)) * dim**-0.5
+    sample = LayerQueries(q, logits.logsumexp(-1), torch.bmm(logits.softmax(-1), values))
+    train = SpanAttention.of(span, sample.take(torch.arange(queries)), dim**-0.5)
+    held = SpanAttention.of(span, sample.take(torch.arange(queries, q.shape[1])), dim**-0.5)
+    keep = torch.zeros(heads, slots, dtype=torch.bool)
+    keep[:, ::4] = True
+    rows = Selection.of_mask(keep, [width] * heads)
+    fixed = None
+    if fixed_sinks:
+        fixed = torch.zeros(heads, slots, dtype=torch.bool)
+        fixed[:, :4] = True  # the first rows of every head, kept and not fitted (the attention sinks)
+    solves = []
+    fit_values = solvers.fit_values
+    solvers.fit_values = lambda *a, **kw: solves.append(1) or fit_values(*a, **kw)  # counted, then put back
+    try:
+        with FlopCounterMode(display=False) as flops:
+            choose_fits(span, train, held, rows, fixed=fixed)
+    finally:
+        solvers.fit_values = fit_values
+    seconds = median_seconds(lambda: choose_fits(span, train, held, rows, fixed=fixed), repeats)
+    return {"rows a head keeps": width, "fit queries": queries,
+            "rows fixed": "attention sinks" if fixed_sinks else "none (after a protected prompt)",
+            "value fits solved": len(solves), "GFLOPs": round(flops.get_total_flops() / 1e9, 2),
+            "seconds (median)": round(seconds, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
@@ -72,6 +125,14 @@ def main() -> None:
         rows.append(measure(*shape, args.repeats))
         print(rows[-1], flush=True)
     print(write_results("fit_solve", "The fits' batched solves, agentmem's against the plain path (CPU, float32)", rows,
+                        {"command": command_line(), "machine": machine()}))
+    groups = []
+    for width, queries in FIT_GROUPS:
+        for fixed_sinks in (True, False):
+            groups.append(fit_group(width, queries, fixed_sinks, args.repeats))
+            print(groups[-1], flush=True)
+    print(write_results("fit_group", "One group's fits (choose_fits): value fits solved with the sinks fixed and "
+                        "with no row fixed (CPU, float32, 3 KV heads, head_dim 64)", groups,
                         {"command": command_line(), "machine": machine()}))
 
 

@@ -33,6 +33,7 @@ from agentmem.compaction.solvers import (
     SpanAttention,
     choose_fits,
     fit_mass,
+    fit_scalar_mass,
     fit_values,
     output_error,
 )
@@ -316,6 +317,32 @@ def test_fits_reduce_error_on_random_caches():
     plain = output_error(held, index, valid, torch.zeros(index.shape), kept_v)
     fitted = output_error(held, index, valid, log_w, fit_values(train, index, valid, log_w, kept_v, (1.0,))[0])
     assert (fitted < plain).all()
+
+
+def test_with_no_row_fixed_the_scalar_betas_value_fits_are_solved_once(monkeypatch):
+    """A scalar β shifts every kept row's logit alike: the values fitted under it are those fitted under no
+    β (to float32 rounding), so choose_fits solves them once when no row is fixed, and apart when some are."""
+    import agentmem.compaction.solvers as solvers
+
+    torch.manual_seed(0)
+    span, train, held = random_attention(torch.randn(2, 200, 16), torch.randn(2, 200, 16))
+    selection = rows_of([torch.arange(0, 200, 5), torch.arange(3, 60, 3)])
+    index, valid = selection.index, selection.valid
+    kept = span.values.gather(1, index[..., None].expand(-1, -1, 16))
+    scalar = fit_scalar_mass(train, index, valid).log()
+    assert scalar.abs().max() > 0.01  # a real shift
+    shifted = fit_values(train, index, valid, scalar, kept, RIDGE_STRENGTHS)
+    unshifted = fit_values(train, index, valid, torch.zeros_like(scalar), kept, RIDGE_STRENGTHS)
+    assert torch.allclose(shifted, unshifted, rtol=1e-4, atol=1e-5)
+    calls = []
+    monkeypatch.setattr(solvers, "fit_values", lambda *a, **kw: calls.append(1) or fit_values(*a, **kw))
+    choose_fits(span, train, held, selection)
+    assert len(calls) == 2
+    sinks = torch.zeros(2, 200, dtype=torch.bool)
+    sinks[:, 0] = True
+    calls.clear()
+    choose_fits(span, train, held, selection, fixed=sinks)
+    assert len(calls) == 3
 
 
 def test_candidate_values_judged_together_score_as_each_judged_alone():
