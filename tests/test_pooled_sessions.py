@@ -9,10 +9,18 @@ import pytest
 import torch
 
 from agentmem import BudgetPolicy, Engine, SessionManager
-from agentmem.errors import BudgetExceeded, CompactionUnreachable, CorruptSessionError, InvalidInput, TurnCancelled
+from agentmem.errors import (
+    BudgetExceeded,
+    CompactionUnreachable,
+    CorruptSessionError,
+    InvalidInput,
+    RequestTooLarge,
+    TurnCancelled,
+)
 from agentmem.layouts import BlockPools
 from agentmem.paged_sessions import PagedSession
 from agentmem.pool import BlockPool, BlockTables
+from agentmem.session import Session
 from agentmem.storage import data_offset
 from helpers import tiny_model
 from test_sessions import filler
@@ -491,10 +499,10 @@ def test_a_manager_that_fails_to_start_leaves_no_decode_step_behind(tiny):
     assert tiny.scheduler._decode_steps == steps
 
 
-def test_a_stateless_turn_holds_pool_blocks_only_while_it_runs(tiny, tmp_path):
+def test_a_stateless_turn_holds_pool_blocks_only_while_it_runs(tiny, tmp_path, monkeypatch):
     """A stateless turn's rows are blocks of the pools (inside the device budget), given back when it ends:
-    answered, cancelled mid-reply, or its stream closed by a caller that left; a fork it asked for, refused,
-    takes none. Replies are those of buffers."""
+    answered, cancelled mid-reply, its stream closed by a caller that left, refused or failed; a fork it
+    asked for, refused, takes none. Replies are those of buffers."""
     replies = {}
     for pooled in (False, True):
         with SessionManager(tiny, f"sqlite:///{tmp_path / f'{pooled}.db'}", device_budget_bytes=BUDGET,
@@ -521,6 +529,19 @@ def test_a_stateless_turn_holds_pool_blocks_only_while_it_runs(tiny, tmp_path):
             with pytest.raises(InvalidInput, match="cannot be forked"):
                 forking.fork("copy")  # in its own turn (the lock is the thread's): the copy's blocks go back too
             during.close()
+            with pytest.raises(RequestTooLarge):  # refused once begun, before it reads
+                manager.ephemeral("acme").chat(filler(4), max_new_tokens=6, max_prompt_tokens=4)
+            generate = Session._generate
+
+            def failing(self, *args, **kwargs):  # the device fails after the first token
+                steps = generate(self, *args, **kwargs)
+                yield next(steps)
+                raise RuntimeError("device fault")
+
+            with monkeypatch.context() as patch:
+                patch.setattr(Session, "_generate", failing)
+                with pytest.raises(RuntimeError, match="device fault"):
+                    manager.ephemeral("acme").chat(filler(5), max_new_tokens=6)
             if pooled:
                 assert pool_used(manager) == 0
             assert manager.stats()["live_sessions"] == 0 and manager.stats()["turns"] == 1
