@@ -16,8 +16,8 @@ A second table times one group's whole fit (:func:`~agentmem.compaction.solvers.
 candidate β and value fit, judged on held-out queries) on a random span of the embedded model's
 shape, as a session compaction runs it: with the attention sinks fixed (a span from the session's
 start) it solves the value fits under each of three β; with no row fixed (a span after a protected
-system prompt) a scalar β leaves them as they are, so it solves two. FLOPs are counted by
-``torch.utils.flop_counter``.
+system prompt) a scalar β leaves them as they are, so it solves two. FLOPs are those of the matrix
+products, as ``torch.utils.flop_counter`` counts them (it counts no factorisation or triangular solve).
 
 Writes ``benchmarks/results/fit_solve.{md,json}`` and ``fit_group.{md,json}``. Run:
 ``python benchmarks/fit_solve.py``.
@@ -100,7 +100,7 @@ def fit_group(width: int, queries: int, fixed_sinks: bool, repeats: int) -> dict
     fixed = None
     if fixed_sinks:
         fixed = torch.zeros(heads, slots, dtype=torch.bool)
-        fixed[:, :4] = True  # the first rows of every head, kept and not fitted (the attention sinks)
+        fixed[:, 0] = True  # each head's first row, kept and not fitted (as a span from the start fixes its sinks)
     solves = []
     fit_values = solvers.fit_values
     solvers.fit_values = lambda *a, **kw: solves.append(1) or fit_values(*a, **kw)  # counted, then put back

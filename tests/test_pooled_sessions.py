@@ -501,8 +501,9 @@ def test_a_manager_that_fails_to_start_leaves_no_decode_step_behind(tiny):
 
 def test_a_stateless_turn_holds_pool_blocks_only_while_it_runs(tiny, tmp_path, monkeypatch):
     """A stateless turn's rows are blocks of the pools (inside the device budget), given back when it ends:
-    answered, cancelled mid-reply, its stream closed by a caller that left, refused or failed; a fork it
-    asked for, refused, takes none. Replies are those of buffers."""
+    answered, cancelled mid-reply, its stream closed by a caller that left, or failed after its first token;
+    a fork it asked for, refused, takes none, nor does a turn refused before it reads. Replies are those of
+    buffers."""
     replies = {}
     for pooled in (False, True):
         with SessionManager(tiny, f"sqlite:///{tmp_path / f'{pooled}.db'}", device_budget_bytes=BUDGET,
@@ -529,7 +530,7 @@ def test_a_stateless_turn_holds_pool_blocks_only_while_it_runs(tiny, tmp_path, m
             with pytest.raises(InvalidInput, match="cannot be forked"):
                 forking.fork("copy")  # in its own turn (the lock is the thread's): the copy's blocks go back too
             during.close()
-            with pytest.raises(RequestTooLarge):  # refused once begun, before it reads
+            with pytest.raises(RequestTooLarge):  # refused once begun, before it reads: it takes no block
                 manager.ephemeral("acme").chat(filler(4), max_new_tokens=6, max_prompt_tokens=4)
             generate = Session._generate
 

@@ -467,14 +467,14 @@ def _fit_group(
     log_ws = [torch.zeros_like(prior), fit_scalar_mass(train, index, valid, free=free).log(),
               fit_mass(train, index, valid, free=free).log()]
 
-    def fitted(log_w: torch.Tensor) -> torch.Tensor:
+    def with_fits(log_w: torch.Tensor) -> torch.Tensor:
         """Under β ``log_w``: the kept values, then the values fitted at each strength."""
         return torch.cat([kept_values[None], fit_values(train, index, valid, log_w, kept_values, strengths, free=free)])
 
-    unshifted = fitted(log_ws[0])
+    unshifted = with_fits(log_ws[0])
     # With no row fixed, a scalar β shifts every kept row's logit alike and leaves each query's attention
     # over them (the value fits' design) as it was: its value fits are those of no β, solved once.
-    values = [unshifted, unshifted if fixed is None else fitted(log_ws[1]), fitted(log_ws[2])]
+    values = [unshifted, unshifted if fixed is None else with_fits(log_ws[1]), with_fits(log_ws[2])]
     errors = candidate_errors(held, index, valid, list(zip(log_ws, values)))
     best = errors.nan_to_num(float("inf")).argmin(0)  # (H,): each head's choice, made on the device, never read
     heads = torch.arange(index.shape[0], device=best.device)
