@@ -81,8 +81,8 @@ class SessionLayout(Protocol):
     def close(self) -> None:
         """The manager is closing: stop serving its sessions (their rows stay readable)."""
 
-    def decode(self, blob: bytes | bytearray | memoryview) -> Rows:
-        """A stored session's rows (:func:`~agentmem.storage.encode_cache` output) on the device."""
+    def decode(self, blob: bytes | bytearray | memoryview, tenant: str) -> Rows:
+        """A stored session of ``tenant`` (:func:`~agentmem.storage.encode_cache` output): its rows on the device."""
 
     def decoded_nbytes(self, header: dict[str, Any]) -> int:
         """Device bytes :meth:`decode` of a blob with this header takes."""
@@ -141,7 +141,7 @@ class OwnBuffers:
     def close(self) -> None:
         """Nothing to stop."""
 
-    def decode(self, blob: bytes | bytearray | memoryview) -> SessionCache:
+    def decode(self, blob: bytes | bytearray | memoryview, tenant: str) -> SessionCache:
         engine = self.engine
         return decode_cache(blob, fingerprint=engine.fingerprint, device=engine.device, dtype=engine.dtype)
 
@@ -240,8 +240,18 @@ class BlockPools:
             self.engine.scheduler.serve_decode(None, instead_of=compiled)
             self._on_scheduler(compiled.close)
 
-    def decode(self, blob: bytes | bytearray | memoryview) -> PagedSession:
-        return decode_into_pools(blob, self.pools, fingerprint=self.engine.fingerprint, on_pools=self._on_scheduler)
+    def decode(self, blob: bytes | bytearray | memoryview, tenant: str) -> PagedSession:
+        """Written into blocks of its own, then holding, shared, the blocks of its raw prefix that the tenant's
+        sessions listed with the very same bytes (:meth:`PrefixIndex.share_into
+        <agentmem.prefixes.PrefixIndex.share_into>`): a resumed session does not hold a second copy of its
+        tenant's prompt."""
+        rows = decode_into_pools(blob, self.pools, fingerprint=self.engine.fingerprint, on_pools=self._on_scheduler)
+        try:
+            self._on_scheduler(lambda: self.prefixes.share_into(tenant, rows.rows, rows.token_ids))
+        except BaseException:
+            self._on_scheduler(rows.release)
+            raise
+        return rows
 
     def decoded_nbytes(self, header: dict[str, Any]) -> int:
         return pooled_nbytes(header, self.pools[0].block_size, self.pools[0].block_nbytes)

@@ -158,6 +158,16 @@ class BlockPool:
         """No query sees ``slots`` any more (rows staged by a forward that is not kept, or released)."""
         self.order.index_fill_(0, slots, HIDDEN)
 
+    def same_blocks(self, first: Sequence[int], second: Sequence[int]) -> torch.Tensor:
+        """``(n,)`` on the device: whether block ``first[i]`` holds the very slots block ``second[i]`` holds,
+        bit for bit (keys, values, bias, order, positions, scores)."""
+        a, b = self.slots_of(first), self.slots_of(second)
+        same = torch.ones(len(first), dtype=torch.bool, device=self.device)
+        for part in (self.keys, self.values, self.bias, self.order, self.positions, self.scores):
+            equal = part[a].view(torch.uint8) == part[b].view(torch.uint8)  # bits: -0.0 and NaN compared as stored
+            same &= equal.reshape(len(first), -1).all(-1)
+        return same
+
     def slots_of(self, blocks: Sequence[int]) -> torch.Tensor:
         """The slot indices ``(len(blocks) * block_size,)`` of ``blocks``, in order, on the pool's device."""
         ids = to_device(list(blocks), self.device)
@@ -353,6 +363,17 @@ class PagedRows:
             rows.release()
             raise
         return rows
+
+    def swap_block(self, head: int, index: int, block: int) -> None:
+        """Hold ``block``, which holds the same bytes, in place of head ``head``'s ``index``-th full block of the
+        raw prefix (a listed block: :meth:`PrefixIndex.share_into <agentmem.prefixes.PrefixIndex.share_into>`);
+        the block held before goes back."""
+        own = self.blocks[head][index]
+        if (index + 1) * self.pool.block_size > self.raw_prefix:
+            raise InvalidInput(f"block {index} of head {head} is not a full block of the raw prefix")
+        self.pool.share([block])
+        self._set(head, index, block)
+        self.pool.release([own])
 
     def fork(self) -> PagedRows:
         """A second session holding the same committed rows, sharing their blocks (copied only when written)."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import torch
+
 from agentmem.errors import InvalidInput
 from agentmem.pool import BlockPool, PagedRows
 
@@ -86,6 +88,34 @@ class PrefixIndex:
             rows.raw_prefix = covered
             sessions.append(rows)
         return sessions, covered
+
+    def share_into(self, tenant: str, rows: Sequence[PagedRows], token_ids: Sequence[int]) -> int:
+        """Give a session's rows (one per layer, holding ``token_ids``) the blocks ``tenant`` listed for the full
+        blocks of their raw prefix, where those hold the very bytes the session's own do, and let its own go:
+        a session resumed from the store, written into blocks of its own, holds its tenant's prompt shared
+        again. Rows that differ in any bit (read in another batch, stored rounded) keep their own blocks, so
+        no session's rows change. Returns how many blocks went back, over every layer and KV head."""
+        entries = self._entries.get(tenant, {})
+        full = min(min(r.raw_prefix for r in rows), len(token_ids)) // self.block_size
+        listed = []
+        for key in self.keys(token_ids[: full * self.block_size]):
+            if key not in entries:
+                break
+            listed.append(entries[key])
+        if not listed:
+            return 0
+        pairs = [[(h, i, r.blocks[h][i], blocks[layer][h]) for h in range(r.kv_heads) for i, blocks in enumerate(listed)]
+                 for layer, r in enumerate(rows)]
+        same = torch.cat([pool.same_blocks([own for *_, own, _ in layer], [theirs for *_, theirs in layer])
+                          for pool, layer in zip(self.pools, pairs)]).tolist()  # one read of the device
+        swapped = 0
+        for r, layer in zip(rows, pairs):
+            for (head, index, own, theirs), equal in zip(layer, same[: len(layer)]):
+                if equal and own != theirs:
+                    r.swap_block(head, index, theirs)
+                    swapped += 1
+            same = same[len(layer):]
+        return swapped
 
     def drop(self, tenant: str) -> None:
         """Forget the tenant's prefixes; their blocks are freed once no session holds them."""

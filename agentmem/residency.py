@@ -121,7 +121,7 @@ class Residency:
     def _decode(self, record: SessionRecord, rebuild: bool) -> Rows:
         """The record's cache on the engine's device; an empty one when it is damaged and ``rebuild``."""
         try:
-            return self.layout.decode(record.blob)
+            return self.layout.decode(record.blob, record.tenant)
         except CorruptSessionError as exc:
             if not rebuild:
                 raise self._damaged(record, exc) from exc

@@ -532,9 +532,7 @@ def test_a_stateless_turn_holds_pool_blocks_only_while_it_runs(tiny, tmp_path, m
             during.close()
             with pytest.raises(RequestTooLarge):  # refused once begun, before it reads: it takes no block
                 manager.ephemeral("acme").chat(filler(4), max_new_tokens=6, max_prompt_tokens=4)
-            generate = Session._generate
-
-            def failing(self, *args, **kwargs):  # the device fails after the first token
+            def failing(self, *args, generate=Session._generate, **kwargs):  # the device fails after the first token
                 steps = generate(self, *args, **kwargs)
                 yield next(steps)
                 raise RuntimeError("device fault")
@@ -566,3 +564,48 @@ def test_stateless_turns_start_on_the_tenants_shared_prompt(tiny, tmp_path):
     shared = len(tiny.prompt_delta([], [SYSTEM])) // 16 * 16
     assert replies[True] == replies[False]
     assert reused[False] == [0] * 4 and reused[True] == [0, shared, shared, 0]
+
+
+def test_a_resumed_session_holds_its_tenants_listed_prompt_shared_again(tiny, tmp_path):
+    """Resumed from the store, a session is written into blocks of its own; the full blocks of its prompt that
+    hold the very bytes its tenant listed are given back for the listed ones: the prompt is held once again,
+    the session's rows are bit for bit what it stored, and it replies as sessions in buffers do."""
+    def turns(manager: SessionManager, spill: bool) -> list[str]:
+        replies = [manager.session(f"s{i}", tenant="acme").chat([SYSTEM, {"role": "user", "content": filler(i)}],
+                                                                 max_new_tokens=4).text for i in range(2)]
+        if spill:
+            both, stored = pool_used(manager), manager.session("s1", tenant="acme").cache.to_tensors()
+            manager.spill("acme", "s1")
+            resumed = manager.session("s1", tenant="acme")
+            assert pool_used(manager) == both  # not a second copy of the prompt
+            again = resumed.cache.to_tensors()
+            assert again[1] == stored[1] and all(again[0][k].equal(v) for k, v in stored[0].items())
+        return replies + [manager.session("s1", tenant="acme").chat(filler(5), max_new_tokens=4).text]
+
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'p.db'}", device_budget_bytes=BUDGET, pooled=True) as manager:
+        pooled = turns(manager, spill=True)
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'b.db'}", device_budget_bytes=BUDGET) as manager:
+        assert turns(manager, spill=False) == pooled
+
+
+def test_a_resumed_session_keeps_its_own_blocks_where_a_listed_one_differs_or_is_another_tenants(tiny, tmp_path):
+    """A listed block differing from the session's own in one row is not taken, nor is another tenant's."""
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 's.db'}", device_budget_bytes=BUDGET, pooled=True) as manager:
+        for session_id, tenant in (("s0", "acme"), ("s1", "acme"), ("g", "globex")):
+            manager.session(session_id, tenant=tenant).chat([SYSTEM, {"role": "user", "content": filler(0)}],
+                                                            max_new_tokens=4)
+        manager.spill("acme", "s1")
+        manager.spill("globex", "g")
+        listed = manager.session("s0", tenant="acme").cache.rows[0].blocks[1][2]  # layer 0, KV head 1, block 2
+        pool = manager.layout.pools[0]
+        pool.keys[pool.slots_of([listed])[3]] += 1.0  # one row of one listed block no longer holds s1's bytes
+        before = pool_used(manager)
+        manager.session("s1", tenant="acme")
+        shared = len(tiny.prompt_delta([], [SYSTEM])) // 16 * tiny.num_layers * tiny.num_kv_heads
+        held = manager.session("s1", tenant="acme").cache.held_nbytes // pool.block_nbytes
+        assert pool_used(manager) - before == held - shared + 1  # every listed block shared but the changed one
+        manager.layout.prefixes.drop("globex")  # globex's listing gone, acme's (the same bytes) is never taken
+        before = pool_used(manager)
+        manager.session("g", tenant="globex")
+        assert pool_used(manager) - before == manager.session("g", tenant="globex").cache.held_nbytes // (
+            pool.block_nbytes)
