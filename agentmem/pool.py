@@ -174,6 +174,17 @@ class BlockPool:
         return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
 
 
+def _raw_from_start(seg: CompactedSegment) -> bool:
+    """Whether ``seg`` is an identity segment of the first tokens: every head holding tokens ``0 … n-1`` at their
+    own positions, β 0 and no score (the protected prompt a first compaction keeps as it is)."""
+    start, end = seg.span
+    if start or not end or set(seg.head_rows) != {end} or seg.positions is None:
+        return False
+    own = torch.arange(end, device=seg.positions.device).repeat(len(seg.head_rows))
+    no_score = seg.scores is None or bool(torch.isneginf(seg.scores).all())
+    return no_score and bool((seg.positions == own).all()) and bool((seg.beta == 0).all())
+
+
 class BlockTables:
     """Every session's block tables of one pool, kept on its device: ``(sessions, kv_heads, width)``
     block ids, :data:`NULL_BLOCK` past a head's blocks. A forward reads its sessions' rows of it
@@ -342,7 +353,14 @@ class PagedRows:
         stays taken."""
         rows = cls(pool, kv_heads)
         try:
-            for seg in segments:
+            for j, seg in enumerate(segments):
+                if not j and _raw_from_start(seg):  # the protected prompt kept as it was: raw rows, labelled
+                    step = torch.arange(seg.head_rows[0], device=pool.device).repeat(kv_heads)
+                    rows.write(seg.head_rows, keys=seg.keys, values=seg.values, order=step, positions=step)
+                    rows.note_raw(0, 0, seg.head_rows[0])
+                    rows.commit(seg.head_rows)
+                    rows.label_raw(seg)
+                    continue
                 rows.write(seg.head_rows, keys=seg.keys, values=seg.values, bias=seg.beta, positions=seg.positions,
                            order=torch.full((sum(seg.head_rows),), COMPACTED, device=pool.device), scores=seg.scores)
                 rows.commit(seg.head_rows)

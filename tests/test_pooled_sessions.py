@@ -566,25 +566,43 @@ def test_stateless_turns_start_on_the_tenants_shared_prompt(tiny, tmp_path):
     assert reused[False] == [0] * 4 and reused[True] == [0, shared, shared, 0]
 
 
-def test_a_resumed_session_holds_its_tenants_listed_prompt_shared_again(tiny, tmp_path):
+@pytest.mark.parametrize("compacted", [False, True], ids=["raw", "compacted"])
+def test_a_resumed_session_holds_its_tenants_listed_prompt_shared_again(tiny, tmp_path, compacted):
     """Resumed from the store, a session is written into blocks of its own; the full blocks of its prompt that
     hold the very bytes its tenant listed are given back for the listed ones: the prompt is held once again,
-    the session's rows are bit for bit what it stored, and it replies as sessions in buffers do."""
+    the session's rows are bit for bit what it stored, and it replies as sessions in buffers do. A compacted
+    session's prompt (kept as it was, an identity segment) is restored as the raw rows it is, and shared too."""
+    policy = POLICY if compacted else BudgetPolicy()
+
     def turns(manager: SessionManager, spill: bool) -> list[str]:
-        replies = [manager.session(f"s{i}", tenant="acme").chat([SYSTEM, {"role": "user", "content": filler(i)}],
-                                                                 max_new_tokens=4).text for i in range(2)]
+        replies = []
+        for i in range(2):
+            session, history = manager.session(f"s{i}", tenant="acme"), [SYSTEM]
+            for k in range(4 if compacted else 1):
+                history.append({"role": "user", "content": filler(i + 2 * k)})
+                replies.append(session.chat(history, max_new_tokens=4).text)
+                history.append({"role": "assistant", "content": replies[-1]})
+            assert (session.cache.tail_start > 0) == compacted
         if spill:
-            both, stored = pool_used(manager), manager.session("s1", tenant="acme").cache.to_tensors()
+            stored = manager.session("s1", tenant="acme").cache.to_tensors()
             manager.spill("acme", "s1")
+            before = pool_used(manager)
             resumed = manager.session("s1", tenant="acme")
-            assert pool_used(manager) == both  # not a second copy of the prompt
+            prompt = len(tiny.prompt_delta([], [SYSTEM])) // 16  # its full blocks
+            other = manager.session("s0", tenant="acme").cache
+            assert all(mine.blocks[h][:prompt] == theirs.blocks[h][:prompt]  # held once, not a second copy
+                       for mine, theirs in zip(resumed.cache.rows, other.rows) for h in range(tiny.num_kv_heads))
+            held = sum(rows.held_blocks for rows in resumed.cache.rows)
+            assert pool_used(manager) - before == held - prompt * tiny.num_layers * tiny.num_kv_heads
             again = resumed.cache.to_tensors()
             assert again[1] == stored[1] and all(again[0][k].equal(v) for k, v in stored[0].items())
         return replies + [manager.session("s1", tenant="acme").chat(filler(5), max_new_tokens=4).text]
 
-    with SessionManager(tiny, f"sqlite:///{tmp_path / 'p.db'}", device_budget_bytes=BUDGET, pooled=True) as manager:
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'p.db'}", device_budget_bytes=BUDGET, pooled=True,
+                        default_policy=policy) as manager:
         pooled = turns(manager, spill=True)
-    with SessionManager(tiny, f"sqlite:///{tmp_path / 'b.db'}", device_budget_bytes=BUDGET) as manager:
+    with SessionManager(tiny, f"sqlite:///{tmp_path / 'b.db'}", device_budget_bytes=BUDGET,
+                        default_policy=policy) as manager:
         assert turns(manager, spill=False) == pooled
 
 
