@@ -161,8 +161,10 @@ class BlockPool:
     def same_blocks(self, first: Sequence[int], second: Sequence[int]) -> torch.Tensor:
         """``(n,)`` on the device: whether block ``first[i]`` holds the very slots block ``second[i]`` holds,
         bit for bit (keys, values, bias, order, positions, scores)."""
-        a, b = self.slots_of(first), self.slots_of(second)
         same = torch.ones(len(first), dtype=torch.bool, device=self.device)
+        if not len(first):
+            return same
+        a, b = self.slots_of(first), self.slots_of(second)
         for part in (self.keys, self.values, self.bias, self.order, self.positions, self.scores):
             equal = part[a].view(torch.uint8) == part[b].view(torch.uint8)  # bits: -0.0 and NaN compared as stored
             same &= equal.reshape(len(first), -1).all(-1)

@@ -17,7 +17,7 @@ holds each block it lists, so a prompt outlives the session that read it, until
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -41,12 +41,24 @@ class PrefixIndex:
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         """The chained key of every full block of ``token_ids``."""
-        keys, key = [], b""
+        return list(self._chained_keys(token_ids))
+
+    def _chained_keys(self, token_ids: Sequence[int]) -> Iterator[bytes]:
+        """:meth:`keys`, one at a time: a lookup stops hashing at its first key not listed."""
+        key = b""
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             block = b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids[start : start + self.block_size])
             key = hashlib.blake2b(key + block, digest_size=16).digest()
-            keys.append(key)
-        return keys
+            yield key
+
+    def _listed(self, tenant: str, token_ids: Sequence[int]) -> list[list[tuple[int, ...]]]:
+        """The tenant's listed blocks of the longest listed prefix of ``token_ids``, block position by position."""
+        entries, found = self._entries.get(tenant, {}), []
+        for key in self._chained_keys(token_ids):
+            if key not in entries:
+                break
+            found.append(entries[key])
+        return found
 
     def publish(self, tenant: str, rows: Sequence[PagedRows], token_ids: Sequence[int]) -> int:
         """List the full blocks of the raw prefix ``rows`` (a session's, one per layer) hold for ``token_ids``
@@ -72,12 +84,7 @@ class PrefixIndex:
         many tokens that covers. The last token is never covered: reading it gives the session its logits."""
         if kv_heads < 1:
             raise InvalidInput(f"a session needs at least one KV head, got {kv_heads}")
-        entries = self._entries.get(tenant, {})
-        found = []
-        for key in self.keys(token_ids[:-1]):
-            if key not in entries:
-                break
-            found.append(entries[key])
+        found = self._listed(tenant, token_ids[:-1])
         if found and len(found[0][0]) != kv_heads:
             raise InvalidInput(f"the tenant's prefixes have {len(found[0][0])} KV heads, not {kv_heads}")
         covered = len(found) * self.block_size
@@ -95,13 +102,10 @@ class PrefixIndex:
         a session resumed from the store, written into blocks of its own, holds its tenant's prompt shared
         again. Rows that differ in any bit (read in another batch, stored rounded) keep their own blocks, so
         no session's rows change. Returns how many blocks went back, over every layer and KV head."""
-        entries = self._entries.get(tenant, {})
+        if len(rows) != len(self.pools) or any(r.pool is not pool for r, pool in zip(rows, self.pools)):
+            raise InvalidInput(f"a session's rows in each of the index's {len(self.pools)} pools are needed")
         full = min(min(r.raw_prefix for r in rows), len(token_ids)) // self.block_size
-        listed = []
-        for key in self.keys(token_ids[: full * self.block_size]):
-            if key not in entries:
-                break
-            listed.append(entries[key])
+        listed = self._listed(tenant, token_ids[: full * self.block_size])
         if not listed:
             return 0
         pairs = [[(h, i, r.blocks[h][i], blocks[layer][h]) for h in range(r.kv_heads) for i, blocks in enumerate(listed)]

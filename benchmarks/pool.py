@@ -369,29 +369,45 @@ def growth(tokens: int) -> list[dict[str, object]]:
              "largest step / one token's rows": max(b) / token_bytes} for name, b in writes.items()]
 
 
+SHARED_PROMPT_LAYOUTS = ("every session its own copy", "shared prefix", "shared prefix, each session resumed",
+                         "shared prefix, each session resumed into blocks of its own")
+
+
 def shared_prompt(sessions: int, prompt: int, own: int) -> list[dict[str, object]]:
     """Pool bytes of ``sessions`` sessions of one tenant that open with the same ``prompt`` tokens, then
-    ``own`` tokens each: every session writing its rows, against a :class:`PrefixIndex` sharing the prompt."""
+    ``own`` tokens each: every session writing its rows, against a :class:`PrefixIndex` sharing the prompt;
+    then with every session resumed from the store (its rows written again into new blocks, as
+    :func:`~agentmem.storage.decode_into_pools` does, the old let go), sharing the listed prompt again
+    (:meth:`PrefixIndex.share_into`, as a resume does) or not (as a resume did before)."""
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(1)
     prompt_ids = torch.randint(0, 50_000, (prompt,), generator=g).tolist()
     prompt_rows = [torch.randn(KV_HEADS * prompt, HEAD_DIM, generator=g).to(dtype) for _ in range(2)]
     table = []
-    for layout in ("every session its own copy", "shared prefix"):
-        pool = BlockPool(blocks=sessions * KV_HEADS * ((prompt + own) // BLOCK + 2) + 1, block_size=BLOCK,
-                         head_dim=HEAD_DIM, dtype=dtype, device="cpu")
+    for layout in SHARED_PROMPT_LAYOUTS:
+        pool = BlockPool(blocks=(sessions + 2) * KV_HEADS * ((prompt + own) // BLOCK + 2) + 1, block_size=BLOCK,
+                         head_dim=HEAD_DIM, dtype=dtype, device="cpu")  # + the index's copy of the prompt
         index = PrefixIndex([pool])
+        held = []
         for i in range(sessions):
             own_ids = torch.randint(0, 50_000, (own,), generator=g).tolist()
-            [rows], covered = (index.adopt("tenant", prompt_ids + own_ids, KV_HEADS) if layout == "shared prefix"
+            own_rows = [torch.randn(KV_HEADS * own, HEAD_DIM, generator=g).to(dtype) for _ in range(2)]
+            [rows], covered = (index.adopt("tenant", prompt_ids + own_ids, KV_HEADS) if layout != SHARED_PROMPT_LAYOUTS[0]
                                else ([PagedRows(pool, KV_HEADS)], 0))
             if covered < prompt:  # the first session (or none shared): the prompt's rows written here
                 _write_raw(rows, [r.view(KV_HEADS, prompt, HEAD_DIM)[:, covered:].reshape(-1, HEAD_DIM)
                                   for r in prompt_rows], prompt - covered, first=covered)
-            _write_raw(rows, [torch.randn(KV_HEADS * own, HEAD_DIM, generator=g).to(dtype) for _ in range(2)], own,
-                       first=prompt)
-            if layout == "shared prefix":
-                index.publish("tenant", [rows], prompt_ids + own_ids)
+            _write_raw(rows, own_rows, own, first=prompt)
+            if layout != SHARED_PROMPT_LAYOUTS[0]:
+                index.publish("tenant", [rows], prompt_ids)  # the system prompt, as sessions list it
+            held.append((rows, own_rows, prompt_ids + own_ids))
+        for rows, own_rows, ids in held if "resumed" in layout else ():
+            rows.release()  # spilled
+            resumed = PagedRows(pool, KV_HEADS)
+            _write_raw(resumed, prompt_rows, prompt, first=0)
+            _write_raw(resumed, own_rows, own, first=prompt)
+            if layout == "shared prefix, each session resumed":
+                index.share_into("tenant", [resumed], ids)
         own_blocks = sessions * KV_HEADS * -(-own // BLOCK)  # the prompt fills whole blocks (checked in main)
         table.append({"layout": layout, "sessions": sessions, "prompt tokens": prompt, "own tokens": own,
                       "pool MiB held": pool.used_blocks * pool.block_nbytes / 2**20,

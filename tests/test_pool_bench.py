@@ -34,9 +34,11 @@ def test_written_bytes_count_an_indexed_write_by_its_rows_not_its_target():
 
 
 def test_sessions_sharing_a_prompt_hold_one_copy_of_it():
-    own_copies, shared = pool.shared_prompt(4, 2 * pool.BLOCK, 5)
+    own_copies, shared, resumed, resumed_apart = pool.shared_prompt(4, 2 * pool.BLOCK, 5)
     assert own_copies["prompt copies held"] == 4 and shared["prompt copies held"] == 1
     assert shared["pool MiB held"] < own_copies["pool MiB held"]
+    assert resumed["prompt copies held"] == 1 and resumed["pool MiB held"] == shared["pool MiB held"]
+    assert resumed_apart["prompt copies held"] == 5  # each session's, and the listed one
 
 
 def test_a_model_step_reads_pooled_sessions_with_one_attention_call_per_layer(tokenizer):

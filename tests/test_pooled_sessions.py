@@ -20,6 +20,7 @@ from agentmem.errors import (
 from agentmem.layouts import BlockPools
 from agentmem.paged_sessions import PagedSession
 from agentmem.pool import BlockPool, BlockTables
+from agentmem.prefixes import PrefixIndex
 from agentmem.session import Session
 from agentmem.storage import data_offset
 from helpers import tiny_model
@@ -243,8 +244,6 @@ def test_a_sessions_prompt_is_measured_and_listed_once_while_it_stays_the_same(t
     """Later turns with the same system prompt neither render it again nor run a job to list it; a turn with
     another prompt (the history edited from its start) measures and lists that one, which a new session then
     starts on."""
-    from agentmem.prefixes import PrefixIndex
-
     listed, measured = [], []
     publish, prompt_delta = PrefixIndex.publish, Engine.prompt_delta
     monkeypatch.setattr(PrefixIndex, "publish", lambda self, *a: listed.append(1) or publish(self, *a))
@@ -622,6 +621,12 @@ def test_a_resumed_session_keeps_its_own_blocks_where_a_listed_one_differs_or_is
         shared = len(tiny.prompt_delta([], [SYSTEM])) // 16 * tiny.num_layers * tiny.num_kv_heads
         held = manager.session("s1", tenant="acme").cache.held_nbytes // pool.block_nbytes
         assert pool_used(manager) - before == held - shared + 1  # every listed block shared but the changed one
+        manager.spill("acme", "s1")
+        with pytest.MonkeyPatch.context() as patch:  # a comparison that fails leaves the resume whole, unshared
+            patch.setattr(PrefixIndex, "share_into", lambda *args: (_ for _ in ()).throw(RuntimeError("no room")))
+            before = pool_used(manager)
+            resumed = manager.session("s1", tenant="acme")
+            assert pool_used(manager) - before == resumed.cache.held_nbytes // pool.block_nbytes
         manager.layout.prefixes.drop("globex")  # globex's listing gone, acme's (the same bytes) is never taken
         before = pool_used(manager)
         manager.session("g", tenant="globex")

@@ -209,3 +209,20 @@ def test_a_session_dropped_at_any_moment_leaves_nothing_in_the_slot_its_successo
     successor.reserve([1] * KV_HEADS)
     row = tables.rows([successor.slot], tables.tensor.shape[2])[0]
     assert row.tolist() == [b + [0] * (row.shape[1] - 1) for b in successor.blocks]
+
+
+def test_blocks_are_the_same_only_when_every_part_of_every_slot_is_bit_for_bit():
+    pool = BlockPool(blocks=5, block_size=4, head_dim=2, dtype=torch.float32, device="cpu")
+    first, second = pool.allocate(2)
+    parts = (pool.keys, pool.values, pool.bias, pool.order, pool.positions, pool.scores)
+    a, b = pool.slots_of([first]), pool.slots_of([second])
+    pool.keys[a], pool.values[a], pool.order[a] = torch.randn(4, 2), torch.randn(4, 2), torch.arange(4, dtype=torch.int32)
+    for part in parts:
+        part[b] = part[a]
+    assert pool.same_blocks([first], [second]).tolist() == [True] and pool.same_blocks([], []).tolist() == []
+    for part in parts:
+        kept = part[b[2]].clone()
+        # a bias of -0.0 against 0.0 (equal values, other bits), a score where raw rows have none (-inf)
+        part[b[2]] = -0.0 if part is pool.bias else 0.0 if part is pool.scores else kept + 1
+        assert pool.same_blocks([first, first], [second, first]).tolist() == [False, True]
+        part[b[2]] = kept
