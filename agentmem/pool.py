@@ -364,10 +364,7 @@ class PagedRows:
         try:
             for j, seg in enumerate(segments):
                 if not j and _raw_from_start(seg):  # the protected prompt kept as it was: raw rows, labelled
-                    step = torch.arange(seg.head_rows[0], device=pool.device).repeat(kv_heads)
-                    rows.write(seg.head_rows, keys=seg.keys, values=seg.values, order=step, positions=step)
-                    rows.note_raw(0, 0, seg.head_rows[0])
-                    rows.commit(seg.head_rows)
+                    rows._write_raw(seg.keys, seg.values, 0, 0, seg.head_rows[0])
                     rows.label_raw(seg)
                     continue
                 rows.write(seg.head_rows, keys=seg.keys, values=seg.values, bias=seg.beta, positions=seg.positions,
@@ -379,17 +376,22 @@ class PagedRows:
             read = 0
             for keys, values in zip(tail_keys, tail_values, strict=True):
                 n = keys.shape[1]
-                step = torch.arange(tail_start + read, tail_start + read + n, device=pool.device)
-                rows.write([n] * kv_heads, keys=keys.reshape(-1, keys.shape[-1]),
-                           values=values.reshape(-1, values.shape[-1]), order=step.repeat(kv_heads),
-                           positions=step.repeat(kv_heads))
-                rows.note_raw(tail_start + read, first + read, n)
-                rows.commit([n] * kv_heads)
+                rows._write_raw(keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1]),
+                                tail_start + read, first + read, n)
                 read += n
         except BaseException:  # no room (or anything else): the blocks taken so far go back
             rows.release()
             raise
         return rows
+
+    def _write_raw(self, keys: torch.Tensor, values: torch.Tensor, first_token: int, first_position: int,
+                   tokens: int) -> None:
+        """Commit ``tokens`` raw rows on every head (packed head after head), tokens from ``first_token`` on,
+        each at its own position (its token index) in the stored form."""
+        step = torch.arange(first_token, first_token + tokens, device=self.pool.device).repeat(self.kv_heads)
+        self.write([tokens] * self.kv_heads, keys=keys, values=values, order=step, positions=step)
+        self.note_raw(first_token, first_position, tokens)
+        self.commit([tokens] * self.kv_heads)
 
     def swap_block(self, head: int, index: int, block: int) -> None:
         """Hold ``block``, which holds the same bytes, in place of head ``head``'s ``index``-th full block of the

@@ -110,15 +110,14 @@ class PrefixIndex:
             return 0
         pairs = [[(h, i, r.blocks[h][i], blocks[layer][h]) for h in range(r.kv_heads) for i, blocks in enumerate(listed)]
                  for layer, r in enumerate(rows)]
-        same = torch.cat([pool.same_blocks([own for *_, own, _ in layer], [theirs for *_, theirs in layer])
-                          for pool, layer in zip(self.pools, pairs)]).tolist()  # one read of the device
+        same = iter(torch.cat([pool.same_blocks([own for *_, own, _ in layer], [theirs for *_, theirs in layer])
+                               for pool, layer in zip(self.pools, pairs)]).tolist())  # one read of the device
         swapped = 0
         for r, layer in zip(rows, pairs):
-            for (head, index, own, theirs), equal in zip(layer, same[: len(layer)]):
+            for (head, index, own, theirs), equal in zip(layer, same):  # takes this layer's answers from ``same``
                 if equal and own != theirs:
                     r.swap_block(head, index, theirs)
                     swapped += 1
-            same = same[len(layer):]
         return swapped
 
     def drop(self, tenant: str) -> None:
