@@ -231,3 +231,18 @@ def test_blocks_are_the_same_only_when_every_part_of_every_slot_is_bit_for_bit(a
         part[b[2]] = -0.0 if part is pool.bias else 0.0 if part is pool.scores else kept + 1
         assert pool.same_blocks([first, first], [second, first]).tolist() == [False, True]
         part[b[2]] = kept
+
+
+def test_sharing_into_rows_refuses_rows_of_other_pools_and_blocks_outside_the_raw_prefix():
+    pool, other = (BlockPool(blocks=9, block_size=4, head_dim=2, dtype=torch.float32, device="cpu") for _ in range(2))
+    index = PrefixIndex([pool])
+    with pytest.raises(InvalidInput, match="pools are needed"):
+        index.share_into("acme", [PagedRows(other, 1)], list(range(8)))
+    rows = PagedRows(pool, 1)
+    rows.write([6], keys=torch.randn(6, 2), values=torch.randn(6, 2), order=torch.arange(6), positions=torch.arange(6))
+    rows.note_raw(0, 0, 6)
+    rows.commit([6])
+    spare = pool.allocate(1)[0]
+    with pytest.raises(InvalidInput, match="not a full block of the raw prefix"):
+        rows.swap_block(0, 1, spare)  # rows 4-5 of 8: the second block is not full
+    assert rows.blocks[0][1] != spare and pool.holders(spare) == 1  # nothing changed
